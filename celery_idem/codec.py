@@ -1,0 +1,109 @@
+"""Encoding of results and terminal errors for the store.
+
+Results are encoded with the app's ``result_serializer`` and decoded only if their content type
+is in ``result_accept_content`` (or ``accept_content``): a record written with pickle is refused,
+never unpickled, by an app that does not accept pickle.
+
+Terminal errors are stored as JSON ``{"module", "type", "message"}`` and re-raised as the same
+type with the same message, for types whose module is already imported in the worker (the task
+module is). Other types come back as :class:`TerminalError` naming the original type, so a
+record can never make a worker import a module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Collection
+from typing import Any, Protocol
+
+from kombu.exceptions import ContentDisallowed, DecodeError
+from kombu.serialization import dumps, loads, prepare_accept_content
+
+from .exceptions import CorruptRecord, TerminalError
+
+__all__ = ["ERROR_CONTENT_TYPE", "Codec", "KombuCodec"]
+
+ERROR_CONTENT_TYPE = "application/x-celery-idem-error+json"
+
+
+class Codec(Protocol):
+    """How the gate turns results and errors into bytes and back."""
+
+    def encode_result(self, value: Any) -> tuple[str, bytes]:
+        """Return ``(content_type, data)``; raise if the value cannot be encoded."""
+
+    def decode_result(self, key: str, content_type: str, data: bytes) -> Any:
+        """Return the value; raise CorruptRecord if the data is unreadable or not accepted."""
+
+    def encode_error(self, exc: BaseException) -> tuple[str, bytes]:
+        """Return ``(content_type, data)`` describing a terminal error."""
+
+    def decode_error(self, key: str, content_type: str, data: bytes) -> BaseException:
+        """Return an exception of the same type and message as the recorded one."""
+
+
+class KombuCodec:
+    """Results through kombu's serializer registry (the same one Celery's backends use).
+
+    Args:
+        serializer: Serializer name (``json``, ``msgpack``, ``pickle``, ...).
+        accept: Content types (or serializer names) that may be decoded; None accepts all.
+    """
+
+    def __init__(self, serializer: str = "json", accept: Collection[str] | None = None) -> None:
+        self.serializer = serializer
+        # Celery settings name serializers ("json"); kombu's loads() compares content types.
+        self.accept = prepare_accept_content(accept) if accept is not None else None
+
+    def encode_result(self, value: Any) -> tuple[str, bytes]:
+        content_type, encoding, data = dumps(value, serializer=self.serializer)
+        if isinstance(data, str):
+            data = data.encode(encoding)
+        return f"{content_type};{encoding}", data
+
+    def decode_result(self, key: str, content_type: str, data: bytes) -> Any:
+        mime, _, encoding = content_type.partition(";")
+        try:
+            return loads(data, mime, encoding or "binary", accept=self.accept)
+        except ContentDisallowed as exc:
+            raise CorruptRecord(
+                f"the result recorded for {key!r} is {mime}, which this app does not accept "
+                f"(result_accept_content); it was not decoded",
+                key=key,
+            ) from exc
+        except (DecodeError, ValueError, TypeError) as exc:
+            raise CorruptRecord(f"the result recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
+
+    def encode_error(self, exc: BaseException) -> tuple[str, bytes]:
+        return encode_error(exc)
+
+    def decode_error(self, key: str, content_type: str, data: bytes) -> BaseException:
+        return decode_error(key, content_type, data)
+
+
+def encode_error(exc: BaseException) -> tuple[str, bytes]:
+    """Describe ``exc`` as JSON: its module, qualified type name and message."""
+    cls = type(exc)
+    doc = {"module": cls.__module__, "type": cls.__qualname__, "message": str(exc)}
+    return ERROR_CONTENT_TYPE, json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_error(key: str, content_type: str, data: bytes) -> BaseException:
+    """Rebuild a recorded error (see the module docstring for what is trusted)."""
+    if content_type != ERROR_CONTENT_TYPE:
+        raise CorruptRecord(f"the error recorded for {key!r} has content type {content_type!r}", key=key)
+    try:
+        doc = json.loads(data)
+        module_name, type_name, message = doc["module"], doc["type"], doc["message"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptRecord(f"the error recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
+    found: Any = sys.modules.get(str(module_name))
+    for part in str(type_name).split("."):
+        found = getattr(found, part, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        try:
+            return found(message)
+        except Exception:  # a type whose constructor needs more than a message
+            pass
+    return TerminalError(f"{module_name}.{type_name}: {message}")

@@ -1,0 +1,185 @@
+"""Task options, checked when the task class is created and resolved once per task.
+
+Precedence is call > task > app: a per-call ``idempotency_key`` beats the task's key rules, a
+task option beats the app setting, and the app setting beats the built-in default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
+
+__all__ = ["KNOWN_OPTIONS", "IdempotencyConfig", "check_options", "default_release_on"]
+
+#: Every ``idempotency_*`` task option. Any other attribute with that prefix is a typo and is
+#: rejected when the task class is created (Celery itself would accept it silently).
+KNOWN_OPTIONS = frozenset(
+    {
+        "idempotency_fields",
+        "idempotency_key_func",
+        "idempotency_operation",
+        "idempotency_ttl",
+        "idempotency_lease",
+        "idempotency_release_on",
+        "idempotency_terminal_on",
+        "idempotency_validate",
+        "idempotency_wait",
+        "idempotency_record_timeout",
+    }
+)
+
+#: Attributes with the prefix that are not options (set by the library at run time).
+_RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempotency_config"})
+
+#: Modules whose timeout/connection errors release the claim, where installed.
+_OPTIONAL_RELEASE_ON = (
+    ("redis.exceptions", ("ConnectionError", "TimeoutError")),
+    ("kombu.exceptions", ("OperationalError",)),
+    ("requests.exceptions", ("ConnectionError", "Timeout")),
+    ("httpx", ("TimeoutException", "NetworkError")),
+)
+
+
+def default_release_on() -> tuple[type[BaseException], ...]:
+    """The timeout-class errors that release a claim by default.
+
+    ``TimeoutError``, ``ConnectionError``, billiard's ``SoftTimeLimitExceeded``, and the
+    timeout/connection errors of redis, kombu, requests and httpx where those are installed.
+    They mean "the effect may not have happened; trying again is the right thing". A remote
+    that honours the forwarded idempotency key makes the retry safe even when it did happen.
+    """
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    found: list[type[BaseException]] = [TimeoutError, ConnectionError, SoftTimeLimitExceeded]
+    for module_name, names in _OPTIONAL_RELEASE_ON:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        found.extend(getattr(module, name) for name in names if hasattr(module, name))
+    return tuple(dict.fromkeys(found))
+
+
+DEFAULT_TERMINAL_ON: tuple[type[BaseException], ...] = (TerminalError, IdempotencyKeyMismatch)
+
+
+@dataclass(frozen=True)
+class IdempotencyConfig:
+    """The resolved options of one task (see ``IdempotentTask`` for their meaning)."""
+
+    operation: str
+    fields: tuple[str, ...] | None
+    key_func: Callable[..., str] | None
+    ttl: float
+    lease: float
+    release_on: tuple[type[BaseException], ...]
+    terminal_on: tuple[type[BaseException], ...]
+    validate: bool
+    wait: float
+    record_timeout: float
+
+
+def _exception_tuple(name: str, value: Any) -> tuple[type[BaseException], ...]:
+    items = (value,) if isinstance(value, type) else tuple(value or ())
+    for item in items:
+        if not (isinstance(item, type) and issubclass(item, BaseException)):
+            raise ImproperlyConfigured(f"{name} must be exception classes, got {item!r}")
+    return items
+
+
+def _positive(name: str, value: Any, *, zero_ok: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ImproperlyConfigured(f"{name} must be a number of seconds, got {value!r}")
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ImproperlyConfigured(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+    return float(value)
+
+
+def check_options(owner: str, namespace: Iterable[str]) -> None:
+    """Reject unknown ``idempotency_*`` names, suggesting the closest known option.
+
+    Raises:
+        ImproperlyConfigured: A name starts with ``idempotency_`` and is not an option.
+    """
+    for name in namespace:
+        if name.startswith("idempotency_") and name not in KNOWN_OPTIONS | _RUNTIME_ATTRIBUTES:
+            close = difflib.get_close_matches(name, sorted(KNOWN_OPTIONS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ImproperlyConfigured(
+                f"{owner}: unknown option {name!r}.{hint} Known options: "
+                f"{', '.join(sorted(KNOWN_OPTIONS))}"
+            )
+
+
+def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> IdempotencyConfig:
+    """Check every option's value and freeze them into an :class:`IdempotencyConfig`.
+
+    Args:
+        owner: Name of the task, for messages.
+        attrs: The task (class or instance) whose ``idempotency_*`` attributes are read.
+        signature: The body's signature, to check ``idempotency_fields`` names against.
+
+    Raises:
+        ImproperlyConfigured: An option has a wrong type or value; the message names it.
+    """
+    fields = attrs.idempotency_fields
+    if fields is not None:
+        if isinstance(fields, str):
+            raise ImproperlyConfigured(
+                f"{owner}: idempotency_fields must be a sequence of argument names, got the "
+                f"string {fields!r}; write ({fields!r},)"
+            )
+        fields = tuple(fields)
+        if not fields or not all(isinstance(f, str) for f in fields):
+            raise ImproperlyConfigured(
+                f"{owner}: idempotency_fields must be a non-empty sequence of argument names, "
+                f"got {attrs.idempotency_fields!r}"
+            )
+        if signature is not None:
+            params = signature.parameters
+            missing = [f for f in fields if f not in params]
+            if missing:
+                raise ImproperlyConfigured(
+                    f"{owner}: idempotency_fields names {missing} that are not arguments of the "
+                    f"task (its arguments: {', '.join(params)})"
+                )
+    key_func = attrs.idempotency_key_func
+    if key_func is not None and not callable(key_func):
+        raise ImproperlyConfigured(f"{owner}: idempotency_key_func must be callable")
+    if key_func is not None and fields is not None:
+        raise ImproperlyConfigured(
+            f"{owner}: set idempotency_fields or idempotency_key_func, not both"
+        )
+    operation = attrs.idempotency_operation or owner
+    if not isinstance(operation, str):
+        raise ImproperlyConfigured(f"{owner}: idempotency_operation must be a str")
+    ttl = _positive("idempotency_ttl", attrs.idempotency_ttl)
+    lease = _positive("idempotency_lease", attrs.idempotency_lease)
+    if ttl < lease:
+        raise ImproperlyConfigured(
+            f"{owner}: idempotency_ttl ({ttl:g} s) must be at least idempotency_lease "
+            f"({lease:g} s), or a record could vanish while its claim is live"
+        )
+    release_on = attrs.idempotency_release_on
+    release = default_release_on() if release_on is None else _exception_tuple(
+        "idempotency_release_on", release_on
+    )
+    terminal = _exception_tuple("idempotency_terminal_on", attrs.idempotency_terminal_on)
+    return IdempotencyConfig(
+        operation=operation,
+        fields=fields,
+        key_func=key_func,
+        ttl=ttl,
+        lease=lease,
+        release_on=release,
+        terminal_on=terminal,
+        validate=bool(attrs.idempotency_validate),
+        wait=_positive("idempotency_wait", attrs.idempotency_wait, zero_ok=True),
+        record_timeout=_positive("idempotency_record_timeout", attrs.idempotency_record_timeout),
+    )

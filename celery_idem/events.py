@@ -1,0 +1,60 @@
+"""What the gate decided, as an enum, and the one place decisions are logged."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["EVENT_TYPE", "Emit", "Outcome", "log_outcome"]
+
+#: The Celery event type sent for every decision.
+EVENT_TYPE = "task-idempotency"
+
+logger = logging.getLogger("celery_idem")
+
+
+class Outcome(str, enum.Enum):
+    """One decision of the gate (the ``outcome`` field of a ``task-idempotency`` event)."""
+
+    CLAIMED = "claimed"  #: the key was free; this attempt runs the body
+    TAKEOVER = "takeover"  #: the previous holder's lease expired; this attempt runs with token+1
+    DUPLICATE = "duplicate"  #: the key was done or failed; the body did not run
+    WAITED = "waited"  #: the key was in progress; this attempt waited and got the outcome
+    REQUEUED = "requeued"  #: still in progress after the wait (or store down); message re-queued
+    RELEASED = "released"  #: a timeout-class error; the claim was given back for a retry
+    RECORDED = "recorded"  #: the result was recorded
+    TERMINAL = "terminal"  #: a terminal error was recorded as the outcome
+    LEASE_LOST = "lease_lost"  #: another holder took over; this attempt's write was refused
+    RECORD_FAILED = "record_failed"  #: the body succeeded but the record could not be written
+    HELD = "held"  #: an unclassified error; the claim stays until its lease expires
+    MISMATCH = "mismatch"  #: same key, different payload (idempotency_validate)
+
+
+#: Outcomes an operator should see at INFO or above; the rest log at DEBUG.
+_LOUD = {
+    Outcome.TAKEOVER: logging.INFO,
+    Outcome.REQUEUED: logging.INFO,
+    Outcome.HELD: logging.WARNING,
+    Outcome.MISMATCH: logging.WARNING,
+    Outcome.LEASE_LOST: logging.ERROR,
+    Outcome.RECORD_FAILED: logging.ERROR,
+}
+
+#: Callback the gate reports decisions to: (outcome, key, token, original_task_id, extra).
+Emit = Callable[[Outcome, str, int, str, dict[str, Any]], None]
+
+
+def log_outcome(
+    outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str, extra: dict[str, Any]
+) -> None:
+    """Log one decision as one line of ``name=value`` pairs (never the task's arguments)."""
+    level = _LOUD.get(outcome, logging.DEBUG)
+    if not logger.isEnabledFor(level):
+        return
+    tail = "".join(f" {name}={value}" for name, value in extra.items())
+    logger.log(
+        level, "celery_idem %s key=%s task_id=%s token=%s original_task_id=%s%s",
+        outcome.value, key, task_id, token, original_task_id, tail,
+    )

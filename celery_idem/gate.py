@@ -1,0 +1,308 @@
+"""The gate: the state machine around one execution of a task body. Celery-free.
+
+::
+
+    claim ──CLAIMED/TAKEOVER──> run body (lease renewed) ──ok──────────> record DONE
+      │                                    ├─ terminal_on ───────────> record FAILED, raise
+      │                                    ├─ release_on / retry ────> release, raise
+      │                                    └─ anything else ─────────> hold until lease expiry, raise
+      ├─DONE/FAILED────> return the recorded result / raise the recorded error (no body)
+      ├─MISMATCH───────> raise IdempotencyKeyMismatch (no body)
+      └─BUSY───────────> wait (bounded) for the holder ──outcome──> as DONE/FAILED
+                                    ├─ freed or lease expired ──> claim again
+                                    └─ still busy ──────────────> raise Requeue
+
+The task layer (``task.py``) supplies the key, the body and a codec, and turns :class:`Requeue`
+and :class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .codec import Codec
+from .config import IdempotencyConfig
+from .events import Emit, Outcome
+from .exceptions import IdempotencyKeyMismatch, LeaseLost, StoreUnavailable
+from .lease import LeaseKeeper, keeper
+from .records import Claim, ClaimStatus, Record, State
+from .stores.base import Store
+
+__all__ = ["Attempt", "Gate", "Requeue"]
+
+logger = logging.getLogger("celery_idem")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One execution attempt as the gate sees it.
+
+    Attributes:
+        key: The idempotency key.
+        task_id: The attempt's task id.
+        attempt: The attempt's ``retries`` count (a higher one may take over its own claim).
+        owner: Who runs it (``host:pid``).
+        payload_hash: Hash of the full arguments when validating, else None.
+    """
+
+    key: str
+    task_id: str
+    attempt: int = 0
+    owner: str = ""
+    payload_hash: str | None = None
+
+
+class Requeue(Exception):
+    """Raised by the gate when the key is still in progress after the bounded wait."""
+
+    def __init__(self, key: str, holder: Record | None) -> None:
+        super().__init__(f"{key!r} is still in progress; re-queue and look again later")
+        self.key = key
+        self.holder = holder
+
+
+def _no_emit(outcome: Outcome, key: str, token: int, original: str, extra: dict[str, Any]) -> None:
+    return None
+
+
+class Gate:
+    """Runs a body at most once per key, with the store's atomic verbs.
+
+    Args:
+        store: The store of records.
+        config: The task's resolved options.
+        codec: Encodes results and errors for the store.
+        emit: Called once per decision.
+        retry_signals: Exceptions that mean "the task already re-published itself" (Celery's
+            ``Retry``): the claim is released so the new attempt passes the gate.
+        sleep: Injectable for tests.
+        monotonic: Injectable for tests.
+        lease_keeper: Renews the lease while the body runs.
+    """
+
+    #: Poll interval bounds while waiting for a busy key (seconds).
+    poll_min = 0.02
+    poll_max = 0.5
+
+    def __init__(
+        self,
+        store: Store,
+        config: IdempotencyConfig,
+        codec: Codec,
+        *,
+        emit: Emit = _no_emit,
+        retry_signals: tuple[type[BaseException], ...] = (),
+        sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
+        lease_keeper: LeaseKeeper | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.codec = codec
+        self.emit = emit
+        self.retry_signals = retry_signals
+        self.sleep = sleep
+        self.monotonic = monotonic
+        self.lease_keeper = lease_keeper
+
+    def run(self, attempt: Attempt, body: Callable[[int], T]) -> T:
+        """Run ``body(token)`` if and only if this attempt wins the key.
+
+        Returns:
+            The body's result, or the recorded result of the attempt that ran it.
+
+        Raises:
+            Requeue: The key is still in progress after ``config.wait`` seconds.
+            StoreUnavailable: The store could not be reached at claim time (the body did not run).
+            IdempotencyKeyMismatch: Same key, different payload.
+            LeaseLost: The body ran but another holder took over before it was recorded.
+            BaseException: Whatever the body raised, or the recorded terminal error.
+        """
+        cfg = self.config
+        waited = False
+        deadline: float | None = None
+        while True:
+            claim = self.store.claim(
+                attempt.key, owner=attempt.owner, task_id=attempt.task_id,
+                attempt=attempt.attempt, lease=cfg.lease, ttl=cfg.ttl,
+                payload_hash=attempt.payload_hash,
+            )
+            status = claim.status
+            if status.holds:
+                return self._run_held(attempt, claim, body)
+            rec = claim.record
+            assert rec is not None  # every non-holding status carries the record it found
+            if status is ClaimStatus.MISMATCH:
+                self.emit(Outcome.MISMATCH, attempt.key, rec.token, rec.task_id, {})
+                raise IdempotencyKeyMismatch(
+                    f"idempotency key {attempt.key!r} was first used with different arguments "
+                    f"(task {rec.task_id}); use a new key for a new action",
+                    key=attempt.key,
+                )
+            if status in (ClaimStatus.DONE, ClaimStatus.FAILED):
+                self.emit(Outcome.WAITED if waited else Outcome.DUPLICATE, attempt.key, rec.token,
+                          rec.task_id, {"state": rec.state.value})
+                return self.answer(rec)  # type: ignore[no-any-return]
+            # BUSY: someone else's live lease.
+            if deadline is None:
+                deadline = self.monotonic() + cfg.wait
+            seen = self.monotonic()
+            found = self._wait(attempt.key, claim, seen, deadline)
+            waited = True
+            still_busy = (
+                found is not None
+                and found.state is State.IN_PROGRESS
+                and not self._expired(found, claim, seen)
+            )
+            if still_busy and self.monotonic() >= deadline:
+                holder = found or rec
+                self.emit(Outcome.REQUEUED, attempt.key, holder.token, holder.task_id, {})
+                raise Requeue(attempt.key, holder)
+            # Done, failed, released, gone or expired: the next claim decides atomically.
+
+    def answer(self, rec: Record) -> Any:
+        """Return a DONE record's result, or raise a FAILED record's error."""
+        if rec.state is State.DONE:
+            return self.codec.decode_result(rec.key, rec.content_type or "", rec.data or b"")
+        raise self.codec.decode_error(rec.key, rec.content_type or "", rec.data or b"")
+
+    # -- holding the key ---------------------------------------------------------------------
+
+    def _run_held(self, attempt: Attempt, claim: Claim, body: Callable[[int], T]) -> T:
+        key, token = attempt.key, claim.token
+        if claim.status is ClaimStatus.TAKEOVER:
+            prev = claim.record
+            self.emit(Outcome.TAKEOVER, key, token, attempt.task_id,
+                      {"previous_task_id": prev.task_id if prev else "",
+                       "previous_owner": prev.owner if prev else ""})
+        else:
+            self.emit(Outcome.CLAIMED, key, token, attempt.task_id, {})
+        with (self.lease_keeper or keeper()).hold(self.store, key, token, self.config.lease):
+            try:
+                result = body(token)
+            except BaseException as exc:
+                self._after_error(attempt, token, exc)
+                raise
+            self._record_result(attempt, token, result)
+        return result
+
+    def _after_error(self, attempt: Attempt, token: int, exc: BaseException) -> None:
+        cfg, key = self.config, attempt.key
+        if isinstance(exc, cfg.terminal_on):
+            ctype, data = self.codec.encode_error(exc)
+            if self._write(attempt, token, State.FAILED, ctype, data):
+                self.emit(Outcome.TERMINAL, key, token, attempt.task_id,
+                          {"error": type(exc).__name__})
+            return
+        retried = isinstance(exc, self.retry_signals)
+        if retried or isinstance(exc, cfg.release_on):
+            try:
+                self.store.release(key, token)
+            except LeaseLost as lost:
+                if retried:
+                    # The re-published attempt (same task id, retries + 1) already took its
+                    # claim over: that is the hand-over working, not a lost lease.
+                    logger.debug("celery_idem retry took over key=%s: %s", key, lost)
+                else:
+                    self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "release"})
+                return
+            except StoreUnavailable as down:
+                logger.warning(
+                    "celery_idem could not release key=%s token=%s (%s); it frees itself when its "
+                    "lease expires in %.0f s", key, token, down, cfg.lease,
+                )
+                return
+            self.emit(Outcome.RELEASED, key, token, attempt.task_id,
+                      {"error": type(getattr(exc, "exc", None) or exc).__name__})
+            return
+        # Not known to be safe to retry, not known to be final: the effect may have happened.
+        # Keep the claim (no heartbeat) so no duplicate runs until the lease runs out.
+        self.emit(Outcome.HELD, key, token, attempt.task_id,
+                  {"error": type(exc).__name__, "held_for": f"{cfg.lease:g}s"})
+
+    def _record_result(self, attempt: Attempt, token: int, result: Any) -> None:
+        try:
+            ctype, data = self.codec.encode_result(result)
+        except Exception as exc:
+            # The effect happened but its result cannot be stored: record the failure so that
+            # no duplicate runs the body again, and let the error reach the caller.
+            err_type, err = self.codec.encode_error(
+                TypeError(f"the result of {attempt.key!r} cannot be encoded: {exc}")
+            )
+            self._write(attempt, token, State.FAILED, err_type, err)
+            raise
+        if self._write(attempt, token, State.DONE, ctype, data):
+            self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
+
+    def _write(self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes) -> bool:
+        """Record with retries for ``record_timeout``; the lease keeps being renewed meanwhile.
+
+        Returns:
+            True once written; False when the store stayed unreachable (reported loudly).
+
+        Raises:
+            LeaseLost: Another holder took over.
+        """
+        key = attempt.key
+        deadline = self.monotonic() + self.config.record_timeout
+        delay = 0.05
+        while True:
+            try:
+                self.store.record(key, token, state=state, content_type=ctype, data=data,
+                                  ttl=self.config.ttl)
+                return True
+            except LeaseLost:
+                self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "record"})
+                raise
+            except StoreUnavailable as exc:
+                if self.monotonic() + delay > deadline:
+                    self.emit(Outcome.RECORD_FAILED, key, token, attempt.task_id,
+                              {"error": str(exc)[:200], "state": state.value})
+                    logger.error(
+                        "celery_idem RECORD FAILED key=%s task_id=%s token=%s: the body finished "
+                        "but its outcome could not be recorded for %.0f s (%s). The claim stays "
+                        "in progress; when its lease expires a duplicate may run the body again.",
+                        key, attempt.task_id, token, self.config.record_timeout, exc,
+                    )
+                    return False
+                self.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # -- waiting for another holder -----------------------------------------------------------
+
+    def _expired(self, rec: Record, claim: Claim, seen: float) -> bool:
+        """Whether ``rec``'s lease has run out by the store's clock (``claim.now`` at ``seen``)."""
+        if rec.lease_expires is None:
+            return True
+        return rec.lease_expires <= claim.now + (self.monotonic() - seen)
+
+    def _wait(self, key: str, claim: Claim, seen: float, deadline: float) -> Record | None:
+        """Poll until the holder's record changes, its lease runs out, or ``deadline``.
+
+        Returns:
+            The last record read (None when it is gone).
+        """
+        holder = claim.record
+        assert holder is not None
+        delay = self.poll_min
+        rec: Record | None = holder
+        while True:
+            if rec is None or rec.state is not State.IN_PROGRESS or rec.token != holder.token:
+                return rec
+            if self._expired(rec, claim, seen):
+                return rec
+            remaining = deadline - self.monotonic()
+            if remaining <= 0:
+                return rec
+            self.sleep(min(delay, remaining))
+            delay = min(delay * 2, self.poll_max)
+            try:
+                rec = self.store.get(key)
+            except StoreUnavailable:
+                return rec  # the next claim will raise StoreUnavailable for the task layer

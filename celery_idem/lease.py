@@ -1,0 +1,133 @@
+"""Lease heartbeat: renew every held claim at a third of its lease while its body runs.
+
+One daemon thread per process serves every claim held in that process, so holding a claim
+costs a heap push, not a thread start; bodies shorter than a third of the lease cause no
+renewal at all. After a fork the child starts its own thread on first use.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .exceptions import LeaseLost, StoreUnavailable
+from .stores.base import Store
+
+__all__ = ["Lease", "LeaseKeeper", "keeper"]
+
+logger = logging.getLogger("celery_idem")
+
+
+@dataclass(eq=False)
+class Lease:
+    """One held claim.
+
+    Attributes:
+        store: Where the claim lives.
+        key: The claimed key.
+        token: The holder's fencing token.
+        duration: Lease length in seconds.
+        lost: Set when a renewal found that another holder took over (the body may check it
+            through ``task.idempotency_lease_lost``).
+        done: Set when the holder is finished; the keeper drops it.
+    """
+
+    store: Store
+    key: str
+    token: int
+    duration: float
+    lost: threading.Event = field(default_factory=threading.Event)
+    done: bool = False
+    renewals: int = 0
+
+
+class LeaseKeeper:
+    """Renews held leases from one background thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Lease]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._wake_at = float("inf")
+
+    @contextmanager
+    def hold(self, store: Store, key: str, token: int, duration: float) -> Iterator[Lease]:
+        """Keep the lease of ``key`` alive until the block ends."""
+        lease = Lease(store, key, token, duration)
+        self._schedule(lease, time.monotonic() + duration / 3)
+        try:
+            yield lease
+        finally:
+            lease.done = True  # dropped lazily when it comes up: no lock on the way out
+
+    def _schedule(self, lease: Lease, due: float) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._seq), lease))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-idem-lease", daemon=True
+                )
+                self._thread.start()
+            elif due < self._wake_at:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][2].done:
+                    if self._heap:
+                        heapq.heappop(self._heap)
+                        continue
+                    self._wake_at = float("inf")
+                    self._cond.wait()
+                due, _, lease = self._heap[0]
+                delay = due - time.monotonic()
+                if delay > 0:
+                    self._wake_at = due
+                    self._cond.wait(delay)
+                    continue
+                heapq.heappop(self._heap)
+            self._renew(lease)
+
+    def _renew(self, lease: Lease) -> None:
+        try:
+            lease.store.renew(lease.key, lease.token, lease.duration)
+        except LeaseLost as exc:
+            lease.lost.set()
+            logger.error(
+                "celery_idem lease_lost key=%s token=%s: %s; another holder took over, this "
+                "attempt's record will be refused",
+                lease.key, lease.token, exc,
+            )
+            return
+        except StoreUnavailable as exc:
+            # Try again soon: the lease still has two thirds of its time left.
+            logger.warning("celery_idem renew failed key=%s token=%s: %s", lease.key, lease.token, exc)
+            if not lease.done:
+                self._schedule(lease, time.monotonic() + max(lease.duration / 10, 0.05))
+            return
+        except Exception:  # a bug must not kill the heartbeat of every other claim
+            logger.exception("celery_idem renew crashed key=%s", lease.key)
+        lease.renewals += 1
+        if not lease.done:
+            self._schedule(lease, time.monotonic() + lease.duration / 3)
+
+
+_keeper = LeaseKeeper()
+_keeper_pid = os.getpid()
+
+
+def keeper() -> LeaseKeeper:
+    """The process's keeper (a new one after a fork: threads do not survive fork)."""
+    global _keeper, _keeper_pid
+    if _keeper_pid != os.getpid():
+        _keeper, _keeper_pid = LeaseKeeper(), os.getpid()
+    return _keeper

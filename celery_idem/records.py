@@ -1,0 +1,96 @@
+"""The values that travel between the gate and a store: record states, records, claim results."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Claim", "ClaimStatus", "Record", "State"]
+
+
+class State(str, enum.Enum):
+    """The state of one key's record in the store."""
+
+    #: A holder has claimed the key and is running the body under a lease.
+    IN_PROGRESS = "in_progress"
+    #: The body finished; the record holds its encoded result.
+    DONE = "done"
+    #: The body raised a terminal error; the record holds the encoded error.
+    FAILED = "failed"
+    #: The holder gave the key back (timeout-class error). The record is a tombstone that keeps
+    #: the fencing token, so the next claim gets a higher token than any earlier holder.
+    RELEASED = "released"
+
+
+class ClaimStatus(str, enum.Enum):
+    """What :meth:`Store.claim` decided, atomically, in one round trip."""
+
+    #: The key was free (absent or released): the caller now holds it.
+    CLAIMED = "claimed"
+    #: The previous holder's lease had expired, or the previous holder was an earlier attempt of
+    #: the same task id (a retry): the caller now holds it with token + 1.
+    TAKEOVER = "takeover"
+    #: The key is done; ``record`` carries the result.
+    DONE = "done"
+    #: The key failed terminally; ``record`` carries the error.
+    FAILED = "failed"
+    #: Another holder's lease is live; ``record`` describes it.
+    BUSY = "busy"
+    #: The stored payload hash differs from the caller's (``idempotency_validate``).
+    MISMATCH = "mismatch"
+
+    @property
+    def holds(self) -> bool:
+        """True when the caller now holds the key and must run the body."""
+        return self in (ClaimStatus.CLAIMED, ClaimStatus.TAKEOVER)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One key's record as read from the store.
+
+    Attributes:
+        key: The idempotency key (without the store's prefix).
+        state: The record's state.
+        token: The fencing token of the latest claim; strictly increasing per key.
+        owner: Who holds or held the claim (``host:pid``).
+        task_id: The Celery task id of the attempt that claimed it (the original task id).
+        attempt: The ``retries`` count of that attempt.
+        lease_expires: Server time (epoch seconds) at which the lease runs out; None unless in
+            progress.
+        payload_hash: Hash of the full arguments, when ``idempotency_validate`` is on.
+        content_type: MIME type of ``data`` (the result serializer's, or the error codec's).
+        data: The encoded result (done) or error (failed).
+        updated: Server time (epoch seconds) of the last write.
+    """
+
+    key: str
+    state: State
+    token: int
+    owner: str = ""
+    task_id: str = ""
+    attempt: int = 0
+    lease_expires: float | None = None
+    payload_hash: str | None = None
+    content_type: str | None = None
+    data: bytes | None = None
+    updated: float | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The answer of :meth:`Store.claim`.
+
+    Attributes:
+        status: What the store decided.
+        token: The caller's fencing token when ``status.holds``, else the current holder's.
+        record: The record found before the claim (None when the key was absent): the result for
+            DONE, the error for FAILED, the live holder for BUSY, the expired holder for TAKEOVER.
+        now: The store's clock at the claim (epoch seconds), so lease arithmetic never mixes
+            clocks of different hosts.
+    """
+
+    status: ClaimStatus
+    token: int
+    record: Record | None
+    now: float

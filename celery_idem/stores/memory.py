@@ -1,0 +1,157 @@
+"""In-process store (``memory://``): for unit tests of the gate and eager mode.
+
+It implements every verb of the contract under one lock, with an injectable clock so tests
+can expire leases without sleeping. State lives on the instance, never on the class.
+It is not shared between processes: never use it with real workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..exceptions import LeaseLost
+from ..records import Claim, ClaimStatus, Record, State
+from .base import Store
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore(Store):
+    """A dict of records guarded by a lock.
+
+    Args:
+        prefix: Key prefix (kept for parity with the other stores).
+        clock: Returns the current time in epoch seconds; ``time.time`` by default.
+    """
+
+    schemes = ("memory",)
+
+    def __init__(self, prefix: str = "celery-idem:", clock: Callable[[], float] = time.time) -> None:
+        super().__init__(prefix)
+        self._clock = clock
+        self._lock = threading.Lock()
+        # key -> (record, expires_at)
+        self._records: dict[str, tuple[Record, float]] = {}
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> MemoryStore:
+        return cls(prefix=prefix, **options)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def _live(self, key: str, now: float) -> Record | None:
+        entry = self._records.get(key)
+        if entry is None:
+            return None
+        if entry[1] <= now:
+            del self._records[key]
+            return None
+        return entry[0]
+
+    def claim(
+        self,
+        key: str,
+        *,
+        owner: str,
+        task_id: str,
+        attempt: int,
+        lease: float,
+        ttl: float,
+        payload_hash: str | None = None,
+    ) -> Claim:
+        with self._lock:
+            now = self._clock()
+            rec = self._live(key, now)
+
+            def take(status: ClaimStatus) -> Claim:
+                token = (rec.token if rec else 0) + 1
+                new = Record(
+                    key=key, state=State.IN_PROGRESS, token=token, owner=owner, task_id=task_id,
+                    attempt=attempt, lease_expires=now + lease, payload_hash=payload_hash,
+                    updated=now,
+                )
+                self._records[key] = (new, now + ttl)
+                return Claim(status, token, rec, now)
+
+            if rec is None or rec.state is State.RELEASED:
+                return take(ClaimStatus.CLAIMED)
+            if payload_hash and rec.payload_hash and rec.payload_hash != payload_hash:
+                return Claim(ClaimStatus.MISMATCH, rec.token, rec, now)
+            if rec.state is State.DONE:
+                return Claim(ClaimStatus.DONE, rec.token, rec, now)
+            if rec.state is State.FAILED:
+                return Claim(ClaimStatus.FAILED, rec.token, rec, now)
+            expired = rec.lease_expires is not None and rec.lease_expires <= now
+            retried = rec.task_id == task_id and attempt > rec.attempt
+            if expired or retried:
+                return take(ClaimStatus.TAKEOVER)
+            return Claim(ClaimStatus.BUSY, rec.token, rec, now)
+
+    def _fenced(self, key: str, token: int, now: float, verb: str) -> Record:
+        rec = self._live(key, now)
+        if rec is None or rec.token != token:
+            raise LeaseLost(
+                f"{verb} of {key!r} with token {token} refused: the record "
+                + ("is gone" if rec is None else f"now has token {rec.token}"),
+                key=key, token=token,
+            )
+        return rec
+
+    def record(
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float
+    ) -> None:
+        if state not in (State.DONE, State.FAILED):
+            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        with self._lock:
+            now = self._clock()
+            rec = self._fenced(key, token, now, "record")
+            if rec.state is state:
+                return  # the holder retrying a record whose reply it lost
+            if rec.state is not State.IN_PROGRESS:
+                raise LeaseLost(
+                    f"record of {key!r} refused: it is {rec.state.value}", key=key, token=token
+                )
+            new = dataclasses.replace(
+                rec, state=state, content_type=content_type, data=data, lease_expires=None,
+                updated=now,
+            )
+            self._records[key] = (new, now + ttl)
+
+    def release(self, key: str, token: int) -> None:
+        with self._lock:
+            now = self._clock()
+            rec = self._fenced(key, token, now, "release")
+            if rec.state is not State.IN_PROGRESS:
+                raise LeaseLost(
+                    f"release of {key!r} refused: it is {rec.state.value}", key=key, token=token
+                )
+            expires = self._records[key][1]
+            tomb = Record(key=key, state=State.RELEASED, token=rec.token, updated=now)
+            self._records[key] = (tomb, expires)
+
+    def renew(self, key: str, token: int, lease: float) -> float:
+        with self._lock:
+            now = self._clock()
+            rec = self._fenced(key, token, now, "renew")
+            if rec.state is not State.IN_PROGRESS:
+                raise LeaseLost(
+                    f"renew of {key!r} refused: it is {rec.state.value}", key=key, token=token
+                )
+            expires = self._records[key][1]
+            self._records[key] = (dataclasses.replace(rec, lease_expires=now + lease), expires)
+            return now + lease
+
+    def get(self, key: str) -> Record | None:
+        with self._lock:
+            return self._live(key, self._clock())
+
+    def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
+        with self._lock:
+            now = self._clock()
+            records = [r for k in list(self._records) if (r := self._live(k, now)) is not None]
+        yield from (r for r in records if state is None or r.state is state)

@@ -1,0 +1,225 @@
+"""Redis store (``redis://``, ``rediss://``, ``unix://``): one Lua script per verb.
+
+Each record is a hash at ``<prefix><key>`` with short field names, to keep a done record small:
+
+====  ==========================================  ====  ======================================
+s     state (in_progress/done/failed/released)    l     lease expiry, server ms
+t     fencing token                               h     payload hash (idempotency_validate)
+o     owner (host:pid)                            c     content type of ``d``
+i     task id of the claiming attempt             d     encoded result or error
+a     attempt (request.retries)                   u     last write, server ms
+====  ==========================================  ====  ======================================
+
+The scripts read the server clock (``TIME``), so lease expiry never depends on worker clocks.
+Redis needs persistence (AOF ``appendfsync everysec`` or better) for records to survive a
+restart; see docs/stores.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ..exceptions import CorruptRecord, LeaseLost, StoreUnavailable
+from ..records import Claim, ClaimStatus, Record, State
+from .base import Store
+
+__all__ = ["RedisStore"]
+
+_FIELDS = ("s", "t", "o", "i", "a", "l", "h", "c", "d", "u")
+
+#: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
+#: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
+#: was lost would find its own claim and report it as busy).
+_CLIENT_DEFAULTS: dict[str, Any] = {
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 3.0,
+    "health_check_interval": 30,
+}
+
+
+def _load(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+@contextlib.contextmanager
+def _translate_errors(store: RedisStore, key: str | None = None) -> Iterator[None]:
+    """Map redis-py errors to the store contract's, most specific first."""
+    try:
+        yield
+    except redis.ResponseError as exc:
+        if str(exc).startswith("WRONGTYPE"):
+            raise CorruptRecord(
+                f"the Redis key {store.prefix}{key} is not a celery_idem record (another program "
+                f"wrote it, or the prefix is shared): {exc}",
+                key=key,
+            ) from exc
+        raise StoreUnavailable(f"the Redis store at {store.location} refused: {exc}") from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise StoreUnavailable(f"could not reach the Redis store at {store.location}: {exc}") from exc
+    except redis.RedisError as exc:
+        raise StoreUnavailable(f"the Redis store at {store.location} failed: {exc}") from exc
+
+
+class RedisStore(Store):
+    """Idempotency records in Redis, one Lua script (one round trip) per verb.
+
+    Args:
+        client: A ``redis.Redis`` client (``decode_responses`` must be False).
+        prefix: Prepended to every key.
+    """
+
+    schemes = ("redis", "rediss", "unix")
+
+    def __init__(self, client: redis.Redis, prefix: str = "celery-idem:") -> None:
+        super().__init__(prefix)
+        self.client = client
+        kwargs = client.connection_pool.connection_kwargs
+        self.location = (
+            kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        ) + f"/{kwargs.get('db', 0)}"
+        # register_script runs EVALSHA and falls back to EVAL once after a NOSCRIPT (a restarted
+        # or flushed server): still one round trip on the hot path.
+        self._claim = client.register_script(_load("claim"))
+        self._record = client.register_script(_load("record"))
+        self._release = client.register_script(_load("release"))
+        self._renew = client.register_script(_load("renew"))
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> RedisStore:
+        """Build a store from a Redis URL; ``options`` go to ``redis.Redis.from_url``."""
+        opts = {**_CLIENT_DEFAULTS, **options}
+        opts.setdefault("retry", Retry(NoBackoff(), 0))
+        client = redis.Redis.from_url(url, **opts)
+        return cls(client, prefix=prefix)
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    # -- verbs ---------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        key: str,
+        *,
+        owner: str,
+        task_id: str,
+        attempt: int,
+        lease: float,
+        ttl: float,
+        payload_hash: str | None = None,
+    ) -> Claim:
+        args = [owner, task_id, attempt, _ms(lease), _ms(ttl), payload_hash or ""]
+        with _translate_errors(self, key):
+            reply = self._claim(keys=[self._k(key)], args=args)
+        status = reply[0].decode()
+        if status == "corrupt":
+            raise CorruptRecord(
+                f"the record {self._k(key)} has an unknown state {reply[3]!r}", key=key
+            )
+        record = self._decode(key, reply[3:]) if reply[3] is not None else None
+        return Claim(ClaimStatus(status), int(reply[1]), record, int(reply[2]) / 1000)
+
+    def record(
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float
+    ) -> None:
+        if state not in (State.DONE, State.FAILED):
+            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        with _translate_errors(self, key):
+            reply = self._record(
+                keys=[self._k(key)], args=[token, state.value, content_type, data, _ms(ttl)]
+            )
+        self._check_fence(reply, key, token, "record")
+
+    def release(self, key: str, token: int) -> None:
+        with _translate_errors(self, key):
+            reply = self._release(keys=[self._k(key)], args=[token])
+        self._check_fence(reply, key, token, "release")
+
+    def renew(self, key: str, token: int, lease: float) -> float:
+        with _translate_errors(self, key):
+            reply = self._renew(keys=[self._k(key)], args=[token, _ms(lease)])
+        if isinstance(reply, int):
+            return reply / 1000
+        self._check_fence(reply, key, token, "renew")
+        raise AssertionError("unreachable")  # pragma: no cover - _check_fence raised
+
+    def get(self, key: str) -> Record | None:
+        with _translate_errors(self, key):
+            values = self.client.hmget(self._k(key), _FIELDS)
+        return None if values[0] is None else self._decode(key, values)
+
+    def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"
+        cursor = 0
+        while True:
+            with _translate_errors(self):
+                cursor, names = self.client.scan(cursor, match=pattern, count=count)
+                pipe = self.client.pipeline(transaction=False)
+                for name in names:
+                    pipe.hmget(name, _FIELDS)
+                rows = pipe.execute(raise_on_error=False)
+            for name, values in zip(names, rows):
+                if isinstance(values, Exception) or values[0] is None:
+                    continue  # a foreign key under our prefix, or expired between the calls
+                key = name.decode()[len(self.prefix):]
+                rec = self._decode(key, values)
+                if state is None or rec.state is state:
+                    yield rec
+            if cursor == 0:
+                return
+
+    def now(self) -> float:
+        with _translate_errors(self):
+            seconds, micros = self.client.time()
+        return float(seconds) + micros / 1e6
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _check_fence(self, reply: Any, key: str, token: int, verb: str) -> None:
+        if reply == b"ok":
+            return
+        detail = reply.decode() if isinstance(reply, bytes) else repr(reply)
+        if detail == "missing":
+            why = "the record is gone (expired, or removed by an operator)"
+        else:
+            _, state, current = detail.split(":", 2)
+            why = f"the record is {state} with token {current}"
+        raise LeaseLost(f"{verb} of {key!r} with token {token} refused: {why}", key=key, token=token)
+
+    def _decode(self, key: str, values: list[Any]) -> Record:
+        s, t, o, i, a, lease, h, c, d, u = values
+        try:
+            return Record(
+                key=key,
+                state=State(s.decode()),
+                token=int(t),
+                owner=o.decode() if o else "",
+                task_id=i.decode() if i else "",
+                attempt=int(a) if a else 0,
+                lease_expires=int(lease) / 1000 if lease else None,
+                payload_hash=h.decode() if h else None,
+                content_type=c.decode() if c else None,
+                data=d,
+                updated=int(u) / 1000 if u else None,
+            )
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise CorruptRecord(
+                f"the record {self._k(key)} cannot be read ({exc}); it was not written by "
+                f"celery_idem, or it is damaged",
+                key=key,
+            ) from exc
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))

@@ -1,0 +1,139 @@
+"""Real ``celery worker`` processes for the integration and crash tests.
+
+Nothing here sleeps to synchronise: every wait polls a condition against a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
+             what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns a truthy value, or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    """One ``celery worker`` subprocess with its own log file."""
+
+    def __init__(self, env: dict[str, str], name: str, pool: str = "prefork",
+                 concurrency: int = 2, extra: tuple[str, ...] = ()) -> None:
+        self.env = env
+        self.name = name
+        self.log = Path(tempfile.mkstemp(prefix=f"celery-idem-{name}-", suffix=".log")[1])
+        cmd = [
+            sys.executable, "-m", "celery", "-A", "tests.integration.app", "worker",
+            "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-E", *extra,
+        ]
+        self._fh = self.log.open("w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env={**os.environ, **env}, stdout=self._fh, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_for(self._ready, timeout=60, what=f"worker {name} to be ready")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"worker {self.name} exited: {self.text()[-3000:]}")
+        return " ready." in self.text()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def kill_child_running(self, marker: Path, timeout: float = 30) -> int:
+        """SIGKILL the pool child whose pid the body wrote to ``marker``."""
+        pid = int(wait_for(lambda: marker.exists() and marker.read_text().strip(), timeout,
+                           what="the body to start"))
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._fh.close()
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (main process and children)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class RedisServer:
+    """A private ``redis-server`` on a free port (tests may kill and restart it)."""
+
+    def __init__(self, appendonly: bool = False) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="celery-idem-redis-"))
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        wait_for(up, timeout=20, what=f"redis-server on {self.port}")
+        client.close()
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(20)
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

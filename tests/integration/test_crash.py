@@ -1,0 +1,86 @@
+"""SIGKILL, slow bodies and a store that goes away, with real workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.integration import app as tasks
+from tests.integration.conftest import Cluster
+from tests.integration.harness import RedisServer, wait_for
+
+pytestmark = [pytest.mark.worker, pytest.mark.crash]
+
+
+def test_holder_killed_mid_body_is_taken_over_after_its_lease_with_token_plus_one(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # Given a worker whose child is running a body that has not committed its effect yet
+    w = cluster.worker(concurrency=1)
+    marker = tmp_path / "pids"
+    r = tasks.slow_charge.delay("ord_k1", str(marker), 60)
+    # When the child is SIGKILLed before the commit
+    killed = w.kill_child_running(marker)
+    # Then the redelivered message waits out the lease (2 s), takes over with token 2 and runs
+    wait_for(lambda: len(marker.read_text().split()) >= 2, timeout=40, what="the takeover")
+    cluster.set_flag("release:ord_k1")
+    out = r.get(timeout=40)
+    assert out["token"] == 2 and out["pid"] != killed and out["redelivered"]
+    assert cluster.effects("charge:ord_k1") == [r.id]
+    assert "celery_idem takeover" in w.text()
+
+
+def test_a_slow_body_keeps_its_lease_alive_and_is_never_taken_over(cluster: Cluster, tmp_path: Path) -> None:
+    # Given a body that runs 3x its 2 s lease
+    cluster.worker(concurrency=2)
+    marker = tmp_path / "pids"
+    holder = tasks.slow_charge.delay("ord_k2", str(marker), 6)
+    wait_for(marker.exists, what="the holder to start")
+    # When a duplicate arrives while it runs
+    dup = tasks.slow_charge.delay("ord_k2", str(marker), 6)
+    # Then the duplicate never runs the body: the heartbeat renewed the lease
+    assert dup.get(timeout=40) == holder.get(timeout=40)
+    assert holder.get()["token"] == 1
+    assert len(marker.read_text().split()) == 1
+    assert len(cluster.effects("charge:ord_k2")) == 1
+
+
+def test_store_unreachable_at_claim_runs_no_body_until_it_is_back(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    store = RedisServer()
+    try:
+        cluster: Cluster = make_cluster(IDEM_STORE=store.url)
+        w = cluster.worker(concurrency=1)
+        # Given the store is down
+        store.stop(signal.SIGKILL)
+        # When a task is enqueued
+        r = tasks.charge.delay("ord_k3", 7)
+        # Then it is re-queued (at least twice) and its body never runs meanwhile
+        wait_for(lambda: w.text().count("celery_idem requeued") >= 2, timeout=40,
+                 what="two re-queues while the store is down")
+        assert cluster.effects("charge:ord_k3") == []
+        # And once the store is back, the action completes exactly once
+        store.start()
+        assert r.get(timeout=60)["order_id"] == "ord_k3"
+        assert len(cluster.effects("charge:ord_k3")) == 1
+    finally:
+        store.cleanup()
+
+
+def test_worker_main_process_killed_the_message_comes_back_and_runs_once(
+    make_cluster, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    cluster: Cluster = make_cluster(IDEM_VISIBILITY="4")
+    w1 = cluster.worker("a", concurrency=1)
+    marker = tmp_path / "pids"
+    r = tasks.slow_charge.delay("ord_k4", str(marker), 60)
+    wait_for(marker.exists, what="the body to start")
+    w1.kill()  # main process and child: the message stays unacked in Redis
+    cluster.worker("b", concurrency=1)
+    wait_for(lambda: len(marker.read_text().split()) >= 2, timeout=60, what="the redelivery")
+    cluster.set_flag("release:ord_k4")
+    assert r.get(timeout=60)["token"] == 2
+    assert len(cluster.effects("charge:ord_k4")) == 1
+    assert os.path.exists(marker)

@@ -388,4 +388,10 @@ def _check_worker(sender: Any = None, **_: Any) -> None:
             or app.conf.worker_send_task_events:
         _events_on.add(app)
     if any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
-        get_store(app)
+        try:
+            get_store(app)
+        except ImproperlyConfigured as exc:
+            # Celery logs and swallows exceptions raised by signal handlers, and the worker would
+            # start consuming messages it can only fail: stop it here, with the reason.
+            logger.critical("celery_idem: %s", exc)
+            raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc

@@ -110,3 +110,32 @@ def slow_charge(self, order_id, marker, hold):
     effect(f"charge:{order_id}", self.request.id)
     return {"order_id": order_id, "token": self.idempotency_token, "pid": os.getpid(),
             "redelivered": bool((self.request.delivery_info or {}).get("redelivered"))}
+
+
+@app.task(base=IdempotentTask, bind=True)
+def summarize(self, results):
+    """A chord body: keyed by its input, like any other IdempotentTask."""
+    effect("summary")
+    return sorted(r["order_id"] for r in results)
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",))
+def manual_retry(self, order_id):
+    """Calls ``self.retry()`` itself once; the retry must carry the same key."""
+    effect(f"attempt:{order_id}", self.idempotency_key)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    effect(f"charge:{order_id}")
+    return {"key": self.idempotency_key, "token": self.idempotency_token}
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",),
+          idempotency_record_timeout=2)
+def hold_then_charge(self, order_id, hold=30.0):
+    """Holds until released (so a test can break the store), then charges."""
+    effect(f"started:{order_id}")
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and not flag(f"release:{order_id}"):
+        time.sleep(0.02)
+    effect(f"charge:{order_id}")
+    return order_id

@@ -54,10 +54,12 @@ class KombuCodec:
     def __init__(self, serializer: str = "json", accept: Collection[str] | None = None) -> None:
         self.serializer = serializer
         # Celery settings name serializers ("json"); kombu's loads() compares content types.
-        self.accept = prepare_accept_content(accept) if accept is not None else None
+        self.accept: set[str] | None = None
+        if accept is not None:
+            self.accept = prepare_accept_content(accept)  # type: ignore[no-untyped-call]
 
     def encode_result(self, value: Any) -> tuple[str, bytes]:
-        content_type, encoding, data = dumps(value, serializer=self.serializer)
+        content_type, encoding, data = dumps(value, serializer=self.serializer)  # type: ignore[no-untyped-call]
         if isinstance(data, str):
             data = data.encode(encoding)
         return f"{content_type};{encoding}", data
@@ -65,7 +67,7 @@ class KombuCodec:
     def decode_result(self, key: str, content_type: str, data: bytes) -> Any:
         mime, _, encoding = content_type.partition(";")
         try:
-            return loads(data, mime, encoding or "binary", accept=self.accept)
+            return loads(data, mime, encoding or "binary", accept=self.accept)  # type: ignore[no-untyped-call]
         except ContentDisallowed as exc:
             raise CorruptRecord(
                 f"the result recorded for {key!r} is {mime}, which this app does not accept "

@@ -87,5 +87,5 @@ class CorruptRecord(IdempotencyError):
         return (type(self), (str(self), self.key))
 
 
-class ImproperlyConfigured(IdempotencyError, _CeleryImproperlyConfigured):
+class ImproperlyConfigured(IdempotencyError, _CeleryImproperlyConfigured):  # type: ignore[misc]
     """Raised when a task or app is configured in a way celery_idem cannot honour."""

@@ -87,7 +87,7 @@ def get_store(app: Celery) -> Store:
     return store
 
 
-class CachedResult(EagerResult):
+class CachedResult(EagerResult):  # type: ignore[misc]
     """The result of an enqueue that found its key already recorded: nothing was published.
 
     Attributes:
@@ -167,7 +167,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.idempotency_config,
             KombuCodec(app.conf.result_serializer, accept),
             emit=self._emit,
-            retry_signals=(Retry,),
+            # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
+            retry_signals=(Retry, Reject),
         )
 
     # -- the key -------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             cached = self._cached(key)
             if cached is not None:
                 return cached
-        return super().apply_async(  # type: ignore[no-any-return]
+        return super().apply_async(
             args, kwargs, task_id=task_id, producer=producer, link=link,
             link_error=link_error, shadow=shadow, headers=headers, **options,
         )
@@ -378,7 +379,7 @@ def _check_key(task: str, key: Any) -> str:
     return key
 
 
-@worker_init.connect(weak=False)
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _check_worker(sender: Any = None, **_: Any) -> None:
     """Fail the worker at start-up, not the first message, when the store is misconfigured."""
     app = getattr(sender, "app", None)

@@ -77,4 +77,4 @@ def store_from_url(
             f"pip install 'celery-idem[{extra}]'"
         ) from exc
     store_cls: type[Store] = getattr(module, class_name)
-    return store_cls.from_url(url, prefix=prefix, **dict(options or {}))  # type: ignore[attr-defined, no-any-return]
+    return store_cls.from_url(url, prefix=prefix, **dict(options or {}))

@@ -78,7 +78,7 @@ class RedisStore(Store):
 
     schemes = ("redis", "rediss", "unix")
 
-    def __init__(self, client: redis.Redis, prefix: str = "celery-idem:") -> None:
+    def __init__(self, client: redis.Redis[bytes], prefix: str = "celery-idem:") -> None:
         super().__init__(prefix)
         self.client = client
         kwargs = client.connection_pool.connection_kwargs
@@ -147,7 +147,7 @@ class RedisStore(Store):
         with _translate_errors(self, key):
             reply = self._renew(keys=[self._k(key)], args=[token, _ms(lease)])
         if isinstance(reply, int):
-            return reply / 1000
+            return float(reply) / 1000
         self._check_fence(reply, key, token, "renew")
         raise AssertionError("unreachable")  # pragma: no cover - _check_fence raised
 
@@ -166,7 +166,7 @@ class RedisStore(Store):
                 for name in names:
                     pipe.hmget(name, _FIELDS)
                 rows = pipe.execute(raise_on_error=False)
-            for name, values in zip(names, rows):
+            for name, values in zip(names, rows, strict=True):
                 if isinstance(values, Exception) or values[0] is None:
                     continue  # a foreign key under our prefix, or expired between the calls
                 key = name.decode()[len(self.prefix):]
@@ -179,7 +179,7 @@ class RedisStore(Store):
     def now(self) -> float:
         with _translate_errors(self):
             seconds, micros = self.client.time()
-        return float(seconds) + micros / 1e6
+        return float(seconds) + float(micros) / 1e6
 
     def close(self) -> None:
         self.client.close()

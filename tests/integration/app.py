@@ -139,3 +139,14 @@ def hold_then_charge(self, order_id, hold=30.0):
         time.sleep(0.02)
     effect(f"charge:{order_id}")
     return order_id
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_wait=0.3,
+          max_retries=0)
+def impatient(self, order_id, hold=0.0):
+    """Waits only 0.3 s for a busy key, and may not retry at all (max_retries=0)."""
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and not flag(f"release:{order_id}"):
+        time.sleep(0.02)
+    effect(f"charge:{order_id}", self.request.id)
+    return {"order_id": order_id, "ran_in": self.request.id}

@@ -59,7 +59,7 @@ def test_every_decision_sends_a_task_idempotency_event(cluster: Cluster) -> None
         key = tasks.charge.idempotency_key_for(("ev_1", 1))
         wait_for(lambda: len(tap.outcomes(key)) >= 3, timeout=20, what="three events")
         assert tap.outcomes(key) == ["claimed", "recorded", "duplicate"]
-        duplicate = [e for e in tap.events if e["outcome"] == "duplicate"][0]
+        duplicate = next(e for e in tap.events if e["outcome"] == "duplicate")
         assert duplicate["original_task_id"] == first.id and duplicate["uuid"] == dup.id
         assert duplicate["token"] == 1
     finally:

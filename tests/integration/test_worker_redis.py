@@ -8,6 +8,7 @@ from celery_idem import CachedResult, IdempotencyKeyMismatch, TerminalError
 from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
 from tests.integration.harness import wait_for
+from tests.integration.harness import wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -96,3 +97,18 @@ def test_send_task_by_name_derives_the_key_on_the_worker(cluster: Cluster) -> No
     second = tasks.app.send_task("tests.integration.app.charge", ("ord_8", 5), {"note": "again"})
     assert first.get(timeout=30) == second.get(timeout=30)
     assert len(cluster.effects("charge:ord_8")) == 1
+
+
+def test_a_busy_duplicate_requeues_itself_without_using_max_retries(cluster: Cluster) -> None:
+    # Given a holder that runs well past the duplicate's 0.3 s wait, and max_retries=0
+    w = cluster.worker(concurrency=2)
+    holder = tasks.impatient.delay("ord_9", hold=30)
+    wait_for(lambda: cluster.store.get(tasks.impatient.idempotency_key_for(("ord_9",))),
+             what="the holder's claim")
+    dup = tasks.impatient.delay("ord_9", hold=30)
+    # When it has re-queued itself a few times
+    wait_for(lambda: w.text().count("celery_idem requeued") >= 2, timeout=30, what="re-queues")
+    cluster.set_flag("release:ord_9")
+    # Then it still ends with the holder's result: re-queues are not retries
+    assert dup.get(timeout=30) == holder.get(timeout=30)
+    assert cluster.effects("charge:ord_9") == [holder.id]

@@ -1,0 +1,875 @@
+"""SQL store (``db+postgresql://``, ``db+mysql://``, ``db+sqlite://``): SQLAlchemy Core.
+
+One table (``celery_idem_records`` by default) holds one row per stored key (``prefix + key``).
+The verbs are the contract of :mod:`celery_idem.stores.base`, with the semantics of
+:class:`~celery_idem.stores.memory.MemoryStore`, translated into conditional SQL:
+
+* every lease and expiry computation uses the *database's* clock inside the statement that
+  needs it (:class:`db_now`), so workers with skewed clocks agree on who holds a key;
+* a row whose ``expires`` has passed counts as absent everywhere, but it keeps its token until
+  :meth:`SQLStore.purge_expired` deletes it, so a claim on it still gets token + 1;
+* engines run in autocommit: each verb is one self-contained statement, except where a dialect
+  cannot say what it needs in one (see :meth:`SQLStore.claim` and :meth:`SQLStore.renew`).
+
+Statements per verb (each is one round trip; the pool's pre-ping adds one per checkout)::
+
+    verb      PostgreSQL              SQLite                         MySQL / MariaDB
+    claim     1 (CTE upsert)          BEGIN IMMEDIATE + 1..2 + COMMIT 1 (not taken) / 2 (taken)
+    record    1                       1                              1
+    release   1                       1                              1
+    renew     1 (RETURNING)           1 (RETURNING)                  2 (UPDATE, SELECT)
+    get       1                       1                              1
+
+A claim that loses a race against a concurrent first claim of the same key runs once more
+(nothing was written the first time); a fenced verb that is refused reads the row once more to
+say why. Neither is on the hot path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import mysql
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import URL, Connection, Engine, RowMapping, make_url
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.sql.selectable import FromClause
+
+from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
+from ..records import Claim, ClaimStatus, Record, State
+from .base import Store
+
+__all__ = ["DEFAULT_TABLE_NAME", "SQLStore", "db_now"]
+
+#: The table the store uses unless ``table_name`` says otherwise.
+DEFAULT_TABLE_NAME: Final = "celery_idem_records"
+
+# A claim that raced a concurrent first claim of the same key wrote nothing and is run again;
+# the second run sees the winner's committed row. More than a few runs means something else
+# keeps deleting and re-inserting the row, which we report instead of spinning.
+_CLAIM_RUNS: Final = 3
+
+_HOLDS: Final = (ClaimStatus.CLAIMED.value, ClaimStatus.TAKEOVER.value)
+
+# URL backend -> (DBAPI module SQLAlchemy uses when the URL names no driver, fallback driver).
+# A project that installed the fallback (psycopg 3, PyMySQL) but not the default driver gets a
+# working store from a plain ``db+postgresql://`` or ``db+mysql://`` URL.
+_DRIVER_FALLBACKS: Final = {
+    "postgresql": ("psycopg2", "psycopg"),
+    "mysql": ("MySQLdb", "pymysql"),
+    "mariadb": ("mariadb", "pymysql"),
+}
+_BACKENDS: Final = ("postgresql", "mysql", "mariadb", "sqlite")
+
+
+class db_now(FunctionElement[float]):
+    """The database server's clock in epoch seconds, as a DOUBLE, inside the statement."""
+
+    type = sa.Double()
+    inherit_cache = True
+    name = "db_now"
+
+
+@compiles(db_now, "postgresql")
+def _db_now_postgresql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    # clock_timestamp(), not now(): now() is frozen at the start of the transaction.
+    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
+
+
+@compiles(db_now, "mysql")
+@compiles(db_now, "mariadb")
+def _db_now_mysql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    # UNIX_TIMESTAMP(NOW(6)) is a DECIMAL; "+ 0e0" makes it a DOUBLE like the columns. The
+    # session time zone is pinned to UTC on connect, so the DST fold cannot make it jump.
+    return "(UNIX_TIMESTAMP(NOW(6)) + 0e0)"
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+def _text(length: int) -> sa.types.TypeEngine[str]:
+    # MySQL's default collations are case- and accent-insensitive: "Refund:ab" and "refund:ab"
+    # would be one primary key. The binary collation compares like every other store.
+    # (It still ignores trailing spaces, MySQL's PAD SPACE rule; celery_idem's keys,
+    # ``operation:hash``, never end in one.)
+    return sa.String(length).with_variant(
+        mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
+
+
+def _build_table(name: str) -> sa.Table:
+    metadata = sa.MetaData(naming_convention={"ix": "ix_%(table_name)s_%(column_0_name)s"})
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("key", _text(255), primary_key=True),
+        sa.Column("state", _text(16), nullable=False, index=True),
+        sa.Column("token", sa.BigInteger, nullable=False),
+        sa.Column("owner", _text(255), nullable=False),
+        sa.Column("task_id", _text(255), nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
+        sa.Column("lease_expires", sa.Double, nullable=True),
+        sa.Column("payload_hash", _text(255), nullable=True),
+        sa.Column("content_type", _text(255), nullable=True),
+        # BLOB on MySQL stops at 64 KiB; results can be larger.
+        sa.Column(
+            "data",
+            sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb"),
+            nullable=True,
+        ),
+        sa.Column("updated", sa.Double, nullable=False),
+        # The TTL: after this (database clock) the row counts as absent.
+        sa.Column("expires", sa.Double, nullable=False, index=True),
+    )
+
+
+@dataclass(frozen=True)
+class _ClaimPredicates:
+    """The named conditions ``claim`` decides on, over one candidate row and one clock value.
+
+    The row may be missing (an outer join gives NULL columns). ``status`` combines them in the
+    order of :meth:`Store.claim`; it is the single definition every dialect's claim uses.
+    """
+
+    is_absent_or_expired: ColumnElement[bool]
+    is_released: ColumnElement[bool]
+    is_payload_mismatch: ColumnElement[bool]
+    is_done: ColumnElement[bool]
+    is_failed: ColumnElement[bool]
+    is_in_progress: ColumnElement[bool]
+    lease_expired: ColumnElement[bool]
+    is_earlier_attempt_of_same_task: ColumnElement[bool]
+
+    @classmethod
+    def over(
+        cls,
+        row: FromClause,
+        now: ColumnElement[float],
+        *,
+        task_id: str,
+        attempt: int,
+        payload_hash: str | None,
+    ) -> _ClaimPredicates:
+        c = row.c
+        return cls(
+            is_absent_or_expired=sa.or_(c.key.is_(None), c.expires <= now),
+            is_released=c.state == State.RELEASED.value,
+            # Like the memory store: an empty hash on either side means "not validated".
+            is_payload_mismatch=(
+                sa.and_(
+                    c.payload_hash.is_not(None),
+                    c.payload_hash != "",
+                    c.payload_hash != payload_hash,
+                )
+                if payload_hash
+                else sa.false()
+            ),
+            is_done=c.state == State.DONE.value,
+            is_failed=c.state == State.FAILED.value,
+            is_in_progress=c.state == State.IN_PROGRESS.value,
+            lease_expired=sa.and_(c.lease_expires.is_not(None), c.lease_expires <= now),
+            is_earlier_attempt_of_same_task=sa.and_(c.task_id == task_id, c.attempt < attempt),
+        )
+
+    def status(self) -> ColumnElement[str | None]:
+        """A CASE giving the :class:`ClaimStatus` value, or NULL for a state we do not know."""
+        return sa.case(
+            (sa.or_(self.is_absent_or_expired, self.is_released), ClaimStatus.CLAIMED.value),
+            (self.is_payload_mismatch, ClaimStatus.MISMATCH.value),
+            (self.is_done, ClaimStatus.DONE.value),
+            (self.is_failed, ClaimStatus.FAILED.value),
+            (
+                sa.and_(
+                    self.is_in_progress,
+                    sa.or_(self.lease_expired, self.is_earlier_attempt_of_same_task),
+                ),
+                ClaimStatus.TAKEOVER.value,
+            ),
+            (self.is_in_progress, ClaimStatus.BUSY.value),
+            else_=sa.null(),
+        )
+
+
+@dataclass(frozen=True)
+class _ClaimArgs:
+    """One claim's arguments, and the two SQL fragments every dialect builds from them."""
+
+    stored_key: str
+    owner: str
+    task_id: str
+    attempt: int
+    lease: float
+    ttl: float
+    payload_hash: str | None
+
+    def predicates(self, row: FromClause, now: ColumnElement[float]) -> _ClaimPredicates:
+        return _ClaimPredicates.over(
+            row, now, task_id=self.task_id, attempt=self.attempt, payload_hash=self.payload_hash
+        )
+
+    def values(self, *, now: ColumnElement[float], token: Any) -> dict[str, Any]:
+        """The IN_PROGRESS row a taking claim writes, in column order."""
+        return {
+            "key": sa.literal(self.stored_key, sa.String),
+            "state": sa.literal(State.IN_PROGRESS.value, sa.String),
+            "token": token,
+            "owner": sa.literal(self.owner, sa.String),
+            "task_id": sa.literal(self.task_id, sa.String),
+            "attempt": sa.literal(self.attempt, sa.Integer),
+            "lease_expires": now + self.lease,
+            "payload_hash": sa.literal(self.payload_hash, sa.String),
+            "content_type": sa.null(),
+            "data": sa.null(),
+            "updated": now,
+            "expires": now + self.ttl,
+        }
+
+
+class _ClaimRaced(Exception):
+    """The row a claim decided on changed before the claim's write, which wrote nothing.
+
+    Typically two first claims of an absent key: the loser's INSERT meets the winner's row.
+    """
+
+
+# Workers fork after the store is built: a child must never reuse the parent's sockets (two
+# processes talking over one connection corrupt both). Engines are held weakly so a closed
+# store can be collected; os.register_at_fork hooks cannot be unregistered.
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _forget_inherited_connections() -> None:
+    for engine in list(_ENGINES):
+        engine.dispose(close=False)  # drop the parent's connections without closing them
+
+
+os.register_at_fork(after_in_child=_forget_inherited_connections)
+
+
+def _sqlalchemy_url(url: str) -> URL:
+    """``db+<dialect>[+driver]://...`` (or a plain SQLAlchemy URL) -> the URL to connect to."""
+    if url[:3].lower() == "db+":
+        url = url[3:]  # like Celery's database result backend
+    try:
+        sa_url = make_url(url)
+    except sa_exc.ArgumentError as exc:
+        raise ImproperlyConfigured(f"celery_idem cannot parse the SQL store URL: {exc}") from exc
+    backend = sa_url.get_backend_name()
+    if backend not in _BACKENDS:
+        raise ImproperlyConfigured(
+            f"the SQL store supports {', '.join(_BACKENDS)}, not {backend!r}"
+        )
+    if "+" not in sa_url.drivername and backend in _DRIVER_FALLBACKS:
+        default_module, fallback = _DRIVER_FALLBACKS[backend]
+        if not _importable(default_module) and _importable(fallback):
+            sa_url = sa_url.set(drivername=f"{backend}+{fallback}")
+    return sa_url
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
+    backend = sa_url.get_backend_name()
+    options: dict[str, Any] = {
+        # A worker idles for hours between tasks; a connection the server or a proxy closed
+        # meanwhile is replaced at checkout instead of failing the claim.
+        "pool_pre_ping": True,
+        # Each verb is one statement (or opens its own transaction explicitly): autocommit
+        # spares the BEGIN/COMMIT round trips.
+        "isolation_level": "AUTOCOMMIT",
+    }
+    if backend != "sqlite":
+        # In autocommit the ROLLBACK on check-in is pointless and costs PyMySQL a round trip.
+        # (Not for SQLite: there the claim's BEGIN IMMEDIATE must be rolled back if it fails.)
+        options["skip_autocommit_rollback"] = True
+    options.update(engine_options)
+    if backend == "sqlite":
+        # Several worker processes share the file: wait for the write lock instead of failing
+        # with "database is locked" at once.
+        options["connect_args"] = {"timeout": 30.0, **engine_options.get("connect_args", {})}
+    engine = sa.create_engine(sa_url, **options)
+    if backend == "sqlite":
+        sa.event.listen(engine, "connect", _sqlite_on_connect)
+    elif backend in ("mysql", "mariadb"):
+        sa.event.listen(engine, "connect", _mysql_on_connect)
+    _ENGINES.add(engine)
+    return engine
+
+
+def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+    # WAL lets readers run while one process writes; it is a property of the file, so setting
+    # it on every new connection is cheap once it is on.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+    finally:
+        cursor.close()
+
+
+def _mysql_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+    # UNIX_TIMESTAMP(NOW(6)) goes through the session time zone; in a zone with daylight saving
+    # time the repeated autumn hour would make the clock jump back an hour. UTC has no fold.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET time_zone = '+00:00'")
+    finally:
+        cursor.close()
+
+
+class SQLStore(Store):
+    """The idempotency store in a SQL database, through SQLAlchemy Core.
+
+    Args:
+        url: ``db+postgresql[+driver]://...``, ``db+mysql[+driver]://...``,
+            ``db+sqlite:///path.db`` (the ``db+`` is optional).
+        prefix: Prepended to every key, so several apps can share one table.
+        table_name: The table to use; created on first use.
+        engine_options: Extra keyword arguments for :func:`sqlalchemy.create_engine`
+            (``pool_size``, ``connect_args``, ...); they win over the store's defaults.
+
+    Raises:
+        ImproperlyConfigured: The URL names no supported database.
+    """
+
+    schemes = ("db+postgresql", "db+sqlite", "db+mysql", "db+mariadb")
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "celery-idem:",
+        table_name: str = DEFAULT_TABLE_NAME,
+        engine_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(prefix)
+        self._engine = _build_engine(_sqlalchemy_url(url), engine_options or {})
+        self._dialect = self._engine.dialect.name
+        self._shown_url = self._engine.url.render_as_string(hide_password=True)
+        self._table = _build_table(table_name)
+        self._table_ready = False
+        self._table_lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> SQLStore:
+        """Build the store from a ``db+...`` URL.
+
+        Args:
+            url: The store URL (see the class).
+            prefix: Key prefix.
+            **options: ``table_name`` and ``engine_options``.
+
+        Raises:
+            TypeError: An option the store does not know.
+        """
+        table_name = options.pop("table_name", DEFAULT_TABLE_NAME)
+        engine_options = options.pop("engine_options", None)
+        if options:
+            raise TypeError(
+                f"SQLStore got unknown option(s) {', '.join(sorted(options))}; it takes "
+                f"table_name and engine_options (keyword arguments for create_engine)"
+            )
+        return cls(url, prefix=prefix, table_name=table_name, engine_options=engine_options)
+
+    # -- the seam between SQLAlchemy and the contract's exceptions ----------------------------
+
+    @contextlib.contextmanager
+    def _translate_errors(self) -> Iterator[None]:
+        """Turn "the database cannot be reached" into :class:`StoreUnavailable`.
+
+        Other database errors (a constraint, a syntax error) are bugs and propagate unchanged;
+        :class:`CorruptRecord` is raised where rows are mapped.
+        """
+        try:
+            yield
+        except sa_exc.TimeoutError as exc:  # the pool had no free connection in time
+            raise self._unavailable(exc) from exc
+        except sa_exc.DisconnectionError as exc:
+            raise self._unavailable(exc) from exc
+        except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+            raise self._unavailable(exc) from exc
+        except sa_exc.DBAPIError as exc:
+            if exc.connection_invalidated:  # any other error SQLAlchemy saw as a disconnect
+                raise self._unavailable(exc) from exc
+            raise
+
+    def _unavailable(self, exc: Exception) -> StoreUnavailable:
+        reason = getattr(exc, "orig", None) or exc
+        first_line = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+        return StoreUnavailable(
+            f"celery_idem could not reach the SQL store at {self._shown_url}: {first_line}"
+        )
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        """A pooled connection to the store's database, with errors translated."""
+        with self._translate_errors():
+            self._ensure_table()
+            with self._engine.connect() as conn:
+                yield conn
+
+    def _ensure_table(self) -> None:
+        if self._table_ready:
+            return
+        with self._table_lock:
+            if self._table_ready:
+                return
+            try:
+                self._table.metadata.create_all(self._engine, checkfirst=True)
+            except sa_exc.DBAPIError:
+                # Several workers start at once: another one created the table between our
+                # check and our CREATE. Its table is as good as ours.
+                if not sa.inspect(self._engine).has_table(self._table.name):
+                    raise
+            self._table_ready = True
+
+    # -- rows <-> records ---------------------------------------------------------------------
+
+    def _stored(self, key: str) -> str:
+        return self.prefix + key
+
+    def _record(self, row: RowMapping) -> Record:
+        key = str(row["key"])[len(self.prefix) :]
+        try:
+            data = row["data"]
+            lease_expires = row["lease_expires"]
+            return Record(
+                key=key,
+                state=State(row["state"]),
+                token=int(row["token"]),
+                owner=str(row["owner"]),
+                task_id=str(row["task_id"]),
+                attempt=int(row["attempt"]),
+                lease_expires=None if lease_expires is None else float(lease_expires),
+                payload_hash=row["payload_hash"],
+                content_type=row["content_type"],
+                data=None if data is None else bytes(data),
+                updated=float(row["updated"]),
+            )
+        except (ValueError, TypeError) as exc:
+            raise CorruptRecord(
+                f"the record of {key!r} in SQL table {self._table.name!r} cannot be read: {exc}",
+                key=key,
+            ) from exc
+
+    # -- claim --------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        key: str,
+        *,
+        owner: str,
+        task_id: str,
+        attempt: int,
+        lease: float,
+        ttl: float,
+        payload_hash: str | None = None,
+    ) -> Claim:
+        """Atomically claim ``key`` for one attempt, or say why not (see :meth:`Store.claim`).
+
+        One key's life, and what a claim decides at each point (``now`` = database clock)::
+
+                   claim                       record(t)
+          absent -------> IN_PROGRESS(t=1) -------------> DONE / FAILED   claims: DONE / FAILED
+            ^               |  |  |
+            |               |  |  +- lease live, not a retry of the holder: claims: BUSY
+            |               |  +- lease_expired, or same task_id with a higher attempt:
+            |               |     claim -> TAKEOVER, IN_PROGRESS(t+1)
+            |               +- release(t) -> RELEASED(t) -- claim -> CLAIMED, IN_PROGRESS(t+1)
+            +- expires <= now (TTL): counts as absent -- claim -> CLAIMED, IN_PROGRESS(t+1)
+
+          A live row that is not RELEASED and stores another payload_hash -> MISMATCH (checked
+          right after absent/RELEASED, before DONE, FAILED, TAKEOVER and BUSY).
+
+        PostgreSQL: one statement. A CTE locks the current row (``FOR UPDATE``), computes the
+        decision with the named predicates and feeds an ``INSERT ... ON CONFLICT DO UPDATE``
+        that only runs when the decision holds. SQLite: the same decision as a SELECT and then
+        an INSERT or UPDATE, serialized by ``BEGIN IMMEDIATE``. MySQL/MariaDB have no
+        ``RETURNING`` for upserts and cannot hand back the replaced row: the decision is a
+        SELECT (the whole claim when the key is not taken) and a taking claim adds one
+        conditional INSERT or UPDATE, so it costs 2 statements.
+
+        Returns:
+            The decision, the token and the live record found before the claim.
+
+        Raises:
+            StoreUnavailable: The database could not be reached; nothing was written.
+            CorruptRecord: The stored row cannot be read; nothing was written.
+        """
+        args = _ClaimArgs(self._stored(key), owner, task_id, attempt, lease, ttl, payload_hash)
+        for _ in range(_CLAIM_RUNS):
+            try:
+                with self._connect() as conn:
+                    if self._dialect == "postgresql":
+                        return self._claim_postgresql(conn, args)
+                    return self._claim_select_then_write(conn, args)
+            except _ClaimRaced:
+                continue  # the winner's row is committed now; the next run sees it
+        raise StoreUnavailable(
+            f"the claim of {key!r} lost {_CLAIM_RUNS} races in a row in the SQL store at "
+            f"{self._shown_url}: the row kept changing between the decision and the write"
+        )
+
+    def _claim_postgresql(self, conn: Connection, args: _ClaimArgs) -> Claim:
+        # WITH old    AS MATERIALIZED (SELECT * FROM t WHERE key = :k FOR UPDATE),
+        #      decide AS MATERIALIZED (SELECT now, old.*, CASE <predicates> END AS status
+        #                              FROM (SELECT <db clock> AS now) clock
+        #                              LEFT JOIN old ON true),
+        #      up     AS (INSERT INTO t SELECT ... FROM decide
+        #                 WHERE status IN ('claimed', 'takeover')
+        #                 ON CONFLICT (key) DO UPDATE SET ... WHERE t.token = excluded.token - 1
+        #                 RETURNING token)
+        # SELECT decide.*, up.token FROM decide LEFT JOIN up ON true
+        #
+        # FOR UPDATE makes the row we decide on the row the upsert meets: a concurrent claim
+        # waits for us and then decides on our row. It cannot lock a row that is not there yet:
+        # when two claims of an absent key run at once, the loser's snapshot shows no row, its
+        # INSERT meets the winner's row, and the token guard (expected old token 0, found >= 1)
+        # turns the update into a no-op. The statement then returns a holding decision without
+        # an "up" row: nothing was written, and the claim runs again to decide on the winner's
+        # row. The upsert reads "decide", so "old" is always evaluated (and locked) first.
+        t = self._table
+        old = sa.select(t).where(t.c.key == args.stored_key).with_for_update()
+        old_cte = old.cte("old").prefix_with("MATERIALIZED")
+        clock = sa.select(db_now().label("now")).subquery("clock")
+        status = args.predicates(old_cte, clock.c.now).status()
+        decide = (
+            sa.select(clock.c.now, *old_cte.c, status.label("status"))
+            .select_from(clock.outerjoin(old_cte, sa.true()))
+            .cte("decide")
+            .prefix_with("MATERIALIZED")
+        )
+        values = args.values(now=decide.c.now, token=sa.func.coalesce(decide.c.token, 0) + 1)
+        insert = pg_insert(t).from_select(
+            list(values), sa.select(*values.values()).where(decide.c.status.in_(_HOLDS))
+        )
+        up = (
+            insert.on_conflict_do_update(
+                index_elements=[t.c.key],
+                set_={name: insert.excluded[name] for name in values if name != "key"},
+                where=t.c.token == insert.excluded.token - 1,
+            )
+            .returning(t.c.token)
+            .cte("up")
+        )
+        query = sa.select(decide, up.c.token.label("taken_token")).select_from(
+            decide.outerjoin(up, sa.true())
+        )
+        row = conn.execute(query).mappings().one()
+        if row["status"] in _HOLDS and row["taken_token"] is None:
+            raise _ClaimRaced
+        return self._claim_result(row, taken_token=row["taken_token"])
+
+    def _claim_select_then_write(self, conn: Connection, args: _ClaimArgs) -> Claim:
+        # SQLite and MySQL cannot return the row an upsert replaced, so the decision is read
+        # first and the write is conditional on it. SQLite has no row locks: BEGIN IMMEDIATE
+        # takes the database's write lock up front and serializes the read-decide-write.
+        # MySQL runs in autocommit without locks (SELECT ... FOR UPDATE would need a
+        # transaction: two more round trips, with the row locked across them); instead the
+        # write re-checks in SQL that the row still yields the same decision, and a claim that
+        # finds it changed (or finds the absent key inserted) writes nothing and runs again.
+        t = self._table
+        clock = sa.select(db_now().label("now")).subquery("clock")
+        status = args.predicates(t, clock.c.now).status()
+        decide = sa.select(clock.c.now, *t.c, status.label("status")).select_from(
+            clock.outerjoin(t, t.c.key == args.stored_key)
+        )
+        with self._sqlite_write_transaction(conn):
+            row = conn.execute(decide).mappings().one()
+            if row["status"] not in _HOLDS:
+                return self._claim_result(row, taken_token=None)
+            now = float(row["now"])
+            token = (0 if row["key"] is None else int(row["token"])) + 1
+            values = args.values(now=sa.literal(now, sa.Double), token=token)
+            if row["key"] is None:
+                try:
+                    conn.execute(sa.insert(t).values(values))
+                except sa_exc.IntegrityError:
+                    raise _ClaimRaced from None  # a concurrent first claim inserted the key
+            else:
+                still_same = sa.and_(
+                    t.c.key == args.stored_key,
+                    t.c.token == row["token"],
+                    t.c.state == row["state"],
+                    args.predicates(t, sa.literal(now, sa.Double)).status() == row["status"],
+                )
+                update = (
+                    sa.update(t)
+                    .where(still_same)
+                    .values({name: value for name, value in values.items() if name != "key"})
+                )
+                if conn.execute(update).rowcount != 1:
+                    raise _ClaimRaced
+        return self._claim_result(row, taken_token=token)
+
+    @contextlib.contextmanager
+    def _sqlite_write_transaction(self, conn: Connection) -> Iterator[None]:
+        """On SQLite, run the block in ``BEGIN IMMEDIATE ... COMMIT``; elsewhere just run it.
+
+        The engine is in autocommit (pysqlite's own implicit BEGIN is off), so the transaction
+        is ours to open and close, as SQLAlchemy's pysqlite documentation recommends.
+        """
+        if self._dialect != "sqlite":
+            yield
+            return
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.exec_driver_sql("ROLLBACK")
+            raise
+        conn.exec_driver_sql("COMMIT")
+
+    def _claim_result(self, row: RowMapping, *, taken_token: int | None) -> Claim:
+        now = float(row["now"])
+        live = row["key"] is not None and float(row["expires"]) > now
+        # A live row in a state we do not know raises CorruptRecord here, before its NULL
+        # status is looked at (the claim wrote nothing: NULL is not a holding status).
+        before = self._record(row) if live else None
+        status = ClaimStatus(row["status"])
+        if taken_token is not None:
+            return Claim(status, int(taken_token), before, now)
+        assert before is not None  # only a live row can refuse a claim
+        return Claim(status, before.token, before, now)
+
+    # -- fenced writes ------------------------------------------------------------------------
+
+    def _fenced(self, stored_key: str, token: int) -> ColumnElement[bool]:
+        t = self._table
+        return sa.and_(
+            t.c.key == stored_key,
+            t.c.token == token,
+            t.c.state == State.IN_PROGRESS.value,
+            t.c.expires > db_now(),
+        )
+
+    def _lease_lost(self, verb: str, key: str, token: int, current: Record | None) -> LeaseLost:
+        """Why a fenced write matched no row, worded like the memory store."""
+        if current is None or current.token != token:
+            return LeaseLost(
+                f"{verb} of {key!r} with token {token} refused: the record "
+                + ("is gone" if current is None else f"now has token {current.token}"),
+                key=key,
+                token=token,
+            )
+        return LeaseLost(
+            f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token
+        )
+
+    def record(
+        self,
+        key: str,
+        token: int,
+        *,
+        state: State,
+        content_type: str,
+        data: bytes,
+        ttl: float,
+    ) -> None:
+        """Turn the caller's IN_PROGRESS row into DONE or FAILED: one fenced UPDATE.
+
+        Recording again with the same token and state (a retry after a lost reply) succeeds
+        and changes nothing.
+
+        Raises:
+            LeaseLost: The row has another token, is not in progress, or is gone.
+            StoreUnavailable: The database could not be reached (the write may or may not
+                have happened; retrying is safe).
+            ValueError: ``state`` is not DONE or FAILED.
+        """
+        if state not in (State.DONE, State.FAILED):
+            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        update = (
+            sa.update(self._table)
+            .where(self._fenced(self._stored(key), token))
+            .values(
+                state=state.value,
+                content_type=content_type,
+                data=data,
+                lease_expires=None,
+                updated=db_now(),
+                expires=db_now() + ttl,
+            )
+        )
+        with self._connect() as conn:
+            if conn.execute(update).rowcount == 1:
+                return
+            # Not the hot path: read the row once more to tell a retry from a lost lease.
+            current = self._get(conn, key)
+            if current is not None and current.token == token and current.state is state:
+                return  # the holder retrying a record whose reply it lost
+            raise self._lease_lost("record", key, token, current)
+
+    def release(self, key: str, token: int) -> None:
+        """Give the claim back: one fenced UPDATE to a RELEASED tombstone that keeps the token.
+
+        The tombstone keeps the row's TTL and clears everything that described the holder.
+
+        Raises:
+            LeaseLost: The row has another token, is not in progress, or is gone.
+            StoreUnavailable: The database could not be reached.
+        """
+        update = (
+            sa.update(self._table)
+            .where(self._fenced(self._stored(key), token))
+            .values(
+                state=State.RELEASED.value,
+                owner="",
+                task_id="",
+                attempt=0,
+                lease_expires=None,
+                payload_hash=None,
+                content_type=None,
+                data=None,
+                updated=db_now(),
+            )
+        )
+        with self._connect() as conn:
+            if conn.execute(update).rowcount != 1:
+                raise self._lease_lost("release", key, token, self._get(conn, key))
+
+    def renew(self, key: str, token: int, lease: float) -> float:
+        """Extend the caller's lease to database-now + ``lease``: one fenced UPDATE.
+
+        MySQL/MariaDB have no ``UPDATE ... RETURNING``: the new expiry is read back by a second
+        statement, which raises :class:`LeaseLost` if the key was taken over in between.
+
+        Returns:
+            The new lease expiry (database clock, epoch seconds).
+
+        Raises:
+            LeaseLost: The row has another token, is not in progress, or is gone.
+            StoreUnavailable: The database could not be reached.
+        """
+        t = self._table
+        fenced = self._fenced(self._stored(key), token)
+        update = sa.update(t).where(fenced).values(lease_expires=db_now() + lease)
+        with self._connect() as conn:
+            if self._engine.dialect.update_returning:
+                expires = conn.execute(update.returning(t.c.lease_expires)).scalar_one_or_none()
+            elif conn.execute(update).rowcount == 1:
+                expires = conn.execute(sa.select(t.c.lease_expires).where(fenced)).scalar()
+            else:
+                expires = None
+            if expires is None:
+                raise self._lease_lost("renew", key, token, self._get(conn, key))
+            return float(expires)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _get(self, conn: Connection, key: str) -> Record | None:
+        t = self._table
+        query = sa.select(t).where(t.c.key == self._stored(key), t.c.expires > db_now())
+        row = conn.execute(query).mappings().one_or_none()
+        return None if row is None else self._record(row)
+
+    def get(self, key: str) -> Record | None:
+        """Read one record, or None when the key is absent or its TTL has passed.
+
+        Raises:
+            StoreUnavailable: The database could not be reached.
+            CorruptRecord: The stored row cannot be read.
+        """
+        with self._connect() as conn:
+            return self._get(conn, key)
+
+    def _own_rows(self) -> ColumnElement[bool]:
+        t = self._table
+        if not self.prefix:
+            return sa.true()
+        # An exact comparison: LIKE is case-insensitive on SQLite and needs escaping.
+        return sa.func.substr(t.c.key, 1, len(self.prefix)) == self.prefix
+
+    def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
+        """Iterate over this prefix's live records in key order, ``count`` rows per query.
+
+        Keyset pagination (``key > last ORDER BY key LIMIT count``): every page is one query
+        along the primary key, however deep the scan, and rows written meanwhile never shift a
+        page. Not a snapshot: each page sees the rows as they are when it is read.
+
+        Raises:
+            StoreUnavailable: The database could not be reached.
+            CorruptRecord: A stored row cannot be read.
+        """
+        t = self._table
+        page_size = max(1, count)
+        query = (
+            sa.select(t)
+            .where(self._own_rows(), t.c.expires > db_now())
+            .order_by(t.c.key)
+            .limit(page_size)
+        )
+        if state is not None:
+            query = query.where(t.c.state == state.value)
+        last: str | None = None
+        while True:
+            page = query if last is None else query.where(t.c.key > last)
+            with self._connect() as conn:
+                rows = conn.execute(page).mappings().all()
+            for row in rows:
+                yield self._record(row)
+            if len(rows) < page_size:
+                return
+            last = rows[-1]["key"]
+
+    def now(self) -> float:
+        """The database server's clock (epoch seconds).
+
+        Raises:
+            StoreUnavailable: The database could not be reached.
+        """
+        with self._connect() as conn:
+            return float(conn.execute(sa.select(db_now())).scalar_one())
+
+    # -- maintenance --------------------------------------------------------------------------
+
+    def purge_expired(self, limit: int = 1000) -> int:
+        """Delete up to ``limit`` of this prefix's rows whose TTL has passed.
+
+        They already count as absent; deleting them only reclaims space (and restarts their
+        tokens at 1). Run it from a periodic task or by hand; call again while it returns
+        ``limit``.
+
+        Returns:
+            How many rows were deleted.
+
+        Raises:
+            StoreUnavailable: The database could not be reached.
+        """
+        t = self._table
+        expired = sa.and_(self._own_rows(), t.c.expires <= db_now())
+        if self._dialect in ("mysql", "mariadb"):
+            # MySQL has DELETE ... LIMIT, but no LIMIT in an IN (subquery).
+            delete = sa.delete(t).where(expired).with_dialect_options(mysql_limit=limit)
+        else:
+            batch = sa.select(t.c.key).where(expired).limit(limit).scalar_subquery()
+            # The outer condition is checked again on the row being deleted: a claim may have
+            # brought it back to life since the subquery read it.
+            delete = sa.delete(t).where(t.c.key.in_(batch), expired)
+        with self._connect() as conn:
+            return int(conn.execute(delete).rowcount)
+
+    def close(self) -> None:
+        """Close the pooled connections. The store must not be used afterwards."""
+        self._engine.dispose()
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self._shown_url} table={self._table.name!r} "
+            f"prefix={self.prefix!r}>"
+        )

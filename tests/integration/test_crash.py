@@ -84,3 +84,34 @@ def test_worker_main_process_killed_the_message_comes_back_and_runs_once(
     assert r.get(timeout=60)["token"] == 2
     assert len(cluster.effects("charge:ord_k4")) == 1
     assert os.path.exists(marker)
+
+
+def test_a_paused_holder_that_lost_its_lease_cannot_overwrite_the_new_holder(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    from celery_idem import LeaseLost
+
+    # Given holder A running a body, frozen (SIGSTOP) past its 2 s lease
+    a = cluster.worker("a", concurrency=1)
+    marker = tmp_path / "pids"
+    first = tasks.slow_charge.delay("ord_k5", str(marker), 60)
+    pid_a = int(wait_for(lambda: marker.exists() and marker.read_text().split(), what="A")[0])
+    os.kill(pid_a, signal.SIGSTOP)
+    try:
+        # When a duplicate reaches worker B, it takes over once the lease has run out
+        cluster.worker("b", concurrency=1)
+        second = tasks.slow_charge.delay("ord_k5", str(marker), 60)
+        wait_for(lambda: len(marker.read_text().split()) >= 2, timeout=40, what="B's takeover")
+        cluster.set_flag("release:ord_k5")
+        assert second.get(timeout=40)["token"] == 2
+    finally:
+        os.kill(pid_a, signal.SIGCONT)
+    # Then A, resumed, finishes its body but its record is fenced off: LeaseLost, loudly
+    with pytest.raises(LeaseLost):
+        first.get(timeout=40)
+    rec = cluster.store.get(tasks.slow_charge.idempotency_key_for(("ord_k5", "", 0)))
+    assert rec.state.value == "done" and rec.token == 2 and rec.task_id == second.id
+    assert "celery_idem lease_lost" in a.text()
+    # The body itself did run twice: only a remote that checks the token can refuse A's write
+    # (see docs/limits.md); what the gate guarantees is that A cannot overwrite B's record.
+    assert len(cluster.effects("charge:ord_k5")) == 2

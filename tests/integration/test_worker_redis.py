@@ -8,7 +8,6 @@ from celery_idem import CachedResult, IdempotencyKeyMismatch, TerminalError
 from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
 from tests.integration.harness import wait_for
-from tests.integration.harness import wait_for
 
 pytestmark = pytest.mark.worker
 

@@ -142,7 +142,8 @@ class MemoryStore(Store):
                 raise LeaseLost(
                     f"renew of {key!r} refused: it is {rec.state.value}", key=key, token=token
                 )
-            expires = self._records[key][1]
+            # The record must outlive the lease (see renew.lua).
+            expires = max(self._records[key][1], now + lease)
             self._records[key] = (dataclasses.replace(rec, lease_expires=now + lease), expires)
             return now + lease
 

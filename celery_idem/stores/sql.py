@@ -270,9 +270,7 @@ def _sqlalchemy_url(url: str) -> URL:
         raise ImproperlyConfigured(f"celery_idem cannot parse the SQL store URL: {exc}") from exc
     backend = sa_url.get_backend_name()
     if backend not in _BACKENDS:
-        raise ImproperlyConfigured(
-            f"the SQL store supports {', '.join(_BACKENDS)}, not {backend!r}"
-        )
+        raise ImproperlyConfigured(f"the SQL store supports {', '.join(_BACKENDS)}, not {backend!r}")
     if "+" not in sa_url.drivername and backend in _DRIVER_FALLBACKS:
         default_module, fallback = _DRIVER_FALLBACKS[backend]
         if not _importable(default_module) and _importable(fallback):
@@ -667,9 +665,7 @@ class SQLStore(Store):
                 key=key,
                 token=token,
             )
-        return LeaseLost(
-            f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token
-        )
+        return LeaseLost(f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token)
 
     def record(
         self,
@@ -758,7 +754,12 @@ class SQLStore(Store):
         """
         t = self._table
         fenced = self._fenced(self._stored(key), token)
-        update = sa.update(t).where(fenced).values(lease_expires=db_now() + lease)
+        # The record must outlive the lease too: a body running past the TTL keeps its record
+        # (and with it the token that fences every earlier holder).
+        update = sa.update(t).where(fenced).values(
+            lease_expires=db_now() + lease,
+            expires=sa.case((t.c.expires < db_now() + lease, db_now() + lease), else_=t.c.expires),
+        )
         with self._connect() as conn:
             if self._engine.dialect.update_returning:
                 expires = conn.execute(update.returning(t.c.lease_expires)).scalar_one_or_none()
@@ -809,10 +810,7 @@ class SQLStore(Store):
         t = self._table
         page_size = max(1, count)
         query = (
-            sa.select(t)
-            .where(self._own_rows(), t.c.expires > db_now())
-            .order_by(t.c.key)
-            .limit(page_size)
+            sa.select(t).where(self._own_rows(), t.c.expires > db_now()).order_by(t.c.key).limit(page_size)
         )
         if state is not None:
             query = query.where(t.c.state == state.value)
@@ -869,7 +867,4 @@ class SQLStore(Store):
         self._engine.dispose()
 
     def __repr__(self) -> str:
-        return (
-            f"<{type(self).__name__} {self._shown_url} table={self._table.name!r} "
-            f"prefix={self.prefix!r}>"
-        )
+        return f"<{type(self).__name__} {self._shown_url} table={self._table.name!r} prefix={self.prefix!r}>"

@@ -10,4 +10,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expires = now + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'l', expires)
+-- The record must outlive the lease: a body running past the TTL keeps its record (and with it
+-- the token that fences every earlier holder).
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 return expires

@@ -7,6 +7,7 @@ task option beats the app setting, and the app setting beats the built-in defaul
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterable
@@ -37,6 +38,11 @@ KNOWN_OPTIONS = frozenset(
 #: Attributes with the prefix that are not options (set by the library at run time).
 _RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempotency_config"})
 
+#: App settings (``app.conf``), which are not task options.
+_APP_SETTINGS = frozenset(
+    {"idempotency_store", "idempotency_key_prefix", "idempotency_store_options", "idempotency_events"}
+)
+
 #: Modules whose timeout/connection errors release the claim, where installed.
 _OPTIONAL_RELEASE_ON = (
     ("redis.exceptions", ("ConnectionError", "TimeoutError")),
@@ -46,6 +52,7 @@ _OPTIONAL_RELEASE_ON = (
 )
 
 
+@functools.cache
 def default_release_on() -> tuple[type[BaseException], ...]:
     """The timeout-class errors that release a claim by default.
 
@@ -107,10 +114,19 @@ def check_options(owner: str, namespace: Iterable[str]) -> None:
     Raises:
         ImproperlyConfigured: A name starts with ``idempotency_`` and is not an option.
     """
+    suffixes = {option.removeprefix("idempotency_"): option for option in KNOWN_OPTIONS}
     for name in namespace:
         if name.startswith("idempotency_") and name not in KNOWN_OPTIONS | _RUNTIME_ATTRIBUTES:
-            close = difflib.get_close_matches(name, sorted(KNOWN_OPTIONS), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            if name in _APP_SETTINGS:
+                raise ImproperlyConfigured(
+                    f"{owner}: {name!r} is an app setting, not a task option: set "
+                    f"app.conf.{name} instead"
+                )
+            # Compare what follows the shared prefix, or every name would look close.
+            close = difflib.get_close_matches(
+                name.removeprefix("idempotency_"), sorted(suffixes), n=1, cutoff=0.75
+            )
+            hint = f" Did you mean {suffixes[close[0]]!r}?" if close else ""
             raise ImproperlyConfigured(
                 f"{owner}: unknown option {name!r}.{hint} Known options: "
                 f"{', '.join(sorted(KNOWN_OPTIONS))}"
@@ -149,7 +165,11 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
                     f"{owner}: idempotency_fields names {missing} that are not arguments of the "
                     f"task (its arguments: {', '.join(params)})"
                 )
-    key_func = attrs.idempotency_key_func
+    # Read it without binding: a plain function stored on the task class would otherwise
+    # become a method and receive the task as its first argument.
+    key_func = inspect.getattr_static(attrs, "idempotency_key_func", None)
+    if isinstance(key_func, (staticmethod, classmethod)):
+        key_func = key_func.__func__
     if key_func is not None and not callable(key_func):
         raise ImproperlyConfigured(f"{owner}: idempotency_key_func must be callable")
     if key_func is not None and fields is not None:

@@ -232,10 +232,15 @@ class Gate:
         except Exception as exc:
             # The effect happened but its result cannot be stored: record the failure so that
             # no duplicate runs the body again, and let the error reach the caller.
-            err_type, err = self.codec.encode_error(
-                TypeError(f"the result of {attempt.key!r} cannot be encoded: {exc}")
+            failure = TypeError(f"the result of {attempt.key!r} cannot be encoded: {exc}")
+            logger.error(
+                "celery_idem result not encodable key=%s task_id=%s token=%s: %s; recorded as "
+                "failed so no duplicate runs the body again", attempt.key, attempt.task_id, token, exc,
             )
-            self._write(attempt, token, State.FAILED, err_type, err)
+            err_type, err = self.codec.encode_error(failure)
+            if self._write(attempt, token, State.FAILED, err_type, err):
+                self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
+                          {"error": "TypeError", "reason": "result_not_encodable"})
             raise
         if self._write(attempt, token, State.DONE, ctype, data):
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})

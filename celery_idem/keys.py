@@ -136,7 +136,12 @@ def canonical(value: Any, path: str = "value") -> Any:
     if isinstance(value, decimal.Decimal):
         if not value.is_finite():
             return str(value)
-        return format(value.normalize(), "f")
+        if not value:
+            return "0"  # Decimal("-0") == Decimal("0.00") == 0
+        # Strip trailing zeros without rounding: normalize() rounds to the context's precision,
+        # so give it a context exactly as precise as the value (the thread's context is ignored).
+        exact = decimal.Context(prec=max(len(value.as_tuple().digits), 1))
+        return format(value.normalize(exact), "f")
     if isinstance(value, uuid.UUID):
         return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -29,7 +29,7 @@ from celery.states import FAILURE, SUCCESS
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
 from .events import EVENT_TYPE, Outcome, log_outcome
-from .exceptions import ImproperlyConfigured, StoreUnavailable
+from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, StoreUnavailable
 from .gate import Attempt, Gate, Requeue
 from .keys import bind_arguments, canonical_json, payload_hash, select_fields
 from .records import Record, State
@@ -256,7 +256,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
         if not republish and not canvas:
-            cached = self._cached(key)
+            cached = self._cached(key, args, kwargs)
             if cached is not None:
                 return cached
         return super().apply_async(
@@ -264,7 +264,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             link_error=link_error, shadow=shadow, headers=headers, **options,
         )
 
-    def _cached(self, key: str) -> CachedResult | None:
+    def _cached(
+        self, key: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> CachedResult | None:
         try:
             rec = self._gate.store.get(key)
         except StoreUnavailable as exc:
@@ -273,6 +275,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return None
         if rec is None or rec.state not in (State.DONE, State.FAILED):
             return None
+        if (
+            self.idempotency_config.validate
+            and rec.payload_hash
+            and payload_hash(self._bound(args or (), kwargs or {})) != rec.payload_hash
+        ):
+            raise IdempotencyKeyMismatch(
+                f"idempotency key {key!r} was first used with different arguments (task "
+                f"{rec.task_id}); use a new key for a new action. Nothing was sent.",
+                key=key,
+            )
         codec = self._gate.codec
         if rec.state is State.FAILED:
             error = codec.decode_error(rec.key, rec.content_type or "", rec.data or b"")

@@ -196,7 +196,11 @@ class Gate:
         cfg, key = self.config, attempt.key
         if isinstance(exc, cfg.terminal_on):
             ctype, data = self.codec.encode_error(exc)
-            if self._write(attempt, token, State.FAILED, ctype, data):
+            try:
+                written = self._write(attempt, token, State.FAILED, ctype, data)
+            except LeaseLost:
+                return  # reported by _write; the body's own error is what the caller sees
+            if written:
                 self.emit(Outcome.TERMINAL, key, token, attempt.task_id,
                           {"error": type(exc).__name__})
             return

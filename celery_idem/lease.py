@@ -7,6 +7,7 @@ renewal at all. After a fork the child starts its own thread on first use.
 
 from __future__ import annotations
 
+import contextvars
 import heapq
 import itertools
 import logging
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from .exceptions import LeaseLost, StoreUnavailable
 from .stores.base import Store
 
-__all__ = ["Lease", "LeaseKeeper", "keeper"]
+__all__ = ["Lease", "LeaseKeeper", "current_lease", "keeper"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -35,7 +36,7 @@ class Lease:
         token: The holder's fencing token.
         duration: Lease length in seconds.
         lost: Set when a renewal found that another holder took over (the body may check it
-            through ``task.idempotency_lease_lost``).
+            through ``task.idempotency_lease_lost`` before a write it cannot take back).
         done: Set when the holder is finished; the keeper drops it.
     """
 
@@ -46,6 +47,12 @@ class Lease:
     lost: threading.Event = field(default_factory=threading.Event)
     done: bool = False
     renewals: int = 0
+
+
+#: The lease held by the body running in this context (thread), for ``idempotency_lease_lost``.
+current_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
+    "celery_idem_lease", default=None
+)
 
 
 class LeaseKeeper:
@@ -63,10 +70,12 @@ class LeaseKeeper:
         """Keep the lease of ``key`` alive until the block ends."""
         lease = Lease(store, key, token, duration)
         self._schedule(lease, time.monotonic() + duration / 3)
+        reset = current_lease.set(lease)
         try:
             yield lease
         finally:
             lease.done = True  # dropped lazily when it comes up: no lock on the way out
+            current_lease.reset(reset)
 
     def _schedule(self, lease: Lease, due: float) -> None:
         with self._cond:

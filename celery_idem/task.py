@@ -32,6 +32,7 @@ from .events import EVENT_TYPE, Outcome, log_outcome
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, StoreUnavailable
 from .gate import Attempt, Gate, Requeue
 from .keys import bind_arguments, canonical_json, payload_hash, select_fields
+from .lease import current_lease
 from .records import Record, State
 from .stores import store_from_url
 from .stores.base import Store
@@ -218,6 +219,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         rejects writes with a token lower than one it has seen.
         """
         return getattr(self.request, "idempotency_token_", None)
+
+    @property
+    def idempotency_lease_lost(self) -> bool:
+        """True once a renewal found that another attempt took this claim over (inside the body).
+
+        A body about to make a write it cannot take back may check it; the write is refused
+        anyway when the outcome is recorded, but the effect would already have happened.
+        """
+        lease = current_lease.get()
+        return lease is not None and lease.lost.is_set()
 
     # -- producer side -------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from celery.signals import before_task_publish
 
 from celery_idem import CachedResult, IdempotencyKeyMismatch, TerminalError
 from tests.integration import app as tasks
@@ -26,7 +27,18 @@ def test_second_enqueue_of_a_done_key_publishes_nothing_and_resolves_at_once(clu
     cluster.worker()
     first = tasks.charge.delay("ord_2", 4200)
     value = first.get(timeout=30)
-    second = tasks.charge.delay("ord_2", 4200, note="retry by the agent")
+    published: list[str] = []
+
+    def count(sender: object = None, headers: dict | None = None, **_: object) -> None:
+        published.append((headers or {}).get("id", ""))
+
+    before_task_publish.connect(count, weak=False)
+    try:
+        second = tasks.charge.delay("ord_2", 4200, note="retry by the agent")
+        tasks.charge.delay("ord_2b", 1).get(timeout=30)  # proves the counter sees publishes
+    finally:
+        before_task_publish.disconnect(count)
+    assert len(published) == 1
     assert isinstance(second, CachedResult)
     assert second.id == first.id and second.get(timeout=1) == value
     assert len(cluster.effects("charge:ord_2")) == 1

@@ -12,6 +12,8 @@ if r[1] ~= 'in_progress' then return 'fenced:' .. r[1] .. ':' .. r[2] end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSET', KEYS[1], 's', ARGV[2], 'c', ARGV[3], 'd', ARGV[4], 'u', now)
-redis.call('HDEL', KEYS[1], 'l')
+-- Who held the claim and at which attempt no longer matters once the outcome is known: drop
+-- them to keep a done record small (the task id stays: it is the original task id).
+redis.call('HDEL', KEYS[1], 'l', 'o', 'a')
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 'ok'

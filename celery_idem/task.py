@@ -270,10 +270,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             cached = self._cached(key, args, kwargs)
             if cached is not None:
                 return cached
-        return super().apply_async(
+        result: AsyncResult = super().apply_async(
             args, kwargs, task_id=task_id, producer=producer, link=link,
             link_error=link_error, shadow=shadow, headers=headers, **options,
         )
+        # So a caller (an agent keeping a checkpoint, say) can store the key with the task id.
+        result.idempotency_key = key
+        return result
 
     def _cached(
         self, key: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None

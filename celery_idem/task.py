@@ -247,7 +247,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         Takes every option of :meth:`celery.Task.apply_async`, plus ``idempotency_key`` (a
         per-call key used verbatim). When the key is already done (or failed terminally), no
-        message is published and a :class:`CachedResult` is returned at once.
+        message is published and a :class:`CachedResult` is returned at once. Either way the
+        result carries the key as ``result.idempotency_key``.
 
         Raises:
             TypeError: The key cannot be derived from the arguments; nothing was published.

@@ -78,7 +78,7 @@ class RedisStore(Store):
 
     schemes = ("redis", "rediss", "unix")
 
-    def __init__(self, client: redis.Redis[bytes], prefix: str = "celery-idem:") -> None:
+    def __init__(self, client: redis.Redis, prefix: str = "celery-idem:") -> None:
         super().__init__(prefix)
         self.client = client
         kwargs = client.connection_pool.connection_kwargs
@@ -116,7 +116,7 @@ class RedisStore(Store):
         ttl: float,
         payload_hash: str | None = None,
     ) -> Claim:
-        args = [owner, task_id, attempt, _ms(lease), _ms(ttl), payload_hash or ""]
+        args: list[str | int] = [owner, task_id, attempt, _ms(lease), _ms(ttl), payload_hash or ""]
         with _translate_errors(self, key):
             reply = self._claim(keys=[self._k(key)], args=args)
         status = reply[0].decode()
@@ -169,7 +169,7 @@ class RedisStore(Store):
             for name, values in zip(names, rows, strict=True):
                 if isinstance(values, Exception) or values[0] is None:
                     continue  # a foreign key under our prefix, or expired between the calls
-                key = name.decode()[len(self.prefix):]
+                key = _text(name)[len(self.prefix):]
                 rec = self._decode(key, values)
                 if state is None or rec.state is state:
                     yield rec
@@ -219,6 +219,10 @@ class RedisStore(Store):
                 f"celery_idem, or it is damaged",
                 key=key,
             ) from exc
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _ms(seconds: float) -> int:

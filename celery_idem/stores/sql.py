@@ -175,7 +175,7 @@ class _ClaimPredicates:
                     c.payload_hash != "",
                     c.payload_hash != payload_hash,
                 )
-                if payload_hash
+                if isinstance(payload_hash, sa.BindParameter) or payload_hash
                 else sa.false()
             ),
             is_done=c.state == State.DONE.value,
@@ -224,19 +224,50 @@ class _ClaimArgs:
     def values(self, *, now: ColumnElement[float], token: Any) -> dict[str, Any]:
         """The IN_PROGRESS row a taking claim writes, in column order."""
         return {
-            "key": sa.literal(self.stored_key, sa.String),
+            "key": _lit(self.stored_key, sa.String),
             "state": sa.literal(State.IN_PROGRESS.value, sa.String),
             "token": token,
-            "owner": sa.literal(self.owner, sa.String),
-            "task_id": sa.literal(self.task_id, sa.String),
-            "attempt": sa.literal(self.attempt, sa.Integer),
+            "owner": _lit(self.owner, sa.String),
+            "task_id": _lit(self.task_id, sa.String),
+            "attempt": _lit(self.attempt, sa.Integer),
             "lease_expires": now + self.lease,
-            "payload_hash": sa.literal(self.payload_hash, sa.String),
+            "payload_hash": _lit(self.payload_hash, sa.String),
             "content_type": sa.null(),
             "data": sa.null(),
             "updated": now,
             "expires": now + self.ttl,
         }
+
+
+def _lit(value: Any, type_: Any) -> Any:
+    """A SQL literal for a plain value; a bind parameter (a cached statement's slot) as it is."""
+    return value if isinstance(value, sa.BindParameter) else sa.literal(value, type_)
+
+
+def _claim_template(validate: bool) -> _ClaimArgs:
+    """Claim arguments as named bind parameters, to build a claim statement once and reuse it.
+
+    Building the PostgreSQL claim (CTEs, predicates, upsert) costs about a millisecond of
+    client CPU; reusing the built statement leaves only binding the values to each call.
+    """
+    return _ClaimArgs(
+        stored_key=sa.bindparam("idem_key", type_=sa.String),  # type: ignore[arg-type]
+        owner=sa.bindparam("idem_owner", type_=sa.String),  # type: ignore[arg-type]
+        task_id=sa.bindparam("idem_task_id", type_=sa.String),  # type: ignore[arg-type]
+        attempt=sa.bindparam("idem_attempt", type_=sa.Integer),  # type: ignore[arg-type]
+        lease=sa.bindparam("idem_lease", type_=sa.Double),  # type: ignore[arg-type]
+        ttl=sa.bindparam("idem_ttl", type_=sa.Double),  # type: ignore[arg-type]
+        # Validation changes the predicates' shape (a constant false without a hash).
+        payload_hash=sa.bindparam("idem_payload_hash", type_=sa.String) if validate else None,  # type: ignore[arg-type]
+    )
+
+
+def _claim_params(args: _ClaimArgs) -> dict[str, Any]:
+    return {
+        "idem_key": args.stored_key, "idem_owner": args.owner, "idem_task_id": args.task_id,
+        "idem_attempt": args.attempt, "idem_lease": args.lease, "idem_ttl": args.ttl,
+        "idem_payload_hash": args.payload_hash,
+    }
 
 
 class _ClaimRaced(Exception):
@@ -362,6 +393,8 @@ class SQLStore(Store):
         self._table = _build_table(table_name)
         self._table_ready = False
         self._table_lock = threading.Lock()
+        # Built once per shape (with/without payload validation): see _claim_template.
+        self._pg_claims: dict[bool, sa.Select[Any]] = {}
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> SQLStore:
@@ -541,6 +574,16 @@ class SQLStore(Store):
         # turns the update into a no-op. The statement then returns a holding decision without
         # an "up" row: nothing was written, and the claim runs again to decide on the winner's
         # row. The upsert reads "decide", so "old" is always evaluated (and locked) first.
+        validate = bool(args.payload_hash)
+        query = self._pg_claims.get(validate)
+        if query is None:
+            query = self._pg_claims[validate] = self._build_pg_claim(_claim_template(validate))
+        row = conn.execute(query, _claim_params(args)).mappings().one()
+        if row["status"] in _HOLDS and row["taken_token"] is None:
+            raise _ClaimRaced
+        return self._claim_result(row, taken_token=row["taken_token"])
+
+    def _build_pg_claim(self, args: _ClaimArgs) -> sa.Select[Any]:
         t = self._table
         old = sa.select(t).where(t.c.key == args.stored_key).with_for_update()
         old_cte = old.cte("old").prefix_with("MATERIALIZED")
@@ -565,13 +608,9 @@ class SQLStore(Store):
             .returning(t.c.token)
             .cte("up")
         )
-        query = sa.select(decide, up.c.token.label("taken_token")).select_from(
+        return sa.select(decide, up.c.token.label("taken_token")).select_from(
             decide.outerjoin(up, sa.true())
         )
-        row = conn.execute(query).mappings().one()
-        if row["status"] in _HOLDS and row["taken_token"] is None:
-            raise _ClaimRaced
-        return self._claim_result(row, taken_token=row["taken_token"])
 
     def _claim_select_then_write(self, conn: Connection, args: _ClaimArgs) -> Claim:
         # SQLite and MySQL cannot return the row an upsert replaced, so the decision is read

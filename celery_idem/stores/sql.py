@@ -316,9 +316,13 @@ def _importable(module: str) -> bool:
 def _build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
     backend = sa_url.get_backend_name()
     options: dict[str, Any] = {
-        # A worker idles for hours between tasks; a connection the server or a proxy closed
-        # meanwhile is replaced at checkout instead of failing the claim.
-        "pool_pre_ping": True,
+        # No pre-ping: it would double the round trips of every verb. A connection the server
+        # closed while the worker idled fails its statement as a disconnect, SQLAlchemy drops
+        # it from the pool, and the gate already handles that failure (a claim re-queues the
+        # message, a record is retried), so the next attempt gets a fresh connection.
+        "pool_pre_ping": False,
+        # Recycle before the usual server/proxy idle limits (MySQL wait_timeout, PgBouncer).
+        "pool_recycle": 1800,
         # Each verb is one statement (or opens its own transaction explicitly): autocommit
         # spares the BEGIN/COMMIT round trips.
         "isolation_level": "AUTOCOMMIT",

@@ -301,3 +301,27 @@ def test_a_url_without_a_driver_falls_back_to_an_installed_one() -> None:
     assert my.drivername == ("mysql" if _importable("MySQLdb") else "mysql+pymysql")
     assert _sqlalchemy_url("db+postgresql+psycopg://h/db").drivername == "postgresql+psycopg"
     assert _sqlalchemy_url("db+sqlite:///x.db").drivername == "sqlite"
+
+
+def test_a_connection_the_server_closed_fails_one_verb_then_the_pool_recovers(
+    pg_url: str, table_name: str
+) -> None:
+    # Given a store on PostgreSQL whose pooled connection the server then terminates
+    store = store_from_url("db+" + pg_url, prefix="gone:", options={"table_name": table_name})
+    try:
+        claim(store, "k1")
+        with store._engine.connect() as conn:  # the pool's one idle connection
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        admin = sa.create_engine(pg_url)
+        with admin.connect() as conn:
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        admin.dispose()
+        # When the next verb uses the dead connection, Then it is StoreUnavailable (no pre-ping)
+        with pytest.raises(StoreUnavailable):
+            store.get("k1")
+        # And the verb after it gets a fresh connection
+        rec = store.get("k1")
+        assert rec is not None and rec.state is State.IN_PROGRESS
+    finally:
+        drop_table(store)
+        store.close()

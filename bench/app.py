@@ -1,0 +1,110 @@
+"""The Celery app of the benchmark, built from :class:`Settings` (the producer and the workers
+build the same app; workers read the settings from ``BENCH_SETTINGS``, see ``worker_app``).
+
+Tasks (all return their ``action`` argument, a short string):
+
+==================  ====================================================================
+bench.plain         plain ``@app.task`` no-op (Celery defaults: acks early)
+bench.plain_late    the same with ``acks_late=True, reject_on_worker_lost=True`` (what
+                    ``IdempotentTask`` sets), to separate the ack mode from the gate
+bench.idem          the same no-op with ``base=IdempotentTask``, keyed by ``action``
+bench.plain_count   plain task whose body does ``INCR counter`` (counts bodies run)
+bench.idem_count    ``IdempotentTask`` version of it, keyed by ``action`` only
+==================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_idem import IdempotentTask
+
+ENV = "BENCH_SETTINGS"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One benchmark configuration (one queue, one store)."""
+
+    prefix: str
+    queue: str
+    redis_url: str
+    store_url: str | None = None  # None: the store is derived from result_backend (Redis)
+    store_options: dict[str, Any] = field(default_factory=dict)
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        try:
+            raw = os.environ[ENV]
+        except KeyError:
+            raise SystemExit(f"bench.worker_app needs {ENV} (it is started by `python -m bench`)") from None
+        return cls(**json.loads(raw))
+
+    @property
+    def ready_key(self) -> str:
+        return f"{self.prefix}ready:{self.queue}"
+
+
+_clients: dict[tuple[int, str], redis.Redis] = {}
+
+
+def _counter_client(url: str) -> redis.Redis:
+    """One client per process (a forked pool child builds its own)."""
+    key = (os.getpid(), url)
+    client = _clients.get(key)
+    if client is None:
+        client = _clients[key] = redis.Redis.from_url(url)
+    return client
+
+
+def build_app(s: Settings) -> Celery:
+    app = Celery(f"bench-{s.queue}", broker=s.redis_url, backend=s.redis_url, set_as_current=False)
+    app.conf.update(
+        task_default_queue=s.queue,
+        # Every broker and result key under the run's prefix: nothing shared, all cleaned up.
+        broker_transport_options={"global_keyprefix": s.prefix},
+        result_backend_transport_options={"global_keyprefix": s.prefix},
+        result_expires=3600,
+        broker_connection_retry_on_startup=True,
+        worker_enable_remote_control=False,
+        idempotency_key_prefix=s.prefix + "idem:",
+    )
+    if s.store_url:
+        app.conf.idempotency_store = s.store_url
+    if s.store_options:
+        app.conf.idempotency_store_options = dict(s.store_options)
+    redis_url = s.redis_url
+    # shared=False: a shared task would be added to every app built later in this process.
+
+    @app.task(shared=False, name="bench.plain")
+    def plain(action: str) -> str:
+        return action
+
+    @app.task(shared=False, name="bench.plain_late", acks_late=True, reject_on_worker_lost=True)
+    def plain_late(action: str) -> str:
+        return action
+
+    @app.task(shared=False, name="bench.idem", base=IdempotentTask, idempotency_fields=("action",))
+    def idem(action: str) -> str:
+        return action
+
+    @app.task(shared=False, name="bench.plain_count")
+    def plain_count(action: str, counter: str) -> str:
+        _counter_client(redis_url).incr(counter)
+        return action
+
+    @app.task(shared=False, name="bench.idem_count", base=IdempotentTask, idempotency_fields=("action",))
+    def idem_count(action: str, counter: str) -> str:
+        _counter_client(redis_url).incr(counter)
+        return action
+
+    return app

@@ -1,0 +1,551 @@
+"""``python -m bench``: run the benchmarks, print the tables, optionally rewrite docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+import redis
+
+from . import micro
+from .e2e import Plan, Summary, measure, sql_table, summarize
+from .report import ROOT, machine, table
+
+DOCS = ROOT / "docs" / "benchmarks.md"
+SQL_BUILD = "SQLStore._claim_postgresql up to execute (statement build or lookup)"
+DEFAULT_PG = "db+postgresql+psycopg://root@127.0.0.1:5432/test"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--tasks", type=int, default=2000, help="messages per batch (default 2000)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per system (default 3)")
+    p.add_argument("--pools", default="prefork,solo", help="worker pools: prefork (-c 2), solo")
+    p.add_argument("--store", choices=("redis", "postgres", "both"), default="both")
+    p.add_argument("--quick", action="store_true", help="a ~1-minute run (500 tasks, 1 rep, short loops)")
+    p.add_argument("--write-docs", action="store_true", help=f"overwrite {DOCS.relative_to(ROOT)}")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--pg-url", default=DEFAULT_PG, help="the SQL store's URL (db+postgresql+psycopg://...)")
+    p.add_argument("--no-e2e", action="store_true", help="only the in-process measurements")
+    args = p.parse_args(argv)
+    args.pools = [x.strip() for x in args.pools.split(",") if x.strip()]
+    for pool in args.pools:
+        if pool not in ("prefork", "solo"):
+            p.error(f"unknown pool {pool!r} (prefork, solo)")
+    if args.quick:
+        if "--tasks" not in (argv or sys.argv):
+            args.tasks = 500
+        if "--reps" not in (argv or sys.argv):
+            args.reps = 1
+    if args.tasks < 8 or args.reps < 1:
+        p.error("--tasks must be >= 8 and --reps >= 1")
+    return args
+
+
+class Out:
+    """Collects Markdown sections; prints each as it is added."""
+
+    def __init__(self) -> None:
+        self.sections: list[str] = []
+
+    def add(self, heading: str, body: str) -> None:
+        text = f"## {heading}\n\n{body.strip()}\n"
+        self.sections.append(text)
+        print("\n" + text, flush=True)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def probe_pg(url: str, prefix: str, table_name: str) -> tuple[bool, str]:
+    """Whether the SQL store works on PostgreSQL (claim, record, get on the private table)."""
+    try:
+        from celery_idem.records import State
+        from celery_idem.stores.sql import SQLStore
+
+        store = SQLStore.from_url(url, prefix=prefix, table_name=table_name)
+        try:
+            c = store.claim("probe", owner="bench", task_id="probe", attempt=0, lease=60, ttl=600)
+            store.record("probe", c.token, state=State.DONE, content_type="application/json;utf-8",
+                         data=b"1", ttl=600)
+            rec = store.get("probe")
+            if rec is None or rec.state is not State.DONE:
+                return False, f"the probe record reads back as {rec!r}"
+            import sqlalchemy as sa
+
+            with store._engine.connect() as conn:
+                version = str(conn.execute(sa.text("SHOW server_version")).scalar_one())
+        finally:
+            store.close()
+        return True, version
+    except Exception as exc:  # report, skip the SQL store
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def drop_table(url: str, table_name: str) -> None:
+    try:
+        import sqlalchemy as sa
+    except ImportError:
+        return
+    engine = sa.create_engine(url[3:] if url.startswith("db+") else url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f'DROP TABLE IF EXISTS "{table_name}"'))
+    except Exception as exc:
+        log(f"could not drop the table {table_name}: {exc}")
+    finally:
+        engine.dispose()
+
+
+def cleanup(client: redis.Redis, prefix: str) -> int:
+    """Delete every key under the run's prefix; returns how many are left (should be 0)."""
+    deleted = 0
+    for _ in range(3):
+        names = list(client.scan_iter(match=prefix + "*", count=1000))
+        for i in range(0, len(names), 500):
+            deleted += int(client.unlink(*names[i:i + 500]))
+        if not names:
+            break
+    left = sum(1 for _ in client.scan_iter(match=prefix + "*", count=1000))
+    log(f"cleanup: deleted {deleted} keys under {prefix!r}; {left} left")
+    return left
+
+
+def fmt_us(t: micro.Timing) -> list[Any]:
+    return [t.median_us, t.p90_us, t.cpu_us, t.server_us]
+
+
+US_HEADERS = ["median µs", "p90 µs", "client CPU µs", "server µs"]
+SERVER_NOTE = (
+    "\n\n*client CPU* is the median CPU time of the calling thread per call. *server µs* is "
+    "Redis's own time per EVALSHA (`INFO commandstats` deltas), shown only when no other client ran "
+    "a script during the loop (the server is shared).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    started = time.monotonic()
+    prefix = f"bench{secrets.token_hex(3)}:"  # 12 characters, as long as the default "celery-idem:"
+    table_name = sql_table(prefix)
+    client = redis.Redis.from_url(args.redis_url)
+    client.ping()
+    stores = ["redis", "postgres"] if args.store == "both" else [args.store]
+    notes: list[str] = []
+    pg_ok, pg_info = False, "not requested"
+    if "postgres" in stores:
+        pg_ok, pg_info = probe_pg(args.pg_url, prefix + "probe:", table_name)
+        if not pg_ok:
+            note = f"SQL store skipped: it failed on PostgreSQL ({pg_info})."
+            notes.append(note)
+            log(note)
+            stores.remove("postgres")
+    if not stores:
+        log("nothing to measure: no store works")
+        drop_table(args.pg_url, table_name)
+        return 1
+    q = args.quick
+    n_floor, n_mem, n_redis, n_sql, n_comp, n_eager, n_prof = (
+        (500, 5000, 500, 100, 300, 200, 300) if q else (3000, 20000, 3000, 500, 2000, 1000, 2000))
+    out = Out()
+    results: dict[str, Any] = {"notes": notes}
+    load0 = os.getloadavg()
+    try:
+        _micro(out, results, client, args, prefix, table_name, pg_ok and "postgres" in stores,
+               (n_floor, n_mem, n_redis, n_sql, n_comp, n_eager, n_prof))
+        if not args.no_e2e:
+            plan = Plan(args.tasks, args.reps, args.pools, stores, warmup=30 if q else 100)
+            log(f"end to end: {args.tasks} messages per batch, {args.reps} rep(s), pools {args.pools}, "
+                f"stores {stores}")
+            pg_url = args.pg_url if "postgres" in stores else None
+            batches = measure(plan, args.redis_url, pg_url, prefix, log)
+            results["e2e"] = summarize(batches)
+            _e2e_tables(out, results["e2e"], plan)
+        load1 = os.getloadavg()
+        _targets(out, results)
+        _profile_section(out, results)
+        results["machine"] = machine(client, pg_info if pg_ok else None)
+        results["load"] = (load0, load1)
+        results["elapsed"] = time.monotonic() - started
+        results["args"] = args
+        if args.write_docs:
+            DOCS.write_text(_docs(out, results))
+            log(f"wrote {DOCS}")
+    finally:
+        left = cleanup(client, prefix)
+        if "postgres" in (["redis", "postgres"] if args.store == "both" else [args.store]):
+            drop_table(args.pg_url, table_name)
+        client.close()
+    log(f"done in {time.monotonic() - started:.0f} s")
+    return 1 if left else 0
+
+
+# -- the in-process measurements ---------------------------------------------------------------
+
+
+def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argparse.Namespace, prefix: str,
+           table_name: str, pg: bool, sizes: tuple[int, ...]) -> None:
+    from celery_idem.stores.memory import MemoryStore
+    from celery_idem.stores.redis import RedisStore
+
+    n_floor, n_mem, n_redis, n_sql, n_comp, n_eager, n_prof = sizes
+    log("Redis floor ...")
+    floor = micro.redis_floor(client, prefix, n_floor)
+    results["floor"] = floor
+    sql_floor = micro.sql_floor(args.pg_url, max(100, n_floor // 5)) if pg else {}
+    results["sql_floor"] = sql_floor
+    rows = [[name, *fmt_us(t)] for name, t in {**floor, **sql_floor}.items()]
+    out.add("Round-trip floor (loopback)", table(["operation", *US_HEADERS], rows) + SERVER_NOTE)
+
+    log("gate ...")
+    gate: dict[str, dict[str, micro.Timing]] = {
+        "memory": micro.gate_timings(MemoryStore(prefix), prefix, n_mem, "m")}
+    counting = RedisStore.from_url(args.redis_url, prefix=prefix, connection_class=micro.CountingConnection)
+    trivial = counting.client.register_script("return 1")
+    gate["redis"] = micro.gate_timings(counting, prefix, n_redis, "r", count=lambda: micro.Counter.replies,
+                                       floor=lambda i: trivial())
+    if pg:
+        gate["postgres"] = micro.sql_gate(args.pg_url, prefix, table_name, n_sql, "s")
+    results["gate"] = gate
+    rows = []
+    for store, ts in gate.items():
+        for kind in ("first", "duplicate"):
+            t = ts[kind]
+            ev = ts.get(f"floor/{kind}")
+            cpu_beyond = wall_beyond = None
+            if ev is not None and t.round_trips is not None:
+                cpu_beyond = t.cpu_us - t.round_trips * ev.cpu_us
+                wall_beyond = t.median_us - t.round_trips * ev.median_us
+            trips = t.round_trips
+            if t.split:
+                trips_s = f"{trips:g} ({t.split[0]:g} statements + {t.split[1]:g} pre-pings)"
+            else:
+                trips_s = "0 (in process)" if store == "memory" else f"{trips:g}"
+            rows.append([store, kind, t.median_us, t.p90_us, t.cpu_us, trips_s,
+                         None if ev is None else f"{ev.median_us:.0f} / {ev.cpu_us:.0f}",
+                         cpu_beyond, wall_beyond])
+    out.add("The gate in process (`Gate.run`, no-op body)", table(
+        ["store", "run", "median µs", "p90 µs", "client CPU µs", "round trips / call",
+         "trivial EVALSHA in turn, µs wall / CPU", "CPU µs beyond round trips",
+         "wall µs beyond round trips"], rows) + (
+        "\n\nEach Redis gate call is timed in turn with a trivial EVALSHA (`return 1`) on the same "
+        "client. *CPU beyond round trips* = client CPU - round trips x that EVALSHA's client CPU; "
+        "*wall beyond* = median - round trips x its median. *client CPU* is the median CPU time of "
+        "the calling thread per call."))
+
+    log("components ...")
+    comp = micro.component_timings(counting, client, prefix, n_comp, "c")
+    if pg:
+        build = micro.sql_claim_build(args.pg_url, prefix, table_name, max(100, n_sql))
+        if build is not None:
+            comp[SQL_BUILD] = build
+    results["components"] = comp
+    out.add("Hot-path components, each timed alone", table(
+        ["component", *US_HEADERS], [[k, *fmt_us(t)] for k, t in comp.items()]) + SERVER_NOTE)
+
+    log("task layer (eager) ...")
+    eager = micro.eager_timings(args.redis_url, prefix, n_eager, "e")
+    results["eager"] = eager
+    rows = [[k, t.median_us, t.p90_us, t.cpu_us, t.round_trips] for k, t in eager.items()]
+    out.add("The whole task layer in process (`task_always_eager`, Redis store)", table(
+        ["call", "median µs", "p90 µs", "client CPU µs", "store round trips / call"], rows) +
+        "\n\nA first `delay()` of an `IdempotentTask` costs one more store round trip than the gate's "
+        "two: `apply_async` reads the record (`store.get`) to answer a done key without publishing.")
+
+    log("record size ...")
+    sizes_ = micro.record_sizes(client, counting, prefix, "m")
+    results["record"] = sizes_
+    rows = [[r.result_bytes, r.key_chars, r.fields, r.payload_bytes, r.encoding, r.memory_usage, r.overhead]
+            for r in sizes_]
+    out.add("Memory per done record (Redis `MEMORY USAGE ... SAMPLES 0`)", table(
+        ["encoded result bytes", "key chars", "hash fields", "field+value bytes", "encoding",
+         "MEMORY USAGE bytes", "bytes beyond the result"], rows) +
+        f"\n\nThe key is `<12-character prefix><task name>:<32 hex>` ({sizes_[0].key_chars} characters, the "
+        "prefix as long as the default `celery-idem:`). The server's `hash-max-listpack-value` is "
+        f"{client.config_get('hash-max-listpack-value').get('hash-max-listpack-value')}: a field value "
+        "longer than that turns the hash into a hashtable.")
+
+    log("profiles ...")
+    results["profiles"] = micro.profiles(args.redis_url, prefix, n_prof, "p",
+                                         pg=(args.pg_url, table_name) if pg else None)
+    results["pyinstrument"] = micro.pyinstrument_text(args.redis_url, prefix, n_prof, "pi")
+    counting.close()
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+
+def _e2e_tables(out: Out, summary: list[Summary], plan: Plan) -> None:
+    def rates(s: Summary) -> str:
+        return " / ".join(f"{r:.0f}" for r in s.rates)
+
+    def ratios(s: Summary) -> str:
+        return " / ".join(f"{r:.2f}" for r in s.ratios) or "n/a"
+
+    def load(s: Summary) -> str:
+        return f"{s.load[0]:.1f}-{s.load[1]:.1f}"
+
+    uniq = [s for s in summary if s.workload == "unique"]
+    rows = [[s.pool, s.system, s.rate, rates(s), s.ratio, ratios(s), s.worker_cpu_us, s.producer_cpu_us,
+             s.cpu_ratio, s.enqueue, load(s)] for s in uniq]
+    out.add(f"End to end: unique no-op tasks ({plan.tasks} per batch, {plan.reps} repetitions)", table(
+        ["pool", "system", "tasks/s (median)", "per rep", "ratio vs plain", "per-rep ratio",
+         "worker CPU µs/task", "delay() CPU µs/task", "CPU ratio", "enqueue s", "load"], rows) +
+        "\n\nFrom the first `delay()` to the last result. *ratio vs plain* is the median of the "
+        "per-repetition ratios, each idempotent batch against the plain batch measured just before it "
+        "(pairing cancels slow drift of a shared machine). *worker CPU* is the user + system CPU of the "
+        "worker's processes per message; *delay() CPU* is this process's CPU while enqueueing, per "
+        "message (the wait for results is left out: it grows with the wait); *CPU ratio* compares their sums "
+        "(less sensitive to other load than tasks/s). *enqueue s* is the time spent publishing (the worker "
+        f"consumes meanwhile); *load* is the 1-minute load average after the batches "
+        f"({os.cpu_count()} CPUs). "
+        "`plain+acks_late` is the plain task with the ack mode `IdempotentTask` sets (`acks_late=True`).")
+    dup = [s for s in summary if s.workload == "duplicates"]
+    rows = []
+    for s in dup:
+        expected = s.messages if s.system == "plain" else s.messages // plan.copies
+        rows.append([s.pool, s.system, s.messages, s.rate, rates(s), s.ratio,
+                     f"{s.bodies} (expected {expected})", s.cached, s.messages - s.cached,
+                     s.worker_cpu_us, s.producer_cpu_us])
+    out.add(f"End to end: duplicate-heavy ({plan.tasks // plan.copies} actions x {plan.copies} copies)",
+            table(["pool", "system", "messages", "tasks/s (median)", "per rep", "ratio vs plain",
+                   "bodies run (median)", "answered at enqueue", "published", "worker CPU µs/msg",
+                   "delay() CPU µs/msg"], rows) +
+            f"\n\nThe copies are enqueued in rounds (every action once, then again, {plan.copies} rounds). "
+            "The body does `INCR` on a per-batch counter, so *bodies run* counts executions. A copy whose "
+            "action is already done when it is enqueued is answered by `delay()` itself "
+            "(a `CachedResult`, nothing published): that is why the idempotent system can beat plain here.")
+
+
+# -- targets -----------------------------------------------------------------------------------
+
+
+def _targets(out: Out, r: dict[str, Any]) -> None:
+    rows: list[list[Any]] = []
+
+    def ratio(pool: str, system: str) -> float | None:
+        for s in r.get("e2e", []):
+            if s.workload == "unique" and s.pool == pool and s.system == system:
+                return s.ratio  # type: ignore[no-any-return]
+        return None
+
+    def verdict(ok: bool | None) -> str:
+        return "n/a" if ok is None else ("met" if ok else "**MISSED**")
+
+    for system, goal in (("idem/redis", 0.95), ("idem/postgres", 0.90)):
+        v = ratio("prefork", system)
+        store = system.split("/")[1]
+        rows.append([f"throughput ratio vs plain, prefork, {store} store", f">= {goal:.2f}",
+                     "n/a" if v is None else f"{v:.3f}", verdict(None if v is None else v >= goal)])
+    for s in r.get("e2e", []):
+        if s.workload == "unique" and s.pool == "prefork" and s.system.startswith("idem/") and s.cpu_ratio:
+            goal = 0.95 if s.system == "idem/redis" else 0.90
+            est = 1 / s.cpu_ratio
+            rows.append([f"cross-check: plain / idempotent CPU per task, prefork, {s.system[5:]} store",
+                         f">= {goal:.2f}", f"{est:.3f}", verdict(est >= goal)])
+    g = r["gate"]["redis"]
+    for kind, goal in (("first", 2), ("duplicate", 1)):
+        v = g[kind].round_trips
+        rows.append([f"Redis round trips per gate call, {kind}", f"{goal}", f"{v:g}", verdict(v == goal)])
+    for kind in ("first", "duplicate"):
+        t, ev = g[kind], g[f"floor/{kind}"]
+        beyond = t.cpu_us - (t.round_trips or 0) * ev.cpu_us
+        rows.append([f"gate client CPU µs beyond its round trips, {kind} (Redis)", "<= 50", f"{beyond:.0f}",
+                     verdict(beyond <= 50)])
+        wall = t.median_us - (t.round_trips or 0) * ev.median_us
+        rows.append([f"gate wall µs beyond its round trips, {kind} (Redis; stricter reading)", "<= 50",
+                     f"{wall:.0f}", verdict(wall <= 50)])
+    mem = r["gate"]["memory"]["first"].median_us
+    rows.append(["gate µs with the in-process store, first (cross-check)", "<= 50", f"{mem:.0f}",
+                 verdict(mem <= 50)])
+    small = r["record"][0]
+    rows.append([f"done record bytes beyond the encoded result ({small.result_bytes} B JSON)", "<= 200",
+                 f"{small.overhead}", verdict(small.overhead <= 200)])
+    big = r["record"][1]
+    rows.append([f"the same, {big.result_bytes} B result ({big.encoding})", "<= 200", f"{big.overhead}",
+                 verdict(big.overhead <= 200)])
+    r["targets"] = rows
+    out.add("Targets", table(["target", "goal", "measured", "verdict"], rows))
+
+
+# -- profile -----------------------------------------------------------------------------------
+
+
+def _profile_section(out: Out, r: dict[str, Any]) -> None:
+    parts = []
+    for p in r["profiles"]:
+        cats = ", ".join(f"{k} {v:.0%}" for k, v in p.categories.items() if v >= 0.01)
+        parts.append(f"### {p.label}\n\n{p.calls} calls, {p.seconds / p.calls * 1e6:.0f} µs per call under "
+                     f"cProfile. Self time by where it is spent: {cats}.\n")
+        parts.append("Top functions by self time (µs per call of the loop):\n\n" + table(
+            ["function", "calls", "self µs", "cumulative µs"],
+            [[f"`{f}`", n, tt, ct] for f, n, tt, ct in p.top[:12]]) + "\n")
+        parts.append("celery_idem functions by cumulative time (µs per call of the loop):\n\n" + table(
+            ["function", "calls", "self µs", "cumulative µs"],
+            [[f"`{f}`", n, tt, ct] for f, n, tt, ct in p.own[:10]]) + "\n")
+    out.add("Profile of the hot path (cProfile)", "\n".join(parts))
+    r["profile_text"] = "\n".join(parts)
+
+
+# -- docs --------------------------------------------------------------------------------------
+
+
+def _findings(r: dict[str, Any]) -> list[str]:
+    """What the figures say, computed from them (so a re-run rewrites it)."""
+    f: list[str] = []
+    floor = r["floor"]
+    raw, py = floor["EVALSHA return 1 (raw socket)"], floor["EVALSHA return 1 (redis-py)"]
+    gr = r["gate"]["redis"]
+    g, ev = gr["first"], gr["floor/first"]
+    gd, evd = gr["duplicate"], gr["floor/duplicate"]
+    beyond, beyond_d = g.cpu_us - 2 * ev.cpu_us, gd.cpu_us - evd.cpu_us
+    f.append(
+        f"**Redis gate: round trips and redis-py dominate.** A first run takes {g.median_us:.0f} µs "
+        f"({g.cpu_us:.0f} µs CPU) for {g.round_trips:g} round trips, a trivial EVALSHA timed in turn with "
+        f"it {ev.median_us:.0f} µs ({ev.cpu_us:.0f} µs CPU). In the floor loops a trivial EVALSHA costs "
+        f"{py.cpu_us:.0f} µs of client CPU through redis-py and {raw.cpu_us:.0f} µs through a raw socket: "
+        f"most of a round trip's client cost is redis-py. Beyond its round trips the gate costs "
+        f"{beyond:.0f} µs CPU per first run and {beyond_d:.0f} µs per duplicate; with the in-process "
+        f"store the whole gate takes {r['gate']['memory']['first'].median_us:.0f} µs (first) and "
+        f"{r['gate']['memory']['duplicate'].median_us:.0f} µs (duplicate).")
+    c = r["components"]
+    claim, record = c["store.claim (claimed)"], c["store.record"]
+    eva = c["EVALSHA return 1 (in turn with claim and record)"]
+    dclaim = c["store.claim (done, duplicate)"]
+    evb = c["EVALSHA return 1 (in turn with the two above)"]
+    xc, xr = claim.cpu_us - eva.cpu_us, record.cpu_us - eva.cpu_us
+    text = (f"**Where the CPU beyond the round trips goes** (first run): the two verbs cost more client "
+            f"CPU than a trivial EVALSHA timed in turn with them, `store.claim` +{xc:.0f} µs and "
+            f"`store.record` +{xr:.0f} µs (more arguments to pack, a 13-element reply to parse, the "
+            f"`Claim`/`Record` built from it); that leaves about {beyond - xc - xr:.0f} µs for the gate "
+            f"itself (result encoding, lease hold, decisions). A duplicate's `store.claim` on a done key "
+            f"costs +{dclaim.cpu_us - evb.cpu_us:.0f} µs CPU over its trivial EVALSHA")
+    srv = [(name, t.server_us) for name, t in (("claim.lua", claim), ("record.lua", record),
+                                               ("claim.lua on a done key", dclaim), ("`return 1`", py))]
+    shown = [f"{name} {v:.1f} µs" for name, v in srv if v is not None]
+    if shown:
+        text += ". Redis's own time per script: " + ", ".join(shown)
+    f.append(text + ".")
+    prof = {p.label: p for p in r["profiles"]}
+    p = prof.get("Gate.run, Redis store, first run")
+    if p:
+        io_share = p.categories.get("socket I/O (waiting for the server)", 0)
+        f.append(f"Under cProfile, {io_share:.0%} of a Redis first run is socket I/O, "
+                 f"{p.categories.get('redis-py', 0):.0%} redis-py (command packing, RESP parsing), "
+                 f"{p.categories.get('celery_idem', 0):.0%} celery_idem's own code and "
+                 f"{p.categories.get('kombu (codec)', 0):.0%} kombu's JSON codec.")
+    e = r["eager"]
+    first = e["IdempotentTask delay() (eager), first"]
+    plain = e["plain task delay() (eager)"]
+    f.append(
+        f"**The task layer adds a producer-side round trip.** In eager mode a first `delay()` costs "
+        f"{first.median_us:.0f} µs and {first.round_trips:g} store round trips against "
+        f"{plain.median_us:.0f} µs "
+        f"for the plain task: `IdempotentTask.apply_async` derives the key and reads the record "
+        f"(`_cached` -> `store.get`) before publishing, then the worker's gate claims and records.")
+    if "postgres" in r["gate"]:
+        s = r["gate"]["postgres"]["first"]
+        text = (f"**SQL store: client CPU dominates, then round trips.** A first run on PostgreSQL costs "
+                f"{s.median_us:.0f} µs ({s.cpu_us:.0f} µs client CPU) and {s.round_trips:g} round trips "
+                f"({s.split[0]:g} statements + {s.split[1]:g} pool pre-pings)" if s.split else "")
+        build = r["components"].get(SQL_BUILD)
+        if build:
+            text += (f"; `SQLStore._claim_postgresql` up to its `execute` (building or looking up the "
+                     f"statement, binding the arguments) takes {build.median_us:.0f} µs per call")
+        sp = prof.get("Gate.run, SQL store (PostgreSQL), first run")
+        if sp:
+            text += (f". Under cProfile, SQLAlchemy is {sp.categories.get('SQLAlchemy', 0):.0%} of the time, "
+                     f"psycopg {sp.categories.get('psycopg', 0):.0%}, waiting for the server "
+                     f"{sp.categories.get('socket I/O (waiting for the server)', 0):.0%}")
+        f.append(text + ".")
+    rec = r["record"]
+    f.append(
+        f"**Record size.** A done record with a {rec[0].result_bytes}-byte JSON result takes "
+        f"{rec[0].memory_usage} bytes ({rec[0].encoding}), {rec[0].overhead} beyond the result; its "
+        f"{rec[0].key_chars}-character key is part of that. With a {rec[1].result_bytes}-byte result "
+        f"the hash "
+        f"becomes a {rec[1].encoding} and takes {rec[1].memory_usage} bytes.")
+    by = {(s.workload, s.pool, s.system): s for s in r.get("e2e", [])}
+    for (workload, pool, system), s in by.items():
+        base = by.get((workload, pool, "plain"))
+        if workload == "unique" and system.startswith("idem/") and base:
+            f.append(
+                f"End to end ({pool}, {system[5:]} store): `IdempotentTask` adds "
+                f"{s.worker_cpu_us - base.worker_cpu_us:.0f} µs of worker CPU and "
+                f"{s.producer_cpu_us - base.producer_cpu_us:.0f} µs of producer CPU in `delay()` per task "
+                f"(plain: {base.worker_cpu_us:.0f} + {base.producer_cpu_us:.0f} µs); throughput "
+                f"ratio {s.ratio:.2f}.")
+    e2e = r.get("e2e", [])
+    if e2e:
+        spread = max(max(s.rates) / min(s.rates) - 1 for s in e2e)
+        lo, hi = min(s.load[0] for s in e2e), max(s.load[1] for s in e2e)
+        f.append(f"**Noise.** The 1-minute load average during the batches was {lo:.1f}-{hi:.1f} on "
+                 f"{os.cpu_count()} CPUs, and one system's tasks/s varied by up to {spread:.0%} between "
+                 f"repetitions: read the ratios with their per-repetition values, and the CPU per task "
+                 f"(less affected by other load) next to them.")
+    for s in e2e:
+        if s.workload == "unique" and s.system == "plain+acks_late" and s.ratio is not None:
+            f.append(f"Ack mode alone ({s.pool}): plain with `acks_late=True` runs at {s.ratio:.2f} x plain.")
+    return f
+
+
+def _docs(out: Out, r: dict[str, Any]) -> str:
+    args = r["args"]
+    m = r["machine"]
+    cmd = "python -m bench --write-docs" + (" --quick" if args.quick else "") + (
+        f" --tasks {args.tasks}" if args.tasks != (500 if args.quick else 2000) else "") + (
+        f" --reps {args.reps}" if args.reps != (1 if args.quick else 3) else "")
+    load0, load1 = r["load"]
+    head = f"""# Benchmarks
+
+What `IdempotentTask` costs, measured by `python -m bench` (the `bench/` package). This page is
+written by `{cmd}` and is overwritten on every run with `--write-docs`; the figures
+below are from one run on the machine described here, not a promise for yours. Run
+`python -m bench --quick` for a one-minute check, `python -m bench` for the full run.
+
+## Machine and run
+
+{table(["item", "value"], [[k, v] for k, v in m.items()] + [
+    ["load average (1 min) before / after", f"{load0[0]:.2f} / {load1[0]:.2f}"],
+    ["run time", f"{r['elapsed']:.0f} s"],
+    ["parameters", f"--tasks {args.tasks} --reps {args.reps} --pools {','.join(args.pools)} "
+                   f"--store {args.store}"],
+])}
+
+Redis, PostgreSQL, the producer and the worker share the same {m['nproc']} CPUs, and the Redis
+and PostgreSQL servers are shared with other users of the machine: treat differences of a few
+per cent as noise (the per-repetition figures show the spread).
+
+## Method
+
+* **End to end**: a real `celery worker` subprocess (`-P solo`, and `-P prefork -c 2`), Redis
+  broker and result backend, log level WARNING, events off. Each batch enqueues every message with
+  `delay()`, then waits for every result (`ResultSet.get`, the Redis backend's native join); the
+  time runs from the first `delay()` to the last result. The systems are measured interleaved
+  (A B C, A B C, ...), after an unmeasured warm-up batch each; figures are medians over the
+  repetitions, the ratio is median(idempotent) / median(plain). Every result is checked against
+  its action.
+* **Gate**: `Gate.run` with a no-op body, each call timed on its own (median, p90), wall time and
+  the calling thread's CPU time; what is compared (the gate and a trivial EVALSHA, a verb and the
+  EVALSHA) is timed in turn in one loop, so both see the same machine conditions. Redis round
+  trips are counted by a `redis.Connection` subclass that counts the replies read; SQL round
+  trips by SQLAlchemy's cursor events plus the pool's pre-ping (one per connection checkout).
+* **Memory**: `MEMORY USAGE <key> SAMPLES 0` of a done record written by the gate, with a real
+  task id (a UUID) and owner.
+* **Isolation**: every Redis key of a run (queues, results, records, counters) is under one random
+  12-character prefix and deleted at the end; the SQL store uses a private table, dropped at the
+  end.
+"""
+    if r["notes"]:
+        head += "\n## Notes\n\n" + "\n".join(f"* {n}" for n in r["notes"]) + "\n"
+    findings = "\n## What dominates\n\n" + "\n".join(f"* {x}" for x in _findings(r)) + "\n"
+    body = "\n".join(out.sections)
+    tree = ""
+    if r.get("pyinstrument"):
+        tree = ("\n## pyinstrument call tree (Gate.run, Redis store, first runs)\n\n```text\n"
+                + r["pyinstrument"].strip() + "\n```\n")
+    return head + findings + "\n" + body + tree

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from .codec import Codec
 from .config import IdempotencyConfig
 from .events import Emit, Outcome
-from .exceptions import IdempotencyKeyMismatch, LeaseLost, StoreUnavailable
+from .exceptions import IdempotencyKeyMismatch, LeaseLost, StoreUnavailable, TerminalError
 from .lease import LeaseKeeper, keeper
 from .records import Claim, ClaimStatus, Record, State
 from .stores.base import Store
@@ -248,6 +248,24 @@ class Gate:
             raise
         if self._write(attempt, token, State.DONE, ctype, data):
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
+            return
+        # The store kept refusing the result. If it takes a small record now, the store is up
+        # and the result itself is what it refuses (too large for it): record that instead, so a
+        # duplicate raises rather than running the body again once the lease has run out.
+        refused = TerminalError(
+            f"the body of {attempt.key!r} ran (task {attempt.task_id}) but the store refused to "
+            f"record its result of {len(data)} bytes; duplicates get this error"
+        )
+        err_type, err = self.codec.encode_error(refused)
+        try:
+            self.store.record(attempt.key, token, state=State.FAILED, content_type=err_type,
+                              data=err, ttl=self.config.ttl)
+        except (StoreUnavailable, LeaseLost):
+            return  # a real outage: reported loudly by _write, the result goes to the caller
+        self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
+                  {"error": "TerminalError", "reason": "result_not_recordable"})
+        logger.error("celery_idem %s", refused)
+        raise refused
 
     def _write(self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes) -> bool:
         """Record with retries for ``record_timeout``; the lease keeps being renewed meanwhile.

@@ -25,6 +25,8 @@ from celery.exceptions import Reject, Retry
 from celery.result import AsyncResult, EagerResult
 from celery.signals import worker_init
 from celery.states import FAILURE, SUCCESS
+from kombu.exceptions import EncodeError
+from kombu.serialization import dumps
 
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
@@ -271,13 +273,36 @@ class IdempotentTask(Task):  # type: ignore[misc]
             cached = self._cached(key, args, kwargs)
             if cached is not None:
                 return cached
-        result: AsyncResult = super().apply_async(
-            args, kwargs, task_id=task_id, producer=producer, link=link,
-            link_error=link_error, shadow=shadow, headers=headers, **options,
-        )
+        try:
+            result: AsyncResult = super().apply_async(
+                args, kwargs, task_id=task_id, producer=producer, link=link,
+                link_error=link_error, shadow=shadow, headers=headers, **options,
+            )
+        except EncodeError as exc:
+            raise self._encode_error(args, kwargs, options.get("serializer"), exc) from exc
         # So a caller (an agent keeping a checkpoint, say) can store the key with the task id.
         result.idempotency_key = key
         return result
+
+    def _encode_error(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+        serializer: str | None, exc: Exception,
+    ) -> TypeError:
+        """Name the argument the message serializer could not encode (nothing was sent)."""
+        serializer = serializer or self.serializer or self.app.conf.task_serializer
+        try:
+            bound = self._bound(args or (), kwargs or {})
+        except TypeError:
+            bound = {}
+        for name, value in bound.items():
+            try:
+                dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
+            except Exception:
+                return TypeError(
+                    f"{self.name}: argument {name!r} ({type(value).__qualname__}) cannot be "
+                    f"sent with the {serializer!r} serializer: {exc}; nothing was sent"
+                )
+        return TypeError(f"{self.name}: the message cannot be encoded: {exc}; nothing was sent")
 
     def _cached(
         self, key: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None

@@ -150,3 +150,157 @@ def impatient(self, order_id, hold=0.0):
         time.sleep(0.02)
     effect(f"charge:{order_id}", self.request.id)
     return {"order_id": order_id, "ran_in": self.request.id}
+
+
+# -- chaos suite (tests/chaos) -------------------------------------------------------------------
+# Effects are committed to a PostgreSQL ledger (``IDEM_PG_URL``, tables ``<IDEM_PG_LEDGER>_*``):
+#
+# * ``_ledger``: one row per effect that took place;
+# * ``_remote``: the idempotency keys a remote that honours keys has applied (primary key);
+# * ``_calls``: every call a body made to the remote, applied or answered as a replay;
+# * ``_kills``: which one-shot self-kills already happened (action, point).
+
+import json as _json  # noqa: E402
+import signal as _signal  # noqa: E402
+
+if os.environ.get("IDEM_STORE_OPTIONS"):
+    app.conf.idempotency_store_options = _json.loads(os.environ["IDEM_STORE_OPTIONS"])
+
+_PG_URL = os.environ.get("IDEM_PG_URL", "")
+_PG_TABLES = os.environ.get("IDEM_PG_LEDGER", "")
+_pg_state: dict[str, object] = {}
+
+
+def _pg():  # type: ignore[no-untyped-def]
+    """This process's ledger connection (a new one after a fork: never share a socket)."""
+    import psycopg
+
+    conn = _pg_state.get("conn")
+    if conn is None or _pg_state.get("pid") != os.getpid() or conn.closed or conn.broken:
+        conn = psycopg.connect(_PG_URL, autocommit=True)
+        _pg_state.update(conn=conn, pid=os.getpid())
+    return conn
+
+
+def kill_once(action: str, point: str) -> bool:
+    """True the first time (across every process) ``action`` reaches ``point``; committed."""
+    row = _pg().execute(
+        f"INSERT INTO {_PG_TABLES}_kills (action, point) VALUES (%s, %s) "
+        f"ON CONFLICT DO NOTHING RETURNING 1", (action, point),
+    ).fetchone()
+    return row is not None
+
+
+def _die() -> None:
+    os.kill(os.getpid(), _signal.SIGKILL)
+
+
+def commit_effect(task, action: str, *, forward_key: bool, tag: str = "",  # type: ignore[no-untyped-def]
+                  kill_before_commit: bool = False) -> bool:
+    """Commit one effect to the PostgreSQL ledger in one transaction; True if it took place.
+
+    With ``forward_key`` the write goes through a remote that honours idempotency keys: a key it
+    has already applied is answered as a replay and adds no effect. ``kill_before_commit``
+    SIGKILLs this process inside the open transaction (PostgreSQL rolls it back).
+    """
+    req = task.request
+    meta = (action, task.idempotency_key, task.idempotency_token, req.id, req.retries or 0,
+            os.getpid())
+    conn = _pg()
+    with conn.transaction():
+        applied = True
+        if forward_key:
+            applied = conn.execute(
+                f"INSERT INTO {_PG_TABLES}_remote (idem_key, action) VALUES (%s, %s) "
+                f"ON CONFLICT DO NOTHING RETURNING 1", (task.idempotency_key, action),
+            ).fetchone() is not None
+        conn.execute(
+            f"INSERT INTO {_PG_TABLES}_calls (action, idem_key, token, task_id, retries, pid, "
+            f"applied, tag) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)", (*meta, applied, tag),
+        )
+        if applied:
+            conn.execute(
+                f"INSERT INTO {_PG_TABLES}_ledger (action, idem_key, token, task_id, retries, pid) "
+                f"VALUES (%s, %s, %s, %s, %s, %s)", meta,
+            )
+        if kill_before_commit:
+            _die()
+    return applied
+
+
+class ChaosTask(IdempotentTask):
+    """Test-only base: ``kill="after_record"`` SIGKILLs the worker child once, right after the
+    gate recorded the outcome and before Celery stores the result or acknowledges the message."""
+
+    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = super().__call__(*args, **kwargs)
+        action = args[0] if args else kwargs.get("action")
+        if kwargs.get("kill") == "after_record" and kill_once(str(action), "after_record"):
+            _die()
+        return result
+
+
+def _chaos_body(self, action, hold, marker, forward_key, timeout, kill):  # type: ignore[no-untyped-def]
+    if marker:
+        with open(marker, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and not flag(f"release:{action}"):
+        time.sleep(0.01)
+    first = (self.request.retries or 0) == 0
+    if timeout == "before_commit" and first:
+        raise TimeoutError(f"provider timed out before the commit of {action}")
+    die_before = kill == "before_commit" and kill_once(action, kill)
+    die_after = kill == "after_commit" and kill_once(action, kill)
+    tag = "timeout_after" if timeout == "after_commit" and first else ""
+    if die_after:
+        tag = "kill_after_commit"
+    applied = commit_effect(self, action, forward_key=forward_key, tag=tag,
+                            kill_before_commit=die_before)
+    if die_after:
+        _die()
+    if tag == "timeout_after":
+        raise TimeoutError(f"the response to the commit of {action} was lost")
+    return {"action": action, "token": self.idempotency_token, "pid": os.getpid(),
+            "task_id": self.request.id, "retries": self.request.retries or 0, "applied": applied,
+            "redelivered": bool((self.request.delivery_info or {}).get("redelivered"))}
+
+
+@app.task(base=ChaosTask, bind=True, idempotency_fields=("action",), idempotency_lease=3,
+          idempotency_wait=5, autoretry_for=(TimeoutError,), retry_backoff=False,
+          default_retry_delay=0, max_retries=5)
+def chaos_effect(self, action, hold=0.0, marker="", forward_key=False, timeout="", kill=""):
+    """One effect per action, committed to the PostgreSQL ledger. Faults, each at most once per
+    action: ``timeout`` (``before_commit``/``after_commit``, on the first attempt) and ``kill``
+    (``before_commit``: inside the open transaction; ``after_commit``; ``after_record``)."""
+    return _chaos_body(self, action, hold, marker, forward_key, timeout, kill)
+
+
+@app.task(base=ChaosTask, bind=True, idempotency_fields=("action",), idempotency_lease=60,
+          idempotency_wait=5)
+def chaos_effect_long(self, action, hold=0.0, marker=""):
+    """Like ``chaos_effect`` with a 60 s lease: no renewal happens during a short test."""
+    return _chaos_body(self, action, hold, marker, False, "", "")
+
+
+@app.task(base=ChaosTask, bind=True, idempotency_fields=("action",), idempotency_lease=2,
+          idempotency_wait=3, idempotency_record_timeout=1)
+def chaos_big_result(self, action, size):
+    """Commits one effect, then returns ``size`` bytes of text (more than the store takes)."""
+    commit_effect(self, action, forward_key=False)
+    return "x" * size
+
+
+@app.task(base=ChaosTask, bind=True, idempotency_fields=("action",), idempotency_lease=2,
+          idempotency_wait=3, autoretry_for=(TimeoutError,), retry_backoff=False,
+          default_retry_delay=0, max_retries=5)
+def soak_effect(self, action, hold=0.0, timeout="", kill=""):
+    """The soak's task: every effect goes through the remote that honours keys."""
+    return _chaos_body(self, action, hold, "", True, timeout, kill)
+
+
+@app.task(base=ChaosTask, bind=True, idempotency_validate=True, idempotency_lease=3)
+def chaos_echo(self, action, blob="", secret=""):
+    """Keyed by every argument (and validated): commits one effect, returns only sizes."""
+    commit_effect(self, action, forward_key=False)
+    return {"action": action, "blob": len(blob), "secret": len(secret)}

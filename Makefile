@@ -28,6 +28,7 @@ demo: $(STAMP)  ## run the example app's demo (embedded SQLite default, no serve
 
 test: $(STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
 	bash scripts/services.sh
+	bash scripts/browser.sh
 	rc=0; $(PY) -m pytest -q || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc

@@ -147,7 +147,7 @@ class Gate:
                 )
             if status in (ClaimStatus.DONE, ClaimStatus.FAILED):
                 self.emit(Outcome.WAITED if waited else Outcome.DUPLICATE, attempt.key, rec.token,
-                          rec.task_id, {"state": rec.state.value})
+                          rec.task_id, {"record_state": rec.state.value})
                 return self.answer(rec)  # type: ignore[no-any-return]
             # BUSY: someone else's live lease.
             if deadline is None:
@@ -290,7 +290,7 @@ class Gate:
             except StoreUnavailable as exc:
                 if self.monotonic() + delay > deadline:
                     self.emit(Outcome.RECORD_FAILED, key, token, attempt.task_id,
-                              {"error": str(exc)[:200], "state": state.value})
+                              {"error": str(exc)[:200], "record_state": state.value})
                     logger.error(
                         "celery_idem RECORD FAILED key=%s task_id=%s token=%s: the body finished "
                         "but its outcome could not be recorded for %.0f s (%s). The claim stays "

@@ -1,0 +1,454 @@
+"""``celery -A proj idem ...``: look at and repair idempotency records from a shell.
+
+Registered as a Celery sub-command through the ``celery.commands`` entry point. It uses the
+app's own store (``idempotency_store``, else ``result_backend``) and key prefix::
+
+    celery -A proj idem show KEY              one record: state, token, owner, lease, result
+    celery -A proj idem list [--state S] [--task NAME] [--limit N]
+    celery -A proj idem stats [--task NAME]   records per state
+    celery -A proj idem release KEY [--token N] [--yes]
+    celery -A proj idem key TASK [ARGS...] [--kwargs JSON]
+
+Every command takes ``--json`` (one JSON document on stdout; errors as JSON on stderr).
+
+Exit codes:
+
+=== ==========================================================================
+0   done
+1   no record for the key
+2   refused: bad usage, unknown task, a record in the wrong state, not confirmed,
+    a store that is misconfigured or holds an unreadable record
+3   the record changed meanwhile (``release``: the token is not the one expected)
+4   the store cannot be reached
+=== ==========================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from itertools import islice
+from typing import Any, NoReturn
+
+import click
+from celery import Celery
+from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
+
+from .codec import ERROR_CONTENT_TYPE, KombuCodec
+from .exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
+from .records import Record, State
+from .stores.base import Store
+from .task import IdempotentTask, get_store
+
+__all__ = ["EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE", "idem"]
+
+EXIT_OK = 0
+EXIT_NOT_FOUND = 1
+EXIT_REFUSED = 2
+EXIT_CHANGED = 3
+EXIT_UNAVAILABLE = 4
+
+_ERROR_NAMES = {
+    EXIT_NOT_FOUND: "not_found",
+    EXIT_REFUSED: "refused",
+    EXIT_CHANGED: "changed",
+    EXIT_UNAVAILABLE: "store_unavailable",
+}
+
+#: Longest result summary ``show`` prints (the JSON output has the whole value).
+SUMMARY_LENGTH = 200
+#: Records fetched per store round trip by ``list`` and ``stats``.
+SCAN_BATCH = 500
+
+_STATE_CHOICES = click.Choice([s.value for s in State])
+
+
+def _fail(exit_code: int, message: str, as_json: bool) -> NoReturn:
+    """End the command with ``exit_code``, the reason on stderr (a JSON object with --json)."""
+    if as_json:
+        doc = {"error": _ERROR_NAMES.get(exit_code, "error"), "message": message}
+        click.echo(json.dumps(doc), err=True)
+    else:
+        click.echo(f"Error: {message}", err=True)
+    raise click.exceptions.Exit(exit_code)
+
+
+@dataclass
+class _Run:
+    """One command's context: the app, its store, the output mode."""
+
+    app: Celery
+    as_json: bool
+
+    def fail(self, exit_code: int, message: str) -> NoReturn:
+        _fail(exit_code, message, self.as_json)
+
+    @contextlib.contextmanager
+    def store(self) -> Iterator[Store]:
+        """The app's store, with store errors turned into exit codes."""
+        try:
+            yield get_store(self.app)
+        except StoreUnavailable as exc:
+            self.fail(EXIT_UNAVAILABLE, str(exc))
+        except ImproperlyConfigured as exc:
+            self.fail(EXIT_REFUSED, f"the idempotency store is misconfigured: {exc}")
+        except CorruptRecord as exc:
+            self.fail(EXIT_REFUSED, str(exc))
+
+    def emit(self, doc: Any, text: str) -> None:
+        click.echo(json.dumps(doc, indent=2, default=str) if self.as_json else text)
+
+
+def _run(ctx: click.Context, as_json: bool) -> _Run:
+    return _Run(ctx.obj.app, as_json)
+
+
+def _json_option(f: Any) -> Any:
+    return click.option(
+        "--json", "as_json", cls=CeleryOption, is_flag=True, help_group="Output Options",
+        help="Print one JSON document (errors go to stderr as JSON).",
+    )(f)
+
+
+def _task_option(f: Any) -> Any:
+    return click.option(
+        "--task", "task_name", cls=CeleryOption, metavar="NAME", help_group="Filter Options",
+        help="Only keys of this task: keys that start with its operation (the task name, or "
+             "its idempotency_operation) and ':'. Per-call keys do not match.",
+    )(f)
+
+
+# -- formatting ------------------------------------------------------------------------------
+
+
+def _utc(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _ago(seconds: float) -> str:
+    seconds = abs(seconds)
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _lease(rec: Record, now: float) -> str:
+    if rec.state is not State.IN_PROGRESS or rec.lease_expires is None:
+        return "-"
+    left = rec.lease_expires - now
+    return f"live, {_ago(left)} left" if left > 0 else f"expired {_ago(left)} ago"
+
+
+def _record_doc(rec: Record, now: float) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "key": rec.key,
+        "state": rec.state.value,
+        "token": rec.token,
+        "owner": rec.owner,
+        "task_id": rec.task_id,
+        "attempt": rec.attempt,
+        "lease_expires": rec.lease_expires,
+        "lease_remaining": None,
+        "lease_expired": None,
+        "updated": rec.updated,
+        "payload_hash": rec.payload_hash,
+    }
+    if rec.state is State.IN_PROGRESS and rec.lease_expires is not None:
+        doc["lease_remaining"] = round(rec.lease_expires - now, 3)
+        doc["lease_expired"] = rec.lease_expires <= now
+    return doc
+
+
+def _outcome(app: Celery, rec: Record) -> tuple[dict[str, Any], str]:
+    """The recorded result or error: for JSON, and as a one-line summary."""
+    data = rec.data or b""
+    ctype = rec.content_type or ""
+    if rec.state is State.FAILED:
+        if ctype == ERROR_CONTENT_TYPE:
+            try:
+                err = json.loads(data)
+                error = {"type": f"{err['module']}.{err['type']}", "message": err["message"]}
+                return {"error": error}, f"{err['type']}: {err['message']}"
+            except (ValueError, TypeError, KeyError):
+                pass
+        return {"error": None}, f"<{len(data)} bytes of {ctype or 'unknown type'}, not readable>"
+    if rec.state is not State.DONE:
+        return {}, "-"
+    codec = KombuCodec(app.conf.result_serializer,
+                       app.conf.result_accept_content or app.conf.accept_content)
+    try:
+        value = codec.decode_result(rec.key, ctype, data)
+    except CorruptRecord as exc:
+        return {"result": None, "result_error": str(exc)}, f"<not decoded: {exc}>"
+    text = repr(value)
+    if len(text) > SUMMARY_LENGTH:
+        text = text[: SUMMARY_LENGTH - 1] + "…"
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        value = repr(value)
+    return {"result": value, "content_type": ctype, "result_bytes": len(data)}, text
+
+
+def _where(store: Store) -> str:
+    location = getattr(store, "location", None)
+    return f"{store!r} at {location}" if location else repr(store)
+
+
+def _operation(app: Celery, task_name: str) -> str:
+    """The key operation of ``task_name``: its ``idempotency_operation``, else the name."""
+    app.loader.import_default_modules()
+    task = app.tasks.get(task_name)
+    if isinstance(task, IdempotentTask):
+        return str(task.idempotency_config.operation)
+    return task_name
+
+
+def _records(
+    store: Store, state: State | None, operation: str | None
+) -> Generator[Record, None, None]:
+    prefix = None if operation is None else operation + ":"
+    for rec in store.scan(state, count=SCAN_BATCH):
+        if prefix is None or rec.key.startswith(prefix):
+            yield rec
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+@click.group(name="idem")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def idem(ctx: click.Context) -> None:
+    """Inspect and repair celery_idem's idempotency records.
+
+    Exit codes: 0 done, 1 no such record, 2 refused (usage, state, not confirmed,
+    misconfigured store), 3 the record changed meanwhile, 4 the store cannot be reached.
+    """
+
+
+@idem.command(cls=CeleryCommand)
+@click.argument("key")
+@_json_option
+@click.pass_context
+def show(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Show the record of KEY: state, token, owner, lease, task id and result."""
+    run = _run(ctx, as_json)
+    with run.store() as store:
+        rec = store.get(key)
+        if rec is None:
+            run.fail(EXIT_NOT_FOUND, f"no record for {key!r} in {_where(store)} (never "
+                                     f"claimed, or its TTL has passed)")
+        now = store.now()
+    outcome, summary = _outcome(run.app, rec)
+    doc = {**_record_doc(rec, now), **outcome}
+    lines = [
+        ("key", rec.key),
+        ("state", rec.state.value),
+        ("token", str(rec.token)),
+        ("owner", rec.owner or "-"),
+        ("task id", rec.task_id or "-"),
+        ("attempt", str(rec.attempt)),
+        ("lease", _lease(rec, now) + (f" (until {_utc(rec.lease_expires)})"
+                                      if rec.state is State.IN_PROGRESS else "")),
+        ("updated", f"{_utc(rec.updated)} ({_ago(now - rec.updated)} ago)"
+         if rec.updated is not None else "-"),
+    ]
+    if rec.payload_hash:
+        lines.append(("payload hash", rec.payload_hash))
+    if rec.state is State.DONE:
+        lines.append(("result", summary))
+    elif rec.state is State.FAILED:
+        lines.append(("error", summary))
+    run.emit(doc, "\n".join(f"{name:<13}{value}" for name, value in lines))
+
+
+@idem.command(name="list", cls=CeleryCommand)
+@click.option("--state", "state_name", cls=CeleryOption, type=_STATE_CHOICES,
+              help_group="Filter Options", help="Only records in this state.")
+@_task_option
+@click.option("--limit", cls=CeleryOption, type=click.IntRange(min=1), default=50,
+              show_default=True, help_group="Output Options",
+              help="Show at most this many records (the scan stops there).")
+@_json_option
+@click.pass_context
+def list_(ctx: click.Context, state_name: str | None, task_name: str | None, limit: int,
+          as_json: bool) -> None:
+    """List records, optionally of one state and one task, up to --limit.
+
+    Redis walks the prefix with SCAN, SQL pages along the primary key (and the state
+    index); neither holds more than one batch in memory, and both stop at --limit.
+    """
+    run = _run(ctx, as_json)
+    state = State(state_name) if state_name else None
+    operation = _operation(run.app, task_name) if task_name else None
+    with run.store() as store:
+        now = store.now()
+        found = _records(store, state, operation)
+        try:
+            page = list(islice(found, limit + 1))
+        finally:
+            found.close()
+    more = len(page) > limit
+    page = page[:limit]
+    doc = {"records": [_record_doc(r, now) for r in page], "count": len(page), "limit": limit,
+           "more": more}
+    rows = [("STATE", "TOKEN", "LEASE", "UPDATED", "TASK ID", "KEY")]
+    rows += [(r.state.value, str(r.token), _lease(r, now),
+              f"{_ago(now - r.updated)} ago" if r.updated is not None else "-",
+              r.task_id or "-", r.key) for r in page]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    text = "\n".join(
+        "  ".join(cell.rjust(w) if i == 1 else cell.ljust(w) for i, (cell, w) in
+                  enumerate(zip(row[:5], widths, strict=True))) + "  " + row[5]
+        for row in rows
+    )
+    if not page:
+        text = "no records"
+    elif more:
+        text += f"\n{len(page)} records shown; more match (raise --limit, or narrow with " \
+                f"--state / --task)"
+    else:
+        text += f"\n{len(page)} record{'s' if len(page) != 1 else ''}"
+    run.emit(doc, text)
+
+
+@idem.command(cls=CeleryCommand)
+@_task_option
+@_json_option
+@click.pass_context
+def stats(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
+    """Count records per state (and in-progress claims whose lease has expired).
+
+    Reads every record under the prefix once, a batch at a time: its time grows with the
+    store, its memory does not.
+    """
+    run = _run(ctx, as_json)
+    operation = _operation(run.app, task_name) if task_name else None
+    counts = {s.value: 0 for s in State}
+    expired = 0
+    started = time.monotonic()
+    with run.store() as store:
+        now = store.now()
+        for rec in _records(store, None, operation):
+            counts[rec.state.value] += 1
+            if rec.state is State.IN_PROGRESS and rec.lease_expires is not None \
+                    and rec.lease_expires <= now:
+                expired += 1
+    total = sum(counts.values())
+    doc = {**counts, "in_progress_expired": expired, "total": total,
+           "seconds": round(time.monotonic() - started, 3)}
+    width = max(len(str(total)), 1)
+    lines = [f"{name:<12}{count:>{width}}" for name, count in counts.items()]
+    if expired:
+        lines[0] += f"  ({expired} with an expired lease: the next attempt takes them over)"
+    lines.append(f"{'total':<12}{total:>{width}}")
+    run.emit(doc, "\n".join(lines))
+
+
+@idem.command(cls=CeleryCommand)
+@click.argument("key")
+@click.option("--token", cls=CeleryOption, type=int, help_group="Release Options",
+              help="Release only if the claim still has this token (as `show` printed it).")
+@click.option("-y", "--yes", cls=CeleryOption, is_flag=True, help_group="Release Options",
+              help="Do not ask for confirmation.")
+@_json_option
+@click.pass_context
+def release(ctx: click.Context, key: str, token: int | None, yes: bool, as_json: bool) -> None:
+    """Give back the in-progress claim of KEY, so the next attempt runs the body.
+
+    An operator's repair for a stuck claim. Fenced: it releases exactly the claim it showed
+    you (its token); if the key was taken over or recorded meanwhile, nothing changes and the
+    exit code is 3. Done and failed records are outcomes and are never released (exit 2).
+    """
+    run = _run(ctx, as_json)
+    with run.store() as store:
+        rec = store.get(key)
+        if rec is None:
+            run.fail(EXIT_NOT_FOUND, f"no record for {key!r} in {_where(store)}")
+        if rec.state is not State.IN_PROGRESS:
+            run.fail(EXIT_REFUSED, f"{key!r} is {rec.state.value}, not in_progress: only a claim "
+                                   f"can be released (a done or failed record is the outcome; "
+                                   f"it expires after its TTL)")
+        if token is not None and rec.token != token:
+            run.fail(EXIT_CHANGED, f"{key!r} now has token {rec.token}, not {token}: it changed "
+                                   f"meanwhile; nothing was released")
+        now = store.now()
+        live = rec.lease_expires is not None and rec.lease_expires > now
+        if not yes:
+            warning = (
+                f"\nThe lease is LIVE ({_lease(rec, now)}): the holder may still be running "
+                f"the body. After the release a duplicate can run it again, and the holder's "
+                f"record will be refused (LeaseLost)." if live else ""
+            )
+            question = (f"Claim of {key}: token {rec.token}, task {rec.task_id or '-'}, owner "
+                        f"{rec.owner or '-'}, lease {_lease(rec, now)}.{warning}\nRelease it?")
+            try:
+                confirmed = click.confirm(question, default=False, err=True)
+            except click.Abort:
+                click.echo(err=True)  # end the prompt's line
+                confirmed = False
+            if not confirmed:
+                run.fail(EXIT_REFUSED, "not confirmed; nothing was released (pass --yes when "
+                                       "not interactive)")
+        try:
+            store.release(key, rec.token)
+        except LeaseLost as exc:
+            run.fail(EXIT_CHANGED, f"{key!r} changed meanwhile; nothing was released ({exc})")
+    doc = {"released": True, "key": key, "token": rec.token, "task_id": rec.task_id,
+           "owner": rec.owner, "lease_was_live": live}
+    run.emit(doc, f"released {key} (token {rec.token}, task {rec.task_id or '-'}); the next "
+                  f"attempt claims it with token {rec.token + 1}")
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a JSON value; quote strings twice, e.g. '\"{text}\"'",
+            param_hint="ARGS",
+        ) from None
+
+
+@idem.command(cls=CeleryCommand, context_settings={"ignore_unknown_options": True})
+@click.argument("task_name", metavar="TASK")
+@click.argument("args", nargs=-1)
+@click.option("--kwargs", "kwargs_json", cls=CeleryOption, metavar="JSON",
+              help_group="Call Options", help='Keyword arguments as a JSON object: \'{"note":"x"}\'.')
+@_json_option
+@click.pass_context
+def key(ctx: click.Context, task_name: str, args: tuple[str, ...], kwargs_json: str | None,
+        as_json: bool) -> None:
+    """Print the key a call of TASK with ARGS would get (ARGS are JSON values).
+
+    Example: celery -A proj idem key proj.tasks.charge '"ord_1"' 4200 --kwargs '{"note":"x"}'
+    """
+    run = _run(ctx, as_json)
+    values = [_json_value(a) for a in args]
+    kwargs: Any = {}
+    if kwargs_json is not None:
+        kwargs = _json_value(kwargs_json)
+        if not isinstance(kwargs, dict):
+            raise click.BadParameter("must be a JSON object", param_hint="--kwargs")
+    run.app.loader.import_default_modules()
+    task = run.app.tasks.get(task_name)
+    if task is None:
+        known = sorted(n for n, t in run.app.tasks.items() if isinstance(t, IdempotentTask))
+        run.fail(EXIT_REFUSED, f"no task named {task_name!r}; idempotent tasks: "
+                               f"{', '.join(known) or 'none'}")
+    if not isinstance(task, IdempotentTask):
+        run.fail(EXIT_REFUSED, f"{task_name!r} is not an IdempotentTask: it has no key")
+    try:
+        computed = task.idempotency_key_for(values, kwargs)
+    except (TypeError, ValueError) as exc:
+        run.fail(EXIT_REFUSED, str(exc))
+    run.emit({"task": task_name, "args": values, "kwargs": kwargs, "key": computed}, computed)

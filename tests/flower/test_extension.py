@@ -1,0 +1,92 @@
+"""celery_idem.flower on Flower's own event state, without servers: what it changes and what not."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import flower.events
+from celery.events.state import State as CeleryState
+from prometheus_client import REGISTRY
+
+import celery_idem.flower
+from celery_idem.flower import FIELDS, IdempotencyTaskState
+
+_clock = itertools.count(1)
+
+
+def _event(type_: str, uuid: str = "t-1", **fields: Any) -> dict[str, Any]:
+    n = next(_clock)
+    return {"type": type_, "uuid": uuid, "hostname": "w1@host", "timestamp": 1000.0 + n,
+            "local_received": 1000.0 + n, "clock": n, **fields}
+
+
+def _idem(outcome: str, **fields: Any) -> dict[str, Any]:
+    decision = {"idempotency_key": "op:abc", "outcome": outcome, "original_task_id": "t-0",
+                "token": 1, **fields}
+    return _event("task-idempotency", **decision)
+
+
+RUN = [
+    _event("task-received", name="shop.charge", args="()", kwargs="{}"),
+    _event("task-started"),
+    _idem("duplicate", record_state="done"),
+    _event("task-succeeded", result="42", runtime=0.01),
+]
+
+
+def test_plain_celery_state_shows_no_decision() -> None:
+    # Why the extension exists: the decision's fields are not in Celery's Task._fields. (The
+    # record's state travels as "record_state", so it cannot overwrite the task's state.)
+    state = CeleryState()
+    for event in [RUN[0], RUN[1], RUN[3], RUN[2]]:  # the decision arrives after the success
+        state.event(dict(event))
+    task = state.tasks["t-1"]
+    assert "idempotency_key" not in task.as_dict()
+    assert task.state != "done"
+
+
+def test_install_gives_flower_a_task_state_with_the_decisions_and_counts_them() -> None:
+    celery_idem.flower.install()
+    celery_idem.flower.install()  # idempotent: registers the counter once
+    assert flower.events.EventsState.Task is IdempotencyTaskState
+
+    def count() -> float:
+        return REGISTRY.get_sample_value(
+            "celery_idem_decisions_total", {"task": "shop.charge", "outcome": "duplicate"}) or 0.0
+
+    before = count()
+    state = flower.events.EventsState(max_tasks_in_memory=100)
+    for event in [RUN[0], RUN[1], RUN[3], RUN[2]]:
+        state.event(dict(event))
+    task = state.tasks["t-1"].as_dict()
+    assert task["state"] == "SUCCESS"
+    assert {name: task[name] for name in FIELDS} == {
+        "idempotency_outcome": "duplicate",
+        "idempotency_key": "op:abc",
+        "original_task_id": "t-0",
+        "idempotency_token": 1,
+        "idempotency_outcomes": ["duplicate"],
+        "idempotency_record_state": "done",
+        "previous_task_id": None,
+        "previous_owner": None,
+        "idempotency_detail": None,
+    }
+    assert count() - before == 1
+
+
+def test_every_decision_is_kept_in_order_and_the_latest_details_win() -> None:
+    task = IdempotencyTaskState("t-2")
+    task.event("idempotency", fields=_idem("released", error="TimeoutError"))
+    task.event("idempotency", fields=_idem("takeover", token=2, original_task_id="t-2",
+                                           previous_task_id="t-2", previous_owner="h:1"))
+    task.event("idempotency", fields=_idem("recorded", token=2, original_task_id="t-2"))
+    assert task.idempotency_outcomes == ["released", "takeover", "recorded"]
+    assert task.idempotency_outcome == "recorded" and task.idempotency_token == 2
+    assert (task.previous_task_id, task.previous_owner) == ("t-2", "h:1")
+    assert task.idempotency_detail == "error=TimeoutError"
+    # Flower pickles its state with --persistent: the fields survive
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(task))
+    assert copy.idempotency_outcomes == ["released", "takeover", "recorded"]

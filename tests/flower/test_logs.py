@@ -1,0 +1,49 @@
+"""The worker's log at INFO: one structured line for a takeover, never the task's arguments."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import pytest
+
+from tests.flower.conftest import Stack
+from tests.integration import app as tasks
+from tests.integration.harness import wait_for
+
+pytestmark = pytest.mark.worker
+
+
+def test_a_takeover_is_logged_at_info_with_key_and_task_id_and_never_the_arguments(
+    stack: Stack,
+) -> None:
+    cluster, worker = stack.cluster, stack.worker  # the worker logs at INFO (-l INFO)
+    secret = f"SECRET-NOTE-{uuid.uuid4().hex}"
+    order = f"ord-DISTINCT-{uuid.uuid4().hex[:8]}"
+    key = tasks.charge.idempotency_key_for((order, 4200))
+    # Given a holder that died without a trace but its claim (lease 0.2 s)
+    dead = cluster.store.claim(key, owner="gone-host:1", task_id="dead-task-id", attempt=0,
+                               lease=0.2, ttl=600)
+    assert dead.token == 1
+    wait_for(lambda: cluster.store.get(key).lease_expires <= cluster.store.now(),  # type: ignore[union-attr]
+             timeout=10, what="the dead holder's lease to run out")
+    # When the action is sent again, with an argument that must never be logged
+    r = tasks.charge.delay(order, 4200, note=secret)
+    assert r.get(timeout=30)["token"] == 2
+    # Then the worker logged one takeover line with the key and both task ids
+    wait_for(lambda: f"celery_idem takeover key={key}" in worker.text(), timeout=10,
+             what="the log line")
+    log = worker.text()
+    lines = [line for line in log.splitlines() if "celery_idem " in line]
+    takeover = [line for line in lines if f"celery_idem takeover key={key} " in line]
+    assert len(takeover) == 1, lines
+    assert re.search(
+        rf"INFO.*celery_idem takeover key={re.escape(key)} task_id={r.id} token=2 "
+        rf"original_task_id={r.id} previous_task_id=dead-task-id previous_owner=gone-host:1$",
+        takeover[0],
+    ), takeover[0]
+    # The usual decisions (claimed, recorded) are DEBUG: not in an INFO log
+    assert not any(re.search(r"celery_idem (claimed|recorded|duplicate) ", line) for line in lines)
+    # And no line carries the raw arguments: not the note, not the order id
+    assert secret not in log
+    assert not any(order in line for line in lines)

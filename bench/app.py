@@ -10,7 +10,13 @@ bench.plain_late    the same with ``acks_late=True, reject_on_worker_lost=True``
 bench.idem          the same no-op with ``base=IdempotentTask``, keyed by ``action``
 bench.plain_count   plain task whose body does ``INCR counter`` (counts bodies run)
 bench.idem_count    ``IdempotentTask`` version of it, keyed by ``action`` only
+bench.once[_count]  the peers (``bench/requirements.txt``; each only when it imports):
+bench.singleton...  celery_once ``QueueOnce`` (graceful), celery-singleton ``Singleton``,
+bench.powertools..  and a plain task calling Powertools' ``idempotent_function`` (Redis layer)
 ==================  ====================================================================
+
+Every peer keeps its keys under the run's prefix (celery_once's ``qo_<task>_<args>`` keys carry
+it in the action), so the run's cleanup removes them.
 """
 
 from __future__ import annotations
@@ -107,4 +113,87 @@ def build_app(s: Settings) -> Celery:
         _counter_client(redis_url).incr(counter)
         return action
 
+    _peer_tasks(app, s)
     return app
+
+
+#: Peer name -> why it is unavailable (import error); filled by ``peer_status``.
+def peer_status() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name, mod in (("celery_once", "celery_once"), ("celery-singleton", "celery_singleton"),
+                      ("powertools", "aws_lambda_powertools.utilities.idempotency.persistence.redis")):
+        try:
+            __import__(mod)
+            if name == "powertools":
+                __import__("aws_lambda_powertools.utilities.idempotency")
+            out[name] = None
+        except Exception as exc:  # an optional extra of the bench: report and skip
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _peer_tasks(app: Celery, s: Settings) -> None:
+    import warnings
+
+    # Powertools warns on every call outside Lambda (no remaining-time context): not our concern.
+    warnings.filterwarnings("ignore", message="Couldn't determine the remaining time")
+    status = peer_status()
+    redis_url = s.redis_url
+    if status["celery_once"] is None:
+        from celery_once import QueueOnce  # type: ignore[import-untyped]
+
+        # Lock while queued or running (released after the body); graceful: a duplicate enqueue
+        # returns None instead of raising AlreadyQueued.
+        app.conf.ONCE = {"backend": "celery_once.backends.Redis",
+                         "settings": {"url": redis_url, "default_timeout": 3600}}
+
+        @app.task(shared=False, name="bench.once", base=QueueOnce, once={"graceful": True})
+        def once(action: str) -> str:
+            return action
+
+        @app.task(shared=False, name="bench.once_count", base=QueueOnce,
+                  once={"graceful": True, "keys": ["action"]})
+        def once_count(action: str, counter: str) -> str:
+            _counter_client(redis_url).incr(counter)
+            return action
+
+    if status["celery-singleton"] is None:
+        from celery_singleton import Singleton  # type: ignore[import-untyped]
+
+        app.conf.singleton_backend_url = redis_url
+        app.conf.singleton_key_prefix = s.prefix + "singleton:"
+
+        @app.task(shared=False, name="bench.singleton", base=Singleton)
+        def singleton(action: str) -> str:
+            return action
+
+        @app.task(shared=False, name="bench.singleton_count", base=Singleton, unique_on=["action"])
+        def singleton_count(action: str, counter: str) -> str:
+            _counter_client(redis_url).incr(counter)
+            return action
+
+    if status["powertools"] is None:
+        from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig, idempotent_function
+        from aws_lambda_powertools.utilities.idempotency.persistence.redis import RedisCachePersistenceLayer
+
+        layer = RedisCachePersistenceLayer(client=redis.Redis.from_url(redis_url))  # type: ignore[arg-type]
+        config = IdempotencyConfig(expires_after_seconds=3600)
+
+        @idempotent_function(data_keyword_argument="action", persistence_store=layer, config=config,
+                             key_prefix=s.prefix + "pt:noop")
+        def pt_noop(action: str) -> str:
+            return action
+
+        @idempotent_function(data_keyword_argument="action", persistence_store=layer, config=config,
+                             key_prefix=s.prefix + "pt:count")
+        def pt_count(action: str, counter: str) -> str:
+            _counter_client(redis_url).incr(counter)
+            return action
+
+        @app.task(shared=False, name="bench.powertools")
+        def powertools(action: str) -> str:
+            return pt_noop(action=action)  # type: ignore[no-any-return]
+
+        @app.task(shared=False, name="bench.powertools_count")
+        def powertools_count(action: str, counter: str) -> str:
+            return pt_count(action=action, counter=counter)  # type: ignore[no-any-return]

@@ -11,11 +11,13 @@ from typing import Any
 
 import redis
 
-from . import micro
-from .e2e import Plan, Summary, measure, sql_table, summarize
+from . import chart, growth, micro
+from .app import peer_status
+from .e2e import PEERS, Plan, Summary, measure, sql_table, summarize
 from .report import ROOT, machine, table
 
 DOCS = ROOT / "docs" / "benchmarks.md"
+CHART = ROOT / "docs" / "img" / "throughput.png"
 SQL_BUILD = "SQLStore._claim_postgresql up to execute (statement build or lookup)"
 DEFAULT_PG = "db+postgresql+psycopg://root@127.0.0.1:5432/test"
 
@@ -26,11 +28,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions per system (default 3)")
     p.add_argument("--pools", default="prefork,solo", help="worker pools: prefork (-c 2), solo")
     p.add_argument("--store", choices=("redis", "postgres", "both"), default="both")
-    p.add_argument("--quick", action="store_true", help="a ~1-minute run (500 tasks, 1 rep, short loops)")
-    p.add_argument("--write-docs", action="store_true", help=f"overwrite {DOCS.relative_to(ROOT)}")
+    p.add_argument("--quick", action="store_true",
+                   help="a ~1-minute run (500 tasks, 1 rep, short loops)")
+    p.add_argument("--write-docs", action="store_true",
+                   help=f"overwrite {DOCS.relative_to(ROOT)}")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--pg-url", default=DEFAULT_PG, help="the SQL store's URL (db+postgresql+psycopg://...)")
     p.add_argument("--no-e2e", action="store_true", help="only the in-process measurements")
+    p.add_argument("--no-peers", action="store_true",
+                   help="leave out celery_once, celery-singleton, Powertools")
+    p.add_argument("--no-growth", action="store_true",
+                   help="leave out the growth test (private redis-server)")
     args = p.parse_args(argv)
     args.pools = [x.strip() for x in args.pools.split(",") if x.strip()]
     for pool in args.pools:
@@ -106,18 +114,41 @@ def cleanup(client: redis.Redis, prefix: str) -> int:
     """Delete every key under the run's prefix; returns how many are left (should be 0)."""
     deleted = 0
     for _ in range(3):
+        # celery_once's locks are qo_<task>_<args>: the run's prefix is inside the action.
         names = list(client.scan_iter(match=prefix + "*", count=1000))
+        names += list(client.scan_iter(match="qo_*" + prefix + "*", count=1000))
         for i in range(0, len(names), 500):
             deleted += int(client.unlink(*names[i:i + 500]))
         if not names:
             break
     left = sum(1 for _ in client.scan_iter(match=prefix + "*", count=1000))
+    left += sum(1 for _ in client.scan_iter(match="qo_*" + prefix + "*", count=1000))
     log(f"cleanup: deleted {deleted} keys under {prefix!r}; {left} left")
     return left
 
 
 def fmt_us(t: micro.Timing) -> list[Any]:
     return [t.median_us, t.p90_us, t.cpu_us, t.server_us]
+
+
+PEER_ROWS = [
+    ["celery_once (`QueueOnce`, graceful)", "`apply_async`: `SET NX EX` lock; worker: `DEL` after the body",
+     "2 (producer 1, worker 1)", "no",
+     "no: it refuses a duplicate only while the original is queued or running; a later one runs again"],
+    ["celery-singleton (`Singleton`)", "`apply_async`: `SET NX` lock holding the task id; worker: `DEL` "
+     "after the body", "2 (producer 1, worker 1); a duplicate 2 (`SET NX` + `GET`)", "no",
+     "no: the same lock-while-queued semantics (a duplicate gets the original's AsyncResult)"],
+    ["powertools (`idempotent_function`, `RedisCachePersistenceLayer`, in a plain task)",
+     "worker only: `SET NX` an in-progress record, then `SET` the result", "2 (worker); a duplicate 2 "
+     "(`SET NX` fails + `GET`)", "yes (JSON, 1 h)",
+     "yes on unique tasks; on duplicates a copy arriving while the original runs fails"],
+    ["IdempotentTask (Redis store)", "producer: `HMGET` (answers a done key without publishing); "
+     "worker: claim + record scripts", "3 (producer 1, worker 2); a duplicate 1 (producer)", "yes", "-"],
+]
+PEER_NOTES = table(["system", "where it acts", "round trips per first run", "caches results",
+                    "comparable work"], PEER_ROWS) + (
+    "\n\nThe peers run on the same worker as `plain` (Redis broker, backend and their locks on the "
+    "shared Redis, under the run's prefix), wrapping the same no-op body.")
 
 
 US_HEADERS = ["median µs", "p90 µs", "client CPU µs", "server µs"]
@@ -153,12 +184,17 @@ def main(argv: list[str] | None = None) -> int:
         (500, 5000, 500, 100, 300, 200, 300) if q else (3000, 20000, 3000, 500, 2000, 1000, 2000))
     out = Out()
     results: dict[str, Any] = {"notes": notes}
+    if not args.no_peers:
+        for name, why in peer_status().items():
+            if why:
+                notes.append(f"peer {name} left out: it does not import ({why}).")
     load0 = os.getloadavg()
     try:
         _micro(out, results, client, args, prefix, table_name, pg_ok and "postgres" in stores,
                (n_floor, n_mem, n_redis, n_sql, n_comp, n_eager, n_prof))
         if not args.no_e2e:
-            plan = Plan(args.tasks, args.reps, args.pools, stores, warmup=30 if q else 100)
+            plan = Plan(args.tasks, args.reps, args.pools, stores, warmup=30 if q else 100,
+                        peers=not args.no_peers)
             log(f"end to end: {args.tasks} messages per batch, {args.reps} rep(s), pools {args.pools}, "
                 f"stores {stores}")
             pg_url = args.pg_url if "postgres" in stores else None
@@ -166,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
             results["e2e"] = summarize(batches)
             _e2e_tables(out, results["e2e"], plan)
         load1 = os.getloadavg()
+        if not args.no_growth:
+            _growth(out, results, args, table_name, pg_ok and "postgres" in stores)
+        if results.get("e2e") and args.write_docs:  # the chart belongs to the page's figures
+            results["chart"] = chart.throughput(results["e2e"], CHART)
+            log(f"wrote {CHART}")
         _targets(out, results)
         _profile_section(out, results)
         results["machine"] = machine(client, pg_info if pg_ok else None)
@@ -237,6 +278,14 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "*wall beyond* = median - round trips x its median. *client CPU* is the median CPU time of "
         "the calling thread per call."))
 
+    log("lease renewals ...")
+    results["lease"] = _lease_trips(counting, prefix)
+    out.add("Round trips with long bodies (lease renewals)", table(
+        ["lease s", "body s", "body / lease", "store round trips", "renewals (trips - 2)"],
+        [[lease, body, f"{body / lease:.2f}", trips, trips - 2] for lease, body, trips in results["lease"]]) +
+        "\n\n`Gate.run` on the Redis store with a sleeping body and a short lease; every store reply read is "
+        "counted (the lease keeper's renewals run on its own thread, on the same client).")
+
     log("components ...")
     comp = micro.component_timings(counting, client, prefix, n_comp, "c")
     if pg:
@@ -276,6 +325,31 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
     counting.close()
 
 
+def _lease_trips(store: Any, prefix: str) -> list[tuple[float, float, int]]:
+    import dataclasses
+    import uuid
+
+    from celery_idem.codec import KombuCodec
+    from celery_idem.gate import Attempt, Gate
+
+    _, task, _ = micro._bench_task(store, prefix)
+    out = []
+    for lease, body in ((0.9, 0.2), (0.9, 0.4), (0.9, 0.7)):
+        cfg = dataclasses.replace(task.idempotency_config, lease=lease)
+        gate = Gate(store, cfg, KombuCodec("json", ["json"]))
+        att = Attempt(key=task.idempotency_key_for((f"lease:{lease}:{body}",)), task_id=str(uuid.uuid4()),
+                      owner=micro.OWNER)
+        before = micro.Counter.replies
+        def sleeper(_token: int, b: float = body) -> dict[str, Any]:
+            time.sleep(b)
+            return micro.RESULT
+
+        gate.run(att, sleeper)
+        time.sleep(0.05)
+        out.append((lease, body, micro.Counter.replies - before))
+    return out
+
+
 # -- end to end --------------------------------------------------------------------------------
 
 
@@ -307,18 +381,68 @@ def _e2e_tables(out: Out, summary: list[Summary], plan: Plan) -> None:
     dup = [s for s in summary if s.workload == "duplicates"]
     rows = []
     for s in dup:
-        expected = s.messages if s.system == "plain" else s.messages // plan.copies
         rows.append([s.pool, s.system, s.messages, s.rate, rates(s), s.ratio,
-                     f"{s.bodies} (expected {expected})", s.cached, s.messages - s.cached,
-                     s.worker_cpu_us, s.producer_cpu_us])
+                     f"{s.bodies} (once each: {s.messages // plan.copies})", s.cached, s.rejected,
+                     s.published, s.failed, s.worker_cpu_us, s.producer_cpu_us])
     out.add(f"End to end: duplicate-heavy ({plan.tasks // plan.copies} actions x {plan.copies} copies)",
             table(["pool", "system", "messages", "tasks/s (median)", "per rep", "ratio vs plain",
-                   "bodies run (median)", "answered at enqueue", "published", "worker CPU µs/msg",
-                   "delay() CPU µs/msg"], rows) +
+                   "bodies run (median)", "answered at enqueue", "refused at enqueue", "published",
+                   "failed", "worker CPU µs/msg", "delay() CPU µs/msg"], rows) +
             f"\n\nThe copies are enqueued in rounds (every action once, then again, {plan.copies} rounds). "
             "The body does `INCR` on a per-batch counter, so *bodies run* counts executions. A copy whose "
             "action is already done when it is enqueued is answered by `delay()` itself "
-            "(a `CachedResult`, nothing published): that is why the idempotent system can beat plain here.")
+            "(a `CachedResult`, nothing published): that is why the idempotent system can beat plain here. "
+            "*refused at enqueue*: celery_once (graceful) returns None for a copy whose original is still "
+            "queued or running; celery-singleton returns the queued original's AsyncResult (not published, "
+            "waits for it); both drop their lock when the body ends, so a later copy runs the body again. "
+            "Powertools publishes every copy; the worker answers a done copy from its Redis record, and a "
+            "copy arriving while the original runs *fails* (`IdempotencyAlreadyInProgressError`).")
+    peers = [s for s in summary if s.system in PEERS]
+    if peers:
+        out.add("Peers: what each one does", PEER_NOTES)
+
+
+# -- growth and SQL size -----------------------------------------------------------------------
+
+
+def _growth(out: Out, results: dict[str, Any], args: argparse.Namespace, table_name: str, pg: bool) -> None:
+    q = args.quick
+    sizes = [1000, 100_000] if q else [1000, 100_000, 1_000_000]
+    n = 300 if q else 1500
+    log(f"growth (private redis-server): {sizes} done keys ...")
+    rows = growth.redis_growth(sizes, n, log)
+    if pg:
+        log("PostgreSQL bytes per record ...")
+        results["pg_size"] = growth.pg_record_size(args.pg_url, table_name + "_size", 300 if q else 1000)
+        drop_table(args.pg_url, table_name + "_size")
+        log(f"growth (PostgreSQL, private table): {sizes} rows ...")
+        rows += growth.pg_growth(args.pg_url, table_name + "_grow", sizes, 200 if q else 800, log)
+    results["growth"] = rows
+    body = table(["store", "records in the store", "claim, new key: median µs", "p90 µs",
+                  "claim, done key (duplicate): median µs", "p90 µs", "fill s",
+                  "MB (Redis used_memory / table + indexes)"],
+                 [[r.store, f"{r.keys:,}", r.new.median_us, r.new.p90_us, r.duplicate.median_us,
+                   r.duplicate.p90_us, r.fill_seconds, None if r.used_memory is None else
+                   f"{r.used_memory / 1e6:.0f}"] for r in rows])
+    body += ("\n\nRedis: a private `redis-server` (started on a free port, killed afterwards), filled "
+             "server-side with done records in the store's own hash format (fields s t i h c d u, a 37-byte "
+             "JSON result, a 1-day TTL). PostgreSQL: a private table filled with `INSERT ... SELECT "
+             "generate_series`, then `ANALYZE`. At each size a claim of a new key and a claim of a done key "
+             "are timed in turn (`RedisStore.claim` / `SQLStore.claim` called directly).")
+    shared = next((x.shared_buffers for x in rows if x.shared_buffers), None)
+    if shared:
+        body += f" The PostgreSQL server's `shared_buffers` is {shared}."
+    out.add("Growth: claim latency as the store fills", body)
+    ps = results.get("pg_size")
+    if ps:
+        out.add("Memory per done record (PostgreSQL)", table(
+            ["rows", "total bytes/row (pg_total_relation_size)", "heap bytes/row", "index bytes/row",
+             "tuple bytes (avg pg_column_size)", "encoded result bytes"],
+            [[ps["rows"], ps["total"], ps["heap"], ps["indexes"], ps["tuple"], ps["result"]]]) +
+            "\n\nReal done records written by `SQLStore.claim` + `SQLStore.record` (a UUID task id, the "
+            "owner `host:pid`, a 61-character key) in a private table; sizes from the catalog after the "
+            "inserts (no VACUUM). The three indexes (primary key, `state`, `expires`) take more than "
+            "the rows.")
 
 
 # -- targets -----------------------------------------------------------------------------------
@@ -347,6 +471,21 @@ def _targets(out: Out, r: dict[str, Any]) -> None:
             est = 1 / s.cpu_ratio
             rows.append([f"cross-check: plain / idempotent CPU per task, prefork, {s.system[5:]} store",
                          f">= {goal:.2f}", f"{est:.3f}", verdict(est >= goal)])
+    by = {(s.workload, s.pool, s.system): s for s in r.get("e2e", [])}
+    for (workload, pool, system), s in by.items():
+        if system not in PEERS:
+            continue
+        idem = by.get((workload, pool, "idem/redis"))
+        if idem is None:
+            continue
+        comparable = system == "powertools" and workload == "unique"
+        note = "comparable work" if comparable else "NOT comparable (lock only, no cached result)" if (
+            system != "powertools") else "NOT comparable (in-flight copies fail)"
+        tie = " (a tie: within 5%)" if abs(idem.rate / s.rate - 1) < 0.05 else ""
+        rows.append([f"faster than {system}, {workload}, {pool} ({note})", "idem/redis > peer",
+                     f"{idem.rate:.0f} vs {s.rate:.0f} tasks/s{tie}",
+                     verdict(idem.rate > s.rate) if comparable else
+                     ("met" if idem.rate > s.rate else "slower (not comparable)")])
     g = r["gate"]["redis"]
     for kind, goal in (("first", 2), ("duplicate", 1)):
         v = g[kind].round_trips
@@ -368,8 +507,71 @@ def _targets(out: Out, r: dict[str, Any]) -> None:
     big = r["record"][1]
     rows.append([f"the same, {big.result_bytes} B result ({big.encoding})", "<= 200", f"{big.overhead}",
                  verdict(big.overhead <= 200)])
+    for lease, body, trips in r.get("lease", []):
+        goal = 2 if body < lease / 3 else 2 + int(body / (lease / 3))
+        rows.append([f"round trips, body {body:g} s with a {lease:g} s lease (renewals only past lease/3)",
+                     f"{goal}", f"{trips}", verdict(trips == goal)])
+    for store in ("redis", "postgres"):
+        g = [x for x in r.get("growth", []) if x.store == store]
+        if len(g) >= 2:
+            lo, hi = g[0], g[-1]
+            rows.append([f"claim latency flat, {store}, {lo.keys:,} -> {hi.keys:,} records (new / duplicate)",
+                         "within 25%", f"{lo.new.median_us:.0f} -> {hi.new.median_us:.0f} / "
+                         f"{lo.duplicate.median_us:.0f} -> {hi.duplicate.median_us:.0f} µs",
+                         verdict(_flat(lo, hi))])
+    for row in rows:
+        row.append(_why(row[0], row[-1], r) if "MISSED" in row[-1] else "")
     r["targets"] = rows
-    out.add("Targets", table(["target", "goal", "measured", "verdict"], rows))
+    out.add("Targets", table(["target", "goal", "measured", "verdict", "why (for a miss)"], rows))
+
+
+def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
+    by = {(s.workload, s.pool, s.system): s for s in r.get("e2e", [])}
+    plain = by.get(("unique", "prefork", "plain"))
+    if target.startswith(("throughput ratio", "cross-check: plain")):
+        store = "redis" if "redis" in target else "postgres"
+        s = by.get(("unique", "prefork", f"idem/{store}"))
+        if s is None or plain is None:
+            return ""
+        dw, dp = s.worker_cpu_us - plain.worker_cpu_us, s.producer_cpu_us - plain.producer_cpu_us
+        base = plain.worker_cpu_us + plain.producer_cpu_us
+        text = (f"the run is CPU-bound (producer, worker and Redis on {os.cpu_count()} shared CPUs), so "
+                f"throughput follows total CPU per task: IdempotentTask adds {dw:.0f} µs worker CPU and "
+                f"{dp:.0f} µs in delay() on a {base:.0f} µs plain task; 5% would allow "
+                f"{0.05 * base / 0.95:.0f} µs in all. ")
+        if store == "redis":
+            text += ("It pays 3 store round trips per task (delay()'s `store.get` in `_cached`, then "
+                     "claim and record) at ~50-70 µs of redis-py CPU each, plus acks_late.")
+        else:
+            text += ("Each SQL statement costs ~0.5 ms of SQLAlchemy + psycopg client CPU "
+                     "(see the gate table): 2 per task in the worker plus delay()'s read.")
+        return text
+    if target.startswith("faster than powertools"):
+        return ("Powertools works in the worker only (2 plain SET/GET round trips, no producer read, acks "
+                "early); IdempotentTask also reads the record in delay() (1 extra round trip on the "
+                "producer) and uses acks_late; that buys answering duplicates without publishing (the "
+                "duplicate workload) and waiting instead of failing on in-flight copies.")
+    if target.startswith("gate wall"):
+        return ("wall time includes waiting for a shared server on a loaded machine; the CPU reading of "
+                "the same target is met.")
+    if target.startswith("done record bytes"):
+        rec = r["record"][0]
+        return (f"`MEMORY USAGE` counts the key itself ({rec.key_chars} characters) and Redis's per-key "
+                f"overhead: beyond the result and the key the record takes {rec.overhead - rec.key_chars} "
+                "bytes (fields s t i h c u with a 36-character task id and ms timestamps).")
+    if target.startswith("the same"):
+        return ("a field value over `hash-max-listpack-value` (64 by default) turns the hash into a "
+                "hashtable; raising it on the server keeps larger results compact.")
+    if target.startswith("claim latency flat, postgres"):
+        g = [x for x in r.get("growth", []) if x.store == "postgres"]
+        return (f"a B-tree lookup is O(log n) and at {g[-1].keys:,} rows the table and its three "
+                f"indexes ({(g[-1].used_memory or 0) / 1e6:.0f} MB) outgrow `shared_buffers` "
+                f"({g[-1].shared_buffers}): index pages come from the OS cache; measured right after the "
+                "bulk insert (autovacuum may run).")
+    if target.startswith("claim latency flat, redis"):
+        return ("a 1M-key keyspace dict no longer fits the CPU caches (one more cache miss per lookup); "
+                "the claim stays O(1).")
+    return ""
 
 
 # -- profile -----------------------------------------------------------------------------------
@@ -392,6 +594,11 @@ def _profile_section(out: Out, r: dict[str, Any]) -> None:
 
 
 # -- docs --------------------------------------------------------------------------------------
+
+
+def _flat(lo: Any, hi: Any) -> bool:
+    return bool(hi.new.median_us < 1.25 * lo.new.median_us
+                and hi.duplicate.median_us < 1.25 * lo.duplicate.median_us)
 
 
 def _findings(r: dict[str, Any]) -> list[str]:
@@ -488,6 +695,30 @@ def _findings(r: dict[str, Any]) -> list[str]:
                  f"repetitions: read the ratios with their per-repetition values, and the CPU per task "
                  f"(less affected by other load) next to them.")
     for s in e2e:
+        if s.system in PEERS and s.ratio is not None:
+            idem = by.get((s.workload, s.pool, "idem/redis"))
+            if idem is not None:
+                extra = ""
+                if s.workload == "duplicates":
+                    extra = (f"; bodies run {s.bodies} of {s.messages} messages (IdempotentTask: "
+                             f"{idem.bodies})" + (f", {s.failed} failed" if s.failed else ""))
+                f.append(f"Peer {s.system} ({s.workload}, {s.pool}): {s.rate:.0f} tasks/s, {s.ratio:.2f} "
+                         f"x plain, against IdempotentTask (Redis) {idem.rate:.0f} tasks/s{extra}.")
+    rows = r.get("growth", [])
+    for store in ("redis", "postgres"):
+        g = [x for x in rows if x.store == store]
+        if len(g) >= 2:
+            lo, hi = g[0], g[-1]
+            f.append(f"**Growth ({store}).** Claim of a new key {lo.new.median_us:.0f} µs at "
+                     f"{lo.keys:,} records, {hi.new.median_us:.0f} µs at {hi.keys:,}; of a done key "
+                     f"{lo.duplicate.median_us:.0f} -> {hi.duplicate.median_us:.0f} µs: "
+                     f"{'flat' if _flat(lo, hi) else 'NOT flat'} (within 25%).")
+    ps = r.get("pg_size")
+    if ps:
+        f.append(f"**PostgreSQL record size.** {ps['total']:.0f} bytes per done record on disk "
+                 f"(heap {ps['heap']:.0f}, indexes {ps['indexes']:.0f}), a {ps['tuple']:.0f}-byte tuple "
+                 f"for a {ps['result']}-byte result.")
+    for s in e2e:
         if s.workload == "unique" and s.system == "plain+acks_late" and s.ratio is not None:
             f.append(f"Ack mode alone ({s.pool}): plain with `acks_late=True` runs at {s.ratio:.2f} x plain.")
     return f
@@ -505,7 +736,9 @@ def _docs(out: Out, r: dict[str, Any]) -> str:
 What `IdempotentTask` costs, measured by `python -m bench` (the `bench/` package). This page is
 written by `{cmd}` and is overwritten on every run with `--write-docs`; the figures
 below are from one run on the machine described here, not a promise for yours. Run
-`python -m bench --quick` for a one-minute check, `python -m bench` for the full run.
+`python -m bench --quick` for a one-minute check, `python -m bench` for the full run. The peers
+and matplotlib are extras of the benchmark only, never dependencies of celery_idem:
+`pip install -r bench/requirements.txt` (a peer that does not import is left out and named in the notes).
 
 ## Machine and run
 
@@ -526,9 +759,11 @@ per cent as noise (the per-repetition figures show the spread).
   broker and result backend, log level WARNING, events off. Each batch enqueues every message with
   `delay()`, then waits for every result (`ResultSet.get`, the Redis backend's native join); the
   time runs from the first `delay()` to the last result. The systems are measured interleaved
-  (A B C, A B C, ...), after an unmeasured warm-up batch each; figures are medians over the
-  repetitions, the ratio is median(idempotent) / median(plain). Every result is checked against
-  its action.
+  (A B C, A B C, ...; plain, the IdempotentTask variants, and the peers celery_once,
+  celery-singleton and Powertools on the same worker workload), after an unmeasured warm-up
+  batch each; figures are medians over the repetitions, the ratio is the median of the paired
+  per-repetition ratios (each system against the plain batch just before it). Every result is
+  checked against its action (a peer's failed results are counted instead).
 * **Gate**: `Gate.run` with a no-op body, each call timed on its own (median, p90), wall time and
   the calling thread's CPU time; what is compared (the gate and a trivial EVALSHA, a verb and the
   EVALSHA) is timed in turn in one loop, so both see the same machine conditions. Redis round
@@ -543,6 +778,11 @@ per cent as noise (the per-repetition figures show the spread).
     if r["notes"]:
         head += "\n## Notes\n\n" + "\n".join(f"* {n}" for n in r["notes"]) + "\n"
     findings = "\n## What dominates\n\n" + "\n".join(f"* {x}" for x in _findings(r)) + "\n"
+    if r.get("chart"):
+        findings += ("\n## Throughput per system\n\n"
+                     "![End-to-end throughput per system, tasks/s](img/throughput.png)\n"
+                     "\nMedian tasks/s per system and workload (the bars: min-max over the repetitions); the "
+                     "idempotent systems are outlined.\n")
     body = "\n".join(out.sections)
     tree = ""
     if r.get("pyinstrument"):

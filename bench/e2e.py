@@ -31,6 +31,9 @@ from .app import Settings, build_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: The peers (bench/requirements.txt), measured when their tasks exist on the app.
+PEERS = {"celery_once": "bench.once", "celery-singleton": "bench.singleton", "powertools": "bench.powertools"}
+
 POOLS: dict[str, tuple[str, int]] = {"solo": ("solo", 1), "prefork": ("prefork", 2)}
 
 
@@ -128,6 +131,8 @@ class Batch:
     published: int
     cached: int
     bodies: int | None = None
+    failed: int = 0  # results that are errors (peers only: e.g. Powertools' "already in progress")
+    rejected: int = 0  # delay() returned None (celery_once graceful: a duplicate while queued)
     load: float = 0.0
     worker_cpu: float = 0.0  # seconds, the worker's processes
     producer_cpu: float = 0.0  # seconds, this process while it enqueues (delay() calls)
@@ -146,6 +151,7 @@ class System:
     task_name: str
     worker: Worker
     counted: bool = False
+    peer: bool = False  # a peer: its errors and rejections are counted, not fatal
 
     @property
     def task(self) -> Any:
@@ -160,35 +166,51 @@ class Plan:
     stores: Sequence[str]  # "redis", "postgres"
     copies: int = 4
     warmup: int = 100
+    peers: bool = True
     notes: list[str] = field(default_factory=list)
 
 
 def run_batch(system: System, calls: list[tuple[Any, ...]],
-              timeout: float) -> tuple[float, float, int, int, float]:
+              timeout: float) -> tuple[float, float, int, int, float, int, int]:
     """Enqueue every call with ``delay``, then wait for every result.
 
     Returns:
-        (seconds first enqueue -> last result, seconds spent enqueueing, published, cached,
-        CPU seconds of this process while enqueueing)
+        (seconds first enqueue -> last result, seconds spent enqueueing, published (distinct task
+        ids), cached, CPU seconds of this process while enqueueing, failed results, rejected)
     """
     task = system.task
     cpu0 = time.process_time()
     t0 = time.perf_counter()
-    results = [task.delay(*args) for args in calls]
+    # celery_once (graceful) answers a duplicate with EagerResult(None, None, REJECTED): no id.
+    results = [None if getattr(r, "id", "") is None else r for r in (task.delay(*args) for args in calls)]
     t_enq = time.perf_counter()
     enqueue_cpu = time.process_time() - cpu0
-    pending = [r for r in results if not isinstance(r, CachedResult)]
-    values = ResultSet(pending, app=system.app).get(timeout=timeout) if pending else []
+    # celery-singleton answers a duplicate with the AsyncResult of the queued original: the same
+    # id several times; ResultSet's native join needs each id once.
+    distinct: dict[str, Any] = {}
+    for r in results:
+        if r is not None and not isinstance(r, CachedResult):
+            distinct.setdefault(r.id, r)
+    rs = ResultSet(list(distinct.values()), app=system.app)
+    values = rs.get(timeout=timeout, propagate=not system.peer) if distinct else []
     t1 = time.perf_counter()
+    by_id = dict(zip(distinct, values, strict=True))
+    failed = sum(1 for v in by_id.values() if isinstance(v, BaseException))
+    rejected = sum(1 for r in results if r is None)
+    if not system.peer and rejected:
+        raise AssertionError(f"{system.name}: delay() returned None {rejected} times")
     # Honesty check: every result is the action it was called with.
-    expected = [args[0] for args, r in zip(calls, results, strict=True) if not isinstance(r, CachedResult)]
-    if list(values) != expected:
-        bad = sum(1 for v, e in zip(values, expected, strict=False) if v != e)
-        raise AssertionError(f"{system.name}: {bad} results differ from their actions")
+    bad = 0
     for args, r in zip(calls, results, strict=True):
-        if isinstance(r, CachedResult) and r.result != args[0]:
-            raise AssertionError(f"{system.name}: a cached result differs from its action")
-    return t1 - t0, t_enq - t0, len(pending), len(results) - len(pending), enqueue_cpu
+        if r is None:
+            continue
+        value = r.result if isinstance(r, CachedResult) else by_id[r.id]
+        if value != args[0] and not isinstance(value, BaseException):
+            bad += 1
+    if bad or (failed and not system.peer):
+        raise AssertionError(f"{system.name}: {bad} results differ from their actions, {failed} failed")
+    cached = sum(1 for r in results if isinstance(r, CachedResult))
+    return t1 - t0, t_enq - t0, len(distinct), cached, enqueue_cpu, failed, rejected
 
 
 def _calls(system: System, workload: str, tag: str, n: int, copies: int,
@@ -252,6 +274,10 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
                 unique.append(System(f"idem/{store}", apps[store], "bench.idem", workers[store]))
                 dup.append(System(f"idem/{store}", apps[store], "bench.idem_count", workers[store],
                                   counted=True))
+        for peer, task_name in PEERS.items():
+            if plan.peers and task_name in base_app.tasks:
+                unique.append(System(peer, base_app, task_name, base_worker, peer=True))
+                dup.append(System(peer, base_app, task_name + "_count", base_worker, counted=True, peer=True))
         timeout = 120 + plan.tasks / 10
         out: list[Batch] = []
         for workload, systems in (("unique", unique), ("duplicates", dup)):
@@ -265,13 +291,15 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
                     counter = f"{tag}:bodies" if s.counted else None
                     calls = _calls(s, workload, tag, plan.tasks, plan.copies, counter)
                     wcpu = s.worker.cpu_seconds()
-                    secs, enq, published, cached, pcpu = run_batch(s, calls, timeout)
+                    secs, enq, published, cached, pcpu, failed, rejected = run_batch(s, calls, timeout)
                     wcpu = s.worker.cpu_seconds() - wcpu
                     bodies = int(client.get(counter) or 0) if counter else None
                     b = Batch(workload, pool, s.name, rep, len(calls), secs, enq, published, cached,
-                              bodies, os.getloadavg()[0], wcpu, pcpu)
+                              bodies, failed, rejected, os.getloadavg()[0], wcpu, pcpu)
                     out.append(b)
                     extra = f" bodies={bodies}" if bodies is not None else ""
+                    extra += f" failed={failed}" if failed else ""
+                    extra += f" rejected={rejected}" if rejected else ""
                     log(f"  {pool:8} {workload:10} {s.name:16} rep {rep + 1}: {b.rate:8.0f} tasks/s "
                         f"({secs:.2f} s, enqueue {enq:.2f} s, cached {cached}){extra}")
         return out
@@ -302,6 +330,9 @@ class Summary:
     bodies: int | None
     cached: int
     messages: int
+    published: int = 0
+    failed: int = 0
+    rejected: int = 0
     worker_cpu_us: float = 0.0  # median worker CPU per message
     producer_cpu_us: float = 0.0  # median producer CPU per message, enqueueing
     load: tuple[float, float] = (0.0, 0.0)  # min, max 1-minute load average after its batches
@@ -322,7 +353,8 @@ def summarize(batches: list[Batch]) -> list[Summary]:
             workload, pool, system, statistics.median(rates), rates,
             statistics.median(b.seconds for b in bs), statistics.median(b.enqueue_seconds for b in bs),
             int(statistics.median(bodies)) if bodies else None, int(statistics.median(b.cached for b in bs)),
-            bs[0].messages,
+            bs[0].messages, int(statistics.median(b.published for b in bs)),
+            int(statistics.median(b.failed for b in bs)), int(statistics.median(b.rejected for b in bs)),
             statistics.median(b.worker_cpu / b.messages * 1e6 for b in bs),
             statistics.median(b.producer_cpu / b.messages * 1e6 for b in bs),
             (min(b.load for b in bs), max(b.load for b in bs)),

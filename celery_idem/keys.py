@@ -39,7 +39,14 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["bind_arguments", "canonical", "canonical_json", "idempotency_key", "payload_hash"]
+__all__ = [
+    "bind_arguments",
+    "canonical",
+    "canonical_json",
+    "idempotency_key",
+    "key_from_fields",
+    "payload_hash",
+]
 
 #: Length of the hex digest kept in a key: 128 bits, collision-free for any realistic volume.
 DIGEST_CHARS = 32
@@ -66,6 +73,15 @@ def idempotency_key(operation: str, business_id: Any = None, **fields: Any) -> s
     """
     if not isinstance(operation, str) or not operation:
         raise ValueError(f"idempotency_key: operation must be a non-empty str, got {operation!r}")
+    return key_from_fields(operation, fields, business_id)
+
+
+def key_from_fields(operation: str, fields: Mapping[str, Any], business_id: Any = None) -> str:
+    """:func:`idempotency_key` with the fields as a mapping (a task's bound arguments).
+
+    A mapping, not keywords, so arguments named ``operation`` or ``business_id`` are fields
+    like any other.
+    """
     payload = {"op": operation, "id": business_id, **fields}
     return f"{operation}:{_digest(canonical_json(payload))}"
 

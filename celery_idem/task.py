@@ -33,7 +33,7 @@ from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resol
 from .events import EVENT_TYPE, Outcome, log_outcome
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, StoreUnavailable
 from .gate import Attempt, Gate, Requeue
-from .keys import bind_arguments, canonical_json, payload_hash, select_fields
+from .keys import bind_arguments, key_from_fields, payload_hash, select_fields
 from .lease import current_lease
 from .records import Record, State
 from .stores import store_from_url
@@ -194,8 +194,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"{self.name}: idempotency_key_func returned {identity!r}; it must return a "
                     f"non-empty str"
                 )
-            return _check_key(self.name, _hash_key(cfg.operation, {"id": identity}))
-        return _check_key(self.name, _hash_key(cfg.operation, self._fields(args, kwargs)))
+            return _check_key(self.name, key_from_fields(cfg.operation, {}, identity))
+        return _check_key(self.name, key_from_fields(cfg.operation, self._fields(args, kwargs)))
 
     def _bound(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if self._signature is None:
@@ -406,18 +406,10 @@ def _signature_of(run: Any) -> inspect.Signature | None:
     except (TypeError, ValueError):
         return None
     params = list(sig.parameters.values())
-    if not inspect.ismethod(run) and getattr(run, "__self__", None) is None and params \
-            and params[0].name == "self" and not isinstance(run, staticmethod):
+    if getattr(run, "__self__", None) is None and params and params[0].name == "self":
         # An unbound ``bind=True`` body: ``self`` is the task, not a business argument.
         sig = sig.replace(parameters=params[1:])
     return sig
-
-
-def _hash_key(operation: str, fields: Mapping[str, Any]) -> str:
-    from .keys import _digest
-
-    payload = {"op": operation, "id": None, **fields}
-    return f"{operation}:{_digest(canonical_json(payload))}"
 
 
 def _check_key(task: str, key: Any) -> str:

@@ -43,12 +43,13 @@ class Worker:
     """One ``celery worker`` subprocess with its own log file."""
 
     def __init__(self, env: dict[str, str], name: str, pool: str = "prefork",
-                 concurrency: int = 2, extra: tuple[str, ...] = ()) -> None:
+                 concurrency: int = 2, extra: tuple[str, ...] = (),
+                 app: str = "tests.integration.app") -> None:
         self.env = env
         self.name = name
         self.log = Path(tempfile.mkstemp(prefix=f"celery-idem-{name}-", suffix=".log")[1])
         cmd = [
-            sys.executable, "-m", "celery", "-A", "tests.integration.app", "worker",
+            sys.executable, "-m", "celery", "-A", app, "worker",
             "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-E", *extra,
         ]

@@ -1,0 +1,88 @@
+"""The Celery app the tool tests run in a real ``celery worker`` (threads pool).
+
+Configured from the environment so each test module gets its own queue, key prefix and ledger:
+``TOOLS_REDIS`` (broker, backend, store and ledger), ``TOOLS_PREFIX``, ``TOOLS_QUEUE``. Every
+body appends to the ledger list ``<prefix>ledger:<name>`` before it returns, so the ledger
+counts executions of the effect, independently of the store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Literal
+
+import redis
+from celery import Celery
+
+from celery_idem import IdempotentTask, TerminalError
+
+REDIS = os.environ.get("TOOLS_REDIS", "redis://127.0.0.1:6379/0")
+PREFIX = os.environ.get("TOOLS_PREFIX", "tools-test:")
+app = Celery("toolstest", broker=REDIS, backend=REDIS)
+app.conf.update(
+    task_default_queue=os.environ.get("TOOLS_QUEUE", "tools-test"),
+    idempotency_key_prefix=PREFIX,
+    result_expires=600,
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+)
+
+_ledger = redis.Redis.from_url(REDIS)
+
+
+def effect(name: str, value: object = 1) -> int:
+    """Commit one side effect to the ledger; returns how many there are now."""
+    return int(_ledger.rpush(f"{app.conf.idempotency_key_prefix}ledger:{name}", str(value)))
+
+
+def released(name: str) -> bool:
+    return bool(_ledger.exists(f"{app.conf.idempotency_key_prefix}flag:{name}"))
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id", "amount_cents"))
+def charge_card(self: IdempotentTask, order_id: str, amount_cents: int,
+                currency: Literal["usd", "eur"] = "usd", hold: bool = False) -> dict[str, Any]:
+    """Charge the customer's card for an order.
+
+    Args:
+        order_id: The shop's order id.
+        amount_cents: The amount, in cents.
+        currency: ISO currency code.
+        hold: Test hook: keep running until the test releases the order.
+    """
+    deadline = time.monotonic() + 120
+    while hold and not released(order_id) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    n = effect(f"charge:{order_id}", self.request.id)
+    return {"charge_id": f"ch_{order_id}_{amount_cents}", "amount_cents": amount_cents,
+            "currency": currency, "effects": n}
+
+
+@app.task(base=IdempotentTask, bind=True)
+def refund(self: IdempotentTask, charge_id: str) -> dict[str, Any]:
+    """Refund a charge."""
+    effect(f"refund:{charge_id}")
+    raise TerminalError(f"charge {charge_id} was already refunded")
+
+
+@app.task(base=IdempotentTask, bind=True)
+def cancel_order(self: IdempotentTask, order_id: str) -> None:
+    """Cancel an order."""
+    effect(f"cancel:{order_id}")
+    raise RuntimeError(f"order service answered 500 for {order_id}\n  at line 3 of handler.py")
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",),
+          idempotency_validate=True)
+def create_shipment(self: IdempotentTask, order_id: str, address: str) -> dict[str, Any]:
+    """Create the shipment of an order (the order id alone names it)."""
+    effect(f"shipment:{order_id}")
+    return {"shipment_id": f"sh_{order_id}", "address": address}
+
+
+@app.task
+def stock_level(sku: str) -> dict[str, Any]:
+    """How many items of a product are in stock (a read: no effect)."""
+    n = effect(f"stock:{sku}")
+    return {"sku": sku, "in_stock": 7, "lookups": n}

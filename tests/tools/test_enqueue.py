@@ -1,0 +1,39 @@
+"""What is (and is not) enqueued, with no worker consuming the queue."""
+
+from __future__ import annotations
+
+import json
+
+from celery_idem.tools import Toolbox, tool
+from tests.tools.app import charge_card
+from tests.tools.conftest import Env
+
+
+def test_bad_arguments_are_an_error_result_and_nothing_is_enqueued(idle: Env) -> None:
+    tools = Toolbox([tool(charge_card, timeout=0.2)])
+    bad = [
+        ("charge_card", '{"order_id": "o1"}', "missing required argument 'amount_cents'"),
+        ("charge_card", '{"order_id": "o1", "amount_cents": 5, "tip": 1}', "unknown argument 'tip'"),
+        ("charge_card", '{"order_id": "o1", "amount_cents": "5"}', "must be integer"),
+        ("charge_card", '{"order_id": "o1", amount_cents: 5}', "not valid JSON"),
+        ("charge_card", '["o1", 5]', "must be a JSON object"),
+    ]
+    for name, arguments, problem in bad:
+        out = tools.call(name, arguments)
+        assert out["status"] == "error" and out["error"] == "InvalidArguments", out
+        assert problem in out["message"] and "Nothing was done" in out["message"], out
+        assert out["task_id"] is None
+        json.dumps(out)
+    assert idle.queued() == 0
+    # The same tool with good arguments does enqueue (so the count above can see a message)
+    out = tools.call("charge_card", '{"order_id": "o1", "amount_cents": 5}')
+    assert out["status"] == "in_progress" and out["task_id"], out
+    assert idle.queued() == 1
+
+
+def test_pending_exposes_the_task_id_and_key_before_waiting(idle: Env) -> None:
+    pending = tool(charge_card).start({"order_id": "o2", "amount_cents": 6})
+    assert pending.task_id and not pending.answered_at_enqueue
+    assert pending.idempotency_key == charge_card.idempotency_key_for(
+        kwargs={"order_id": "o2", "amount_cents": 6})
+    assert pending.wait(timeout=0.1)["status"] == "in_progress"

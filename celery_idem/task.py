@@ -85,7 +85,11 @@ def get_store(app: Celery) -> Store:
                 url = "memory://"
             if not isinstance(url, str):
                 url = getattr(url, "url", None) or repr(url)  # a backend class or instance
-            store = store_from_url(url, prefix=prefix, options=conf.get("idempotency_store_options"))
+            # result_backend_transport_options: where Celery users already put a sentinel
+            # master_name; only the sentinel:// store reads it.
+            store = store_from_url(url, prefix=prefix, options=conf.get("idempotency_store_options"),
+                                   backend_transport_options=conf.get(
+                                       "result_backend_transport_options"))
         _stores[app] = store
     return store
 

@@ -21,6 +21,9 @@ _BACKENDS: dict[str, tuple[str, str, str | None]] = {
     "redis": ("celery_idem.stores.redis", "RedisStore", "redis"),
     "rediss": ("celery_idem.stores.redis", "RedisStore", "redis"),
     "unix": ("celery_idem.stores.redis", "RedisStore", "redis"),
+    "redis+cluster": ("celery_idem.stores.redis_ha", "RedisClusterStore", "redis"),
+    "rediss+cluster": ("celery_idem.stores.redis_ha", "RedisClusterStore", "redis"),
+    "sentinel": ("celery_idem.stores.redis_ha", "RedisSentinelStore", "redis"),
     "db+postgresql": ("celery_idem.stores.sql", "SQLStore", "sql"),
     "db+sqlite": ("celery_idem.stores.sql", "SQLStore", "sql"),
     "db+mysql": ("celery_idem.stores.sql", "SQLStore", "sql"),
@@ -40,15 +43,22 @@ def _scheme(url: str) -> str:
 
 
 def store_from_url(
-    url: str, prefix: str = "celery-idem:", options: Mapping[str, Any] | None = None
+    url: str,
+    prefix: str = "celery-idem:",
+    options: Mapping[str, Any] | None = None,
+    backend_transport_options: Mapping[str, Any] | None = None,
 ) -> Store:
     """Build the store for ``url``.
 
     Args:
         url: A result-backend style URL (``redis://``, ``rediss://``, ``unix://``,
+            ``redis+cluster://``, ``rediss+cluster://``, ``sentinel://``,
             ``db+postgresql://``, ``db+sqlite://``, ``db+mysql://``, ``memory://``).
         prefix: Key prefix (Redis) or key column prefix (SQL) that keeps apps apart.
         options: Extra keyword arguments for the store's client (socket timeouts, pool size).
+        backend_transport_options: The app's ``result_backend_transport_options``; a
+            ``sentinel://`` store takes ``master_name``, ``sentinel_kwargs`` and
+            ``min_other_sentinels`` from it when neither ``options`` nor the URL give them.
 
     Raises:
         ImproperlyConfigured: The scheme has no store, or its client library is not installed.
@@ -77,4 +87,7 @@ def store_from_url(
             f"pip install 'celery-idem[{extra}]'"
         ) from exc
     store_cls: type[Store] = getattr(module, class_name)
-    return store_cls.from_url(url, prefix=prefix, **dict(options or {}))
+    kwargs = dict(options or {})
+    if scheme == "sentinel" and backend_transport_options:
+        kwargs["backend_transport_options"] = backend_transport_options
+    return store_cls.from_url(url, prefix=prefix, **kwargs)

@@ -18,10 +18,11 @@ restart; see docs/stores.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 from collections.abc import Iterator
 from importlib import resources
-from typing import Any
+from typing import Any, ClassVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -74,17 +75,33 @@ class RedisStore(Store):
     Args:
         client: A ``redis.Redis`` client (``decode_responses`` must be False).
         prefix: Prepended to every key.
+        wait_replicas: After each write (claim, record, release, renew), wait (``WAIT``)
+            until this many replicas have it, so a failover cannot lose an acknowledged claim
+            or result. 0 (the default): no wait; see docs/redis-cluster.md for the trade.
+        wait_timeout: Seconds ``WAIT`` may take; fewer replicas by then raises
+            ``StoreUnavailable`` (the write is on the master but not known to be durable).
+        location: Where the store is, for messages (default: host:port/db of ``client``).
     """
 
-    schemes = ("redis", "rediss", "unix")
+    schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix")
 
-    def __init__(self, client: redis.Redis, prefix: str = "celery-idem:") -> None:
+    def __init__(self, client: redis.Redis, prefix: str = "celery-idem:", *,
+                 wait_replicas: int = 0, wait_timeout: float = 1.0,
+                 location: str | None = None) -> None:
         super().__init__(prefix)
+        if not isinstance(wait_replicas, int) or isinstance(wait_replicas, bool) or wait_replicas < 0:
+            raise ValueError(f"wait_replicas must be an int >= 0, got {wait_replicas!r}")
+        if not isinstance(wait_timeout, (int, float)) or wait_timeout <= 0:
+            raise ValueError(f"wait_timeout must be a number of seconds > 0, got {wait_timeout!r}")
         self.client = client
-        kwargs = client.connection_pool.connection_kwargs
-        self.location = (
-            kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-        ) + f"/{kwargs.get('db', 0)}"
+        self.wait_replicas = wait_replicas
+        self.wait_timeout = float(wait_timeout)
+        if location is None:
+            kwargs = client.connection_pool.connection_kwargs
+            location = (
+                kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+            ) + f"/{kwargs.get('db', 0)}"
+        self.location = location
         # register_script runs EVALSHA and falls back to EVAL once after a NOSCRIPT (a restarted
         # or flushed server): still one round trip on the hot path.
         self._claim = client.register_script(_load("claim"))
@@ -94,14 +111,53 @@ class RedisStore(Store):
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> RedisStore:
-        """Build a store from a Redis URL; ``options`` go to ``redis.Redis.from_url``."""
+        """Build a store from a Redis URL; ``options`` go to ``redis.Redis.from_url``.
+
+        ``wait_replicas`` and ``wait_timeout`` in ``options`` are the store's own (see the class).
+        """
+        store_opts = _store_options(options)
         opts = {**_CLIENT_DEFAULTS, **options}
         opts.setdefault("retry", Retry(NoBackoff(), 0))
         client = redis.Redis.from_url(url, **opts)
-        return cls(client, prefix=prefix)
+        return cls(client, prefix=prefix, **store_opts)
 
     def _k(self, key: str) -> str:
         return self.prefix + key
+
+    def _key_of(self, name: bytes | str) -> str:
+        """The idempotency key of a Redis key name (the inverse of ``_k``)."""
+        return _text(name)[len(self.prefix):]
+
+    def _node(self, name: str) -> redis.Redis:
+        """The client that talks to the server holding ``name`` (cluster: that key's master)."""
+        return self.client
+
+    def _run(self, script: Any, key: str, args: list[Any]) -> Any:
+        """Run one verb's script on ``key``: one round trip, or two with ``wait_replicas``."""
+        name = self._k(key)
+        if not self.wait_replicas:
+            return script(keys=[name], args=args)
+        # WAIT counts the replicas that have every write made *on this connection*, so the
+        # script and the WAIT go down one connection, pipelined (still one network exchange).
+        node = self._node(name)
+        for _ in range(2):
+            pipe = node.pipeline(transaction=False)
+            pipe.evalsha(script.sha, 1, name, *args)
+            pipe.execute_command(  # type: ignore[no-untyped-call]
+                "WAIT", self.wait_replicas, _ms(self.wait_timeout))
+            try:
+                reply, acked = pipe.execute()
+            except redis.exceptions.NoScriptError:
+                node.script_load(script.script)  # a restarted or newly promoted server
+                continue
+            if int(acked) < self.wait_replicas:
+                raise StoreUnavailable(
+                    f"the Redis store at {self.location} wrote {name} but only {acked} of "
+                    f"{self.wait_replicas} replicas confirmed it within {self.wait_timeout:g} s "
+                    f"(wait_replicas): not known to survive a failover"
+                )
+            return reply
+        raise StoreUnavailable(f"the Redis store at {self.location} keeps losing its scripts")
 
     # -- verbs ---------------------------------------------------------------------------------
 
@@ -118,7 +174,7 @@ class RedisStore(Store):
     ) -> Claim:
         args: list[str | int] = [owner, task_id, attempt, _ms(lease), _ms(ttl), payload_hash or ""]
         with _translate_errors(self, key):
-            reply = self._claim(keys=[self._k(key)], args=args)
+            reply = self._run(self._claim, key, args)
         status = reply[0].decode()
         if status == "corrupt":
             raise CorruptRecord(
@@ -133,19 +189,19 @@ class RedisStore(Store):
         if state not in (State.DONE, State.FAILED):
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         with _translate_errors(self, key):
-            reply = self._record(
-                keys=[self._k(key)], args=[token, state.value, content_type, data, _ms(ttl)]
+            reply = self._run(
+                self._record, key, [token, state.value, content_type, data, _ms(ttl)]
             )
         self._check_fence(reply, key, token, "record")
 
     def release(self, key: str, token: int) -> None:
         with _translate_errors(self, key):
-            reply = self._release(keys=[self._k(key)], args=[token])
+            reply = self._run(self._release, key, [token])
         self._check_fence(reply, key, token, "release")
 
     def renew(self, key: str, token: int, lease: float) -> float:
         with _translate_errors(self, key):
-            reply = self._renew(keys=[self._k(key)], args=[token, _ms(lease)])
+            reply = self._run(self._renew, key, [token, _ms(lease)])
         if isinstance(reply, int):
             return float(reply) / 1000
         self._check_fence(reply, key, token, "renew")
@@ -158,10 +214,13 @@ class RedisStore(Store):
 
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"
-        cursor = 0
+        # scan_iter walks every server that holds keys: the one server, or every cluster master.
+        names_iter = self.client.scan_iter(match=pattern, count=count)
         while True:
             with _translate_errors(self):
-                cursor, names = self.client.scan(cursor, match=pattern, count=count)
+                names = list(itertools.islice(names_iter, count))
+                if not names:
+                    return
                 pipe = self.client.pipeline(transaction=False)
                 for name in names:
                     pipe.hmget(name, _FIELDS)
@@ -169,12 +228,9 @@ class RedisStore(Store):
             for name, values in zip(names, rows, strict=True):
                 if isinstance(values, Exception) or values[0] is None:
                     continue  # a foreign key under our prefix, or expired between the calls
-                key = _text(name)[len(self.prefix):]
-                rec = self._decode(key, values)
+                rec = self._decode(self._key_of(name), values)
                 if state is None or rec.state is state:
                     yield rec
-            if cursor == 0:
-                return
 
     def now(self) -> float:
         with _translate_errors(self):
@@ -219,6 +275,11 @@ class RedisStore(Store):
                 f"celery_idem, or it is damaged",
                 key=key,
             ) from exc
+
+
+def _store_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Take the store's own settings out of ``options`` (the rest go to the client)."""
+    return {name: options.pop(name) for name in ("wait_replicas", "wait_timeout") if name in options}
 
 
 def _text(value: bytes | str) -> str:

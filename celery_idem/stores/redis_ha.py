@@ -1,0 +1,247 @@
+"""Redis Cluster (``redis+cluster://``) and Redis Sentinel (``sentinel://``) stores.
+
+Both are :class:`~celery_idem.stores.redis.RedisStore` with another client: the same Lua
+scripts, record layout and fencing. What differs is how a key finds its server:
+
+* **Cluster**: every record is named ``<prefix>{<key>}``. Each script touches only that one key,
+  so it runs on one slot by construction; the hash tag (the idempotency key between braces)
+  additionally pins any key a future script derives from the same idempotency key (a companion
+  list, a lock) to the same slot, while records still spread evenly over the masters (the key
+  ends in a SHA-256). ``scan`` walks every master.
+* **Sentinel**: the client asks the sentinels for the current master of ``master_name`` on
+  every new connection, so after a failover the next call reaches the promoted replica.
+
+Redis replicates asynchronously: a write acknowledged by a master that dies before its replica
+got it is lost on failover. ``wait_replicas=1`` closes that window (see docs/redis-cluster.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, ClassVar
+from urllib.parse import parse_qsl, unquote, urlencode
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import parse_url
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from ..exceptions import ImproperlyConfigured
+from .redis import _CLIENT_DEFAULTS, RedisStore, _store_options, _text
+
+__all__ = ["RedisClusterStore", "RedisSentinelStore"]
+
+#: Settings of Celery's ``result_backend_transport_options`` the sentinel store also honours.
+SENTINEL_TRANSPORT_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
+
+
+def _split_hosts(url: str, scheme_hint: str) -> tuple[str, str, list[tuple[str, int]], str, str]:
+    """``scheme://[auth@]h1:p1,h2:p2[/path][?query]`` -> (scheme, auth, hosts, path, query)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ImproperlyConfigured(f"{scheme_hint} URL needs '://': {url!r}")
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    auth, _, hostlist = netloc.rpartition("@")
+    hosts: list[tuple[str, int]] = []
+    for item in hostlist.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ImproperlyConfigured(
+                f"{scheme_hint} URL {url.split('@')[-1]!r}: each node must be host:port, got "
+                f"{item!r}"
+            )
+        hosts.append((host.strip("[]"), int(port)))
+    return scheme.lower(), auth, hosts, path, query
+
+
+def _client_kwargs(auth: str, path: str, query: str, tls: bool) -> dict[str, Any]:
+    """Typed client settings from the URL's auth, path (db) and query, via redis-py's parser."""
+    scheme = "rediss" if tls else "redis"
+    auth_part = f"{auth}@" if auth else ""
+    kwargs: dict[str, Any] = parse_url(  # type: ignore[no-untyped-call]
+        f"{scheme}://{auth_part}localhost:1/{path}?{query}")
+    for name in ("host", "port", "connection_class"):
+        kwargs.pop(name, None)
+    if tls:
+        kwargs["ssl"] = True
+    return kwargs
+
+
+class RedisClusterStore(RedisStore):
+    """Idempotency records in a Redis Cluster, one Lua script on one slot per verb.
+
+    Args:
+        client: A ``redis.cluster.RedisCluster`` (``decode_responses`` must be False).
+        prefix: Prepended to every key (keep braces out of it: a ``{tag}`` in the prefix would
+            put every record in one slot, on one master).
+        wait_replicas: See :class:`~celery_idem.stores.redis.RedisStore`.
+        wait_timeout: See :class:`~celery_idem.stores.redis.RedisStore`.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("redis+cluster", "rediss+cluster")
+
+    def __init__(self, client: RedisCluster, prefix: str = "celery-idem:", *,
+                 wait_replicas: int = 0, wait_timeout: float = 1.0) -> None:
+        nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_primaries())  # type: ignore[no-untyped-call]
+        super().__init__(client, prefix, wait_replicas=wait_replicas,  # type: ignore[arg-type]
+                         wait_timeout=wait_timeout, location=f"cluster {nodes}")
+        self.cluster = client
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "celery-idem:",
+                 **options: Any) -> RedisClusterStore:
+        """Build a store from ``redis+cluster://[user:password@]host:port[,host:port...][?...]``.
+
+        The nodes are seeds: the client learns the rest of the cluster from any one of them.
+        ``rediss+cluster://`` uses TLS. ``options`` go to ``RedisCluster`` (socket timeouts,
+        ``ssl_ca_certs``, ...), except ``wait_replicas`` and ``wait_timeout``.
+
+        Raises:
+            ImproperlyConfigured: A malformed URL, or a database other than 0 (a cluster has one).
+        """
+        scheme, auth, hosts, path, query = _split_hosts(url, "a Redis Cluster")
+        kwargs = _client_kwargs(auth, path, query, tls=scheme == "rediss+cluster")
+        if int(kwargs.pop("db", 0) or 0) != 0:
+            raise ImproperlyConfigured(
+                f"a Redis Cluster has only database 0; drop '/{path}' from the store URL"
+            )
+        store_opts = _store_options(options)
+        opts = {**_CLIENT_DEFAULTS, **kwargs, **options}
+        # No blind retries, as for one Redis (see _CLIENT_DEFAULTS); MOVED/ASK redirections
+        # after a failover or resharding are still followed inside the client.
+        opts.setdefault("retry", Retry(NoBackoff(), 0))
+        seeds = [ClusterNode(h, p) for h, p in hosts]  # type: ignore[no-untyped-call]
+        client = RedisCluster(startup_nodes=seeds, **opts)
+        return cls(client, prefix=prefix, **store_opts)
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}{{{key}}}"
+
+    def _key_of(self, name: bytes | str) -> str:
+        return _text(name)[len(self.prefix) + 1:-1]
+
+    def _node(self, name: str) -> redis.Redis:
+        node = self.cluster.get_node_from_key(name)  # type: ignore[no-untyped-call]
+        return self.cluster.get_redis_connection(node)
+
+    def _run(self, script: Any, key: str, args: list[Any]) -> Any:
+        try:
+            return super()._run(script, key, args)
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+            if self.wait_replicas:
+                # The WAIT path talks to the key's master directly, bypassing the cluster
+                # client's redirections: learn the new topology before the gate's next try.
+                with contextlib.suppress(redis.RedisError):
+                    self.cluster.nodes_manager.initialize()
+            raise
+
+    def now(self) -> float:
+        # TIME goes to one node; each script reads the clock of the master that owns its key.
+        # Masters' clocks should agree (NTP) for now() to match lease arithmetic across slots.
+        return super().now()
+
+    def close(self) -> None:
+        self.cluster.close()
+
+
+class RedisSentinelStore(RedisStore):
+    """Idempotency records in the Redis master that Sentinel names, found again after failover.
+
+    Args:
+        sentinel: A ``redis.sentinel.Sentinel``.
+        master_name: The monitored master's name.
+        prefix: Prepended to every key.
+        db: Database number on the master.
+        wait_replicas: See :class:`~celery_idem.stores.redis.RedisStore`.
+        wait_timeout: See :class:`~celery_idem.stores.redis.RedisStore`.
+        client_options: Keyword arguments for ``Sentinel.master_for``.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("sentinel",)
+
+    def __init__(self, sentinel: Sentinel, master_name: str, prefix: str = "celery-idem:", *,
+                 wait_replicas: int = 0, wait_timeout: float = 1.0,
+                 client_options: Mapping[str, Any] | None = None) -> None:
+        self.sentinel = sentinel
+        self.master_name = master_name
+        client = sentinel.master_for(  # type: ignore[no-untyped-call]
+            master_name, **dict(client_options or {}))
+        nodes = ",".join(
+            f"{c.connection_pool.connection_kwargs.get('host')}:"
+            f"{c.connection_pool.connection_kwargs.get('port')}"
+            for c in sentinel.sentinels
+        )
+        db = client.connection_pool.connection_kwargs.get("db", 0)
+        super().__init__(client, prefix, wait_replicas=wait_replicas, wait_timeout=wait_timeout,
+                         location=f"sentinel master {master_name!r} (db {db}) via {nodes}")
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "celery-idem:",
+                 backend_transport_options: Mapping[str, Any] | None = None,
+                 **options: Any) -> RedisSentinelStore:
+        """Build a store from Celery's sentinel URL.
+
+        ``sentinel://[:password@]host:26379[/db];sentinel://host2:26379[/db][?master_name=m]``:
+        one ``sentinel://`` per sentinel, separated by ``;`` (Celery's spelling; a single
+        ``host1:26379,host2:26379`` list is accepted too). The password and database of the first
+        part apply to the master. The master's name comes, first found, from ``options``
+        (``idempotency_store_options``), the URL's ``?master_name=``, or
+        ``backend_transport_options`` (the app's ``result_backend_transport_options``), as do
+        ``sentinel_kwargs`` (settings for the connections to the sentinels themselves, e.g. their
+        password) and ``min_other_sentinels``.
+
+        Raises:
+            ImproperlyConfigured: A malformed URL, or no master name anywhere.
+        """
+        hosts: list[tuple[str, int]] = []
+        first: tuple[str, str] | None = None
+        params: dict[str, str] = {}
+        for chunk in filter(None, (c.strip() for c in url.split(";"))):
+            scheme, auth, chunk_hosts, path, query = _split_hosts(chunk, "a Redis Sentinel")
+            if scheme != "sentinel":
+                raise ImproperlyConfigured(
+                    f"every part of a sentinel store URL starts with sentinel://, got {scheme}://"
+                )
+            hosts.extend(chunk_hosts)
+            if first is None:
+                first = (auth, path)
+            # A query may follow any part (usually the last): the first mention of a name wins.
+            params = {**dict(parse_qsl(query)), **params}
+        if first is None:
+            raise ImproperlyConfigured(f"a Redis Sentinel URL names no sentinel: {url!r}")
+        auth, path = first
+        # master_name is ours, not a client setting: keep it out of redis-py's URL parser.
+        url_master = params.pop("master_name", None)
+        kwargs = _client_kwargs(auth, path, urlencode(params), tls=False)
+        store_opts = _store_options(options)
+        backend = dict(backend_transport_options or {})
+        master_name = options.pop("master_name", None) or url_master or backend.get("master_name")
+        if not master_name:
+            raise ImproperlyConfigured(
+                "a sentinel:// store needs the master's name: add ?master_name=<name> to the URL, "
+                "or set idempotency_store_options={'master_name': ...} or, as for Celery's "
+                "result backend, result_backend_transport_options={'master_name': ...}"
+            )
+        sentinel_kwargs = options.pop("sentinel_kwargs", None) or backend.get("sentinel_kwargs")
+        min_other = options.pop("min_other_sentinels", backend.get("min_other_sentinels", 0))
+        client_opts = {**_CLIENT_DEFAULTS, **kwargs, **options}
+        client_opts.setdefault("retry", Retry(NoBackoff(), 0))
+        sentinel_conn = {
+            k: v for k, v in client_opts.items() if k in ("socket_timeout", "socket_connect_timeout")
+        }
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            hosts,
+            min_other_sentinels=int(min_other),
+            sentinel_kwargs={**sentinel_conn, **dict(sentinel_kwargs or {})},
+        )
+        return cls(sentinel, unquote(str(master_name)), prefix=prefix,
+                   client_options=client_opts, **store_opts)
+
+    def close(self) -> None:
+        super().close()
+        for client in self.sentinel.sentinels:
+            client.close()

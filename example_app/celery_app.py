@@ -77,7 +77,7 @@ for _url in {broker_url, backend_url, store_url}:
     _prepare_sqlite(_url)
 
 app = Celery("shop", broker=broker_url, backend=backend_url,
-             include=["example_app.tasks", "example_app.naive"])
+             include=["example_app.tasks", "example_app.naive", "example_app.saga"])
 app.conf.update(
     task_default_queue=setting("EXAMPLE_QUEUE"),
     idempotency_key_prefix=setting("CELERY_IDEM_KEY_PREFIX"),

@@ -45,6 +45,10 @@ RESOURCES = {
     "charges": ("order_id", "order_id"),
     "emails": ("order_id", "to"),
     "shipments": ("order_id", "order_id"),
+    # The checkout saga's other effects and its compensations (example_app/saga.py).
+    "orders": ("order_id", "order_id"),
+    "charge_refunds": ("order_id", "order_id"),
+    "cancellations": ("order_id", "order_id"),
 }
 FAULT_EVENTS = {"drop": "response dropped", "delay": "response too late", "slow": "response slow"}
 FAULTS = tuple(FAULT_EVENTS)

@@ -151,10 +151,11 @@ class RedisStore(Store):
                 node.script_load(script.script)  # a restarted or newly promoted server
                 continue
             if int(acked) < self.wait_replicas:
-                raise StoreUnavailable(
+                raise _NotReplicated(
                     f"the Redis store at {self.location} wrote {name} but only {acked} of "
                     f"{self.wait_replicas} replicas confirmed it within {self.wait_timeout:g} s "
-                    f"(wait_replicas): not known to survive a failover"
+                    f"(wait_replicas): not known to survive a failover",
+                    reply,
                 )
             return reply
         raise StoreUnavailable(f"the Redis store at {self.location} keeps losing its scripts")
@@ -173,8 +174,16 @@ class RedisStore(Store):
         payload_hash: str | None = None,
     ) -> Claim:
         args: list[str | int] = [owner, task_id, attempt, _ms(lease), _ms(ttl), payload_hash or ""]
-        with _translate_errors(self, key):
-            reply = self._run(self._claim, key, args)
+        try:
+            with _translate_errors(self, key):
+                reply = self._run(self._claim, key, args)
+        except _NotReplicated as short:
+            # The claim is on the master only. Give it back (best effort, no WAIT) so the
+            # re-queued message can claim again at once instead of finding it busy for a lease.
+            if short.reply[0] in (b"claimed", b"takeover"):
+                with contextlib.suppress(redis.RedisError):
+                    self._release(keys=[self._k(key)], args=[int(short.reply[1])])
+            raise
         status = reply[0].decode()
         if status == "corrupt":
             raise CorruptRecord(
@@ -275,6 +284,14 @@ class RedisStore(Store):
                 f"celery_idem, or it is damaged",
                 key=key,
             ) from exc
+
+
+class _NotReplicated(StoreUnavailable):
+    """A write the master made but too few replicas confirmed (``wait_replicas``)."""
+
+    def __init__(self, message: str, reply: Any) -> None:
+        super().__init__(message)
+        self.reply = reply
 
 
 def _store_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -304,3 +304,18 @@ def chaos_echo(self, action, blob="", secret=""):
     """Keyed by every argument (and validated): commits one effect, returns only sizes."""
     commit_effect(self, action, forward_key=False)
     return {"action": action, "blob": len(blob), "secret": len(secret)}
+
+
+# -- Redis Cluster / Sentinel failover (tests/redis_ha) --------------------------------------------
+# ``IDEM_BACKEND_OPTIONS``: JSON for result_backend_transport_options (a sentinel master_name).
+
+if os.environ.get("IDEM_BACKEND_OPTIONS"):
+    app.conf.result_backend_transport_options = _json.loads(os.environ["IDEM_BACKEND_OPTIONS"])
+
+
+@app.task(base=ChaosTask, bind=True, idempotency_fields=("action",), idempotency_lease=30,
+          idempotency_wait=3, idempotency_record_timeout=60)
+def ha_effect(self, action, hold=0.0):
+    """One effect per action; lease and record timeout longer than a failover (a few seconds),
+    so a holder cut off by the failover keeps its claim and records once the shard is back."""
+    return _chaos_body(self, action, hold, "", False, "", "")

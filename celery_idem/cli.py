@@ -6,6 +6,7 @@ app's own store (``idempotency_store``, else ``result_backend``) and key prefix:
     celery -A proj idem show KEY              one record: state, token, owner, lease, result
     celery -A proj idem list [--state S] [--task NAME] [--limit N]
     celery -A proj idem stats [--task NAME]   records per state
+    celery -A proj idem purge [--batch N] [--max-seconds S]   delete expired records (SQL)
     celery -A proj idem release KEY [--token N] [--yes]
     celery -A proj idem key TASK [ARGS...] [--kwargs JSON]
 
@@ -40,6 +41,7 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .codec import ERROR_CONTENT_TYPE, KombuCodec
 from .exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
+from .maintenance import purge_expired
 from .records import Record, State
 from .stores.base import Store
 from .task import IdempotentTask, get_store
@@ -352,6 +354,38 @@ def stats(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
         lines[0] += f"  ({expired} with an expired lease: the next attempt takes them over)"
     lines.append(f"{'total':<12}{total:>{width}}")
     run.emit(doc, "\n".join(lines))
+
+
+@idem.command(cls=CeleryCommand)
+@click.option("--batch", cls=CeleryOption, type=click.IntRange(min=1), default=1000,
+              show_default=True, help_group="Purge Options",
+              help="Rows per DELETE statement (each is short and locks only its batch).")
+@click.option("--max-seconds", cls=CeleryOption, type=click.FloatRange(min=0), default=None,
+              help_group="Purge Options",
+              help="Stop after the batch that passes this many seconds (default: until done).")
+@_json_option
+@click.pass_context
+def purge(ctx: click.Context, batch: int, max_seconds: float | None, as_json: bool) -> None:
+    """Delete expired records (their TTL has passed) from a SQL store, a batch at a time.
+
+    Expired records already count as absent; this only gives the space back. Redis deletes
+    them by itself, so there it does nothing. Safe while workers run, and from several hosts.
+    """
+    run = _run(ctx, as_json)
+    with run.store() as store:
+        report = purge_expired(store, batch=batch, max_seconds=max_seconds)
+    doc = {"deleted": report.deleted, "batches": report.batches,
+           "seconds": round(report.seconds, 3), "complete": report.complete,
+           "supported": report.supported}
+    if not report.supported:
+        text = f"{_where(store)} deletes expired records by itself; nothing to purge"
+    else:
+        text = (f"deleted {report.deleted} expired record{'s' if report.deleted != 1 else ''} "
+                f"in {report.batches} batch{'es' if report.batches != 1 else ''} "
+                f"({report.seconds:.1f} s)")
+        if not report.complete:
+            text += "; stopped by --max-seconds, more expired records remain: run it again"
+    run.emit(doc, text)
 
 
 @idem.command(cls=CeleryCommand)

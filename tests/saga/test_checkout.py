@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from celery_idem import CachedResult
 from celery_idem.saga import SagaFailed
 from example_app.payments import ProviderClient
 from tests.integration.conftest import Cluster
@@ -105,6 +106,7 @@ def test_a_terminal_failure_compensates_in_reverse_once_even_when_compensations_
     assert events["charge_refunds"] == {"created": 1, "replayed by key": 1}
     # And the saga is recorded as failed: a duplicate publishes nothing and gets the same error
     again = tasks.checkout.delay(order_id, 4200, email, "book", [])
+    assert isinstance(again, CachedResult)
     with pytest.raises(SagaFailed):
         again.get(timeout=30)
     assert effects(provider, order_id, email)["refunds"] == 1

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -157,6 +158,13 @@ class Rule:
                 and not any(p in data for p in self.exclude))
 
 
+# PostgreSQL's extended protocol sends a prepared statement's SQL once, in its Parse message;
+# every later run is a Bind naming it. To match a rule's SQL patterns against those runs too,
+# the proxy learns each connection's psycopg statement names (``_pg3_<n>``) and their SQL.
+_PG_PARSE = re.compile(rb"P.{4}(_pg3_\d+)\x00([^\x00]*)\x00", re.DOTALL)
+_PG_BIND = re.compile(rb"B.{4}[^\x00]*\x00(_pg3_\d+)\x00", re.DOTALL)
+
+
 class _Pipe:
     def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
         self.client = client
@@ -164,6 +172,15 @@ class _Pipe:
         self.blackhole = False
         self._closed = False
         self._lock = threading.Lock()
+        self._statements: dict[bytes, bytes] = {}
+
+    def request(self, data: bytes) -> bytes:
+        """What rules match a request against: the bytes, plus the SQL of any prepared
+        statement the request runs (PostgreSQL; nothing is added for other protocols)."""
+        for name, sql in _PG_PARSE.findall(data):
+            self._statements[name] = sql
+        runs = [self._statements[name] for name in _PG_BIND.findall(data) if name in self._statements]
+        return b"\x00".join([data, *runs])
 
     def close(self) -> None:
         with self._lock:
@@ -295,7 +312,7 @@ class TcpProxy:
                 data = pipe.client.recv(65536)
                 if not data:
                     return
-                mode = self._decide(data)
+                mode = self._decide(pipe.request(data))
                 if mode == "drop_request":
                     return
                 if mode == "drop_reply":

@@ -1,4 +1,6 @@
-"""Fixtures: real workers (Redis) from the integration suite and a real payments provider."""
+"""Fixtures: real workers (Redis) from the integration suite, a real payments provider, and the
+unit tests' eager app on the in-process store."""
 
 from tests.fencing.conftest import provider  # noqa: F401  (fixture)
 from tests.integration.conftest import cluster, make_cluster  # noqa: F401  (fixtures)
+from tests.unit.test_eager import app  # noqa: F401  (fixture: an eager app on memory://)

@@ -16,14 +16,6 @@ from celery_idem.saga import CompensationFailed, Saga, SagaFailed, Step, step_ke
 from celery_idem.task import get_store
 
 
-@pytest.fixture
-def app() -> Celery:
-    app = Celery("test_saga", set_as_current=False)
-    app.conf.task_always_eager = True
-    app.conf.idempotency_store = "memory://"
-    return app
-
-
 class World:
     """The effects the steps had, and faults to inject once."""
 

@@ -7,8 +7,11 @@ chat-completions client would. A real LLM client can replace it by implementing
 
 Tools are tagged ``read`` (run in the agent process, safe to repeat: ``lookup_order``) or
 ``write`` (a Celery task: ``charge_card``, ``create_shipment``, ``send_email``). The write tools
-come in two variants: ``idempotent`` (:mod:`example_app.tasks`) and ``naive``
-(:mod:`example_app.naive`).
+come in two variants: ``idempotent`` (:mod:`example_app.tasks`, made into agent tools by
+:func:`celery_idem.tools.tool`) and ``naive`` (:mod:`example_app.naive`, wrapped by
+:class:`NaiveTool`, what a runtime without the adapter does). Either way the model sees a tool
+result dict with a ``status``: ``ok``, ``duplicate`` (the action had already been done: its
+result), ``in_progress`` (the wait ran out; calling again is safe) or ``error``.
 
 The runtime saves the conversation to a checkpoint file after every step, and *before* it
 enqueues a tool call. If the process dies, a new one started with the same checkpoint resumes:
@@ -35,6 +38,8 @@ from typing import Any, Literal
 
 from celery.exceptions import TimeoutError as ResultTimeout
 
+from celery_idem.tools import Toolbox, tool
+
 Message = dict[str, Any]
 
 
@@ -43,23 +48,49 @@ Message = dict[str, Any]
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Tool:
-    """One tool the model may call.
+Outcome = dict[str, Any]
 
-    Attributes:
-        name: The name the model uses.
-        kind: ``read`` (no effect, run in process) or ``write`` (an effect, run as a task).
-        description: What the model is told about it.
-        parameters: Argument names (a real client would send a JSON schema).
-        run: For ``read``: a function of the arguments. For ``write``: a Celery task.
+
+class NaiveTool:
+    """A write tool on a plain Celery task, as an agent runtime without celery_idem runs it.
+
+    Same interface as :class:`celery_idem.tools.Tool` (``start`` then ``wait``), so the
+    runtime below treats both alike. A wait that runs out is reported as an error, as most
+    runtimes do: the model cannot know whether calling again is safe (here it is not).
     """
 
-    name: str
-    kind: Literal["read", "write"]
-    description: str
-    parameters: tuple[str, ...]
-    run: Any
+    kind = "write"
+
+    def __init__(self, name: str, task: Any) -> None:
+        self.name = name
+        self.task = task
+
+    def start(self, arguments: dict[str, Any]) -> NaivePending:
+        return NaivePending(self.name, self.task.apply_async(kwargs=arguments))
+
+
+class NaivePending:
+    """A started naive call: the task id, and no idempotency key."""
+
+    idempotency_key = None
+    answered_at_enqueue = False
+
+    def __init__(self, name: str, result: Any) -> None:
+        self.name = name
+        self.result = result
+        self.task_id: str = result.id
+
+    def wait(self, timeout: float) -> Outcome:
+        base = {"tool": self.name, "task_id": self.task_id, "idempotency_key": None}
+        try:
+            value = _result_within(self.result, timeout)
+        except ResultTimeout:
+            return {**base, "status": "error", "result": None, "error": "Timeout",
+                    "retryable": True, "message": f"{self.name} gave no result within {timeout:g} s"}
+        except Exception as exc:
+            return {**base, "status": "error", "result": None, "error": type(exc).__name__,
+                    "retryable": True, "message": f"{self.name} failed: {exc}"}
+        return {**base, "status": "ok", "result": value, "message": f"{self.name} succeeded."}
 
 
 def order_details(order_id: str) -> dict[str, Any]:
@@ -77,24 +108,27 @@ def lookup_order(order_id: str) -> dict[str, Any]:
     return {**order_details(order_id), "charges": provider().charges_for(order_id)}
 
 
-def toolbox(variant: Literal["naive", "idempotent"]) -> dict[str, Tool]:
-    """The tools, with the write tools of ``variant``."""
+def toolbox(variant: Literal["naive", "idempotent"]) -> dict[str, Any]:
+    """The tools by name, with the write tools of ``variant``."""
+    read = tool(lookup_order, kind="read")
     if variant == "idempotent":
-        from . import tasks as writes
-    elif variant == "naive":
-        from . import naive as writes  # type: ignore[no-redef]
-    else:
-        raise ValueError(f"variant must be 'naive' or 'idempotent', got {variant!r}")
-    return {t.name: t for t in (
-        Tool("lookup_order", "read", "Look up an order and its payments.", ("order_id",),
-             lookup_order),
-        Tool("charge_card", "write", "Charge the customer's card for an order.",
-             ("order_id", "amount_cents", "currency"), writes.charge_card),
-        Tool("create_shipment", "write", "Create the shipment of a paid order.",
-             ("order_id", "address"), writes.create_shipment),
-        Tool("send_email", "write", "E-mail the customer.", ("to", "template", "order_id"),
-             writes.send_email),
-    )}
+        from . import tasks
+
+        # The descriptions say what the model needs; tool() adds that a repeat is safe.
+        box = Toolbox([
+            read,
+            tool(tasks.charge_card, description="Charge the customer's card for an order."),
+            tool(tasks.create_shipment, description="Create the shipment of a paid order."),
+            tool(tasks.send_email, description="E-mail the customer."),
+        ])
+        return {t.name: t for t in box}
+    if variant == "naive":
+        from . import naive
+
+        return {"lookup_order": read, **{name: NaiveTool(name, getattr(naive, name))
+                                         for name in ("charge_card", "create_shipment",
+                                                      "send_email")}}
+    raise ValueError(f"variant must be 'naive' or 'idempotent', got {variant!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,22 +151,25 @@ class ScriptedModel:
     """A deterministic stand-in for an LLM that fulfils "charge, ship and confirm order X".
 
     Plan: ``lookup_order`` -> ``charge_card`` -> ``create_shipment`` -> ``send_email`` -> reply.
-    Like a real model, when a tool result looks like an error it calls the same tool again
-    (up to ``max_calls`` times per tool), and then gives up.
+    Like a real model, when a tool answers ``in_progress``, or an error it may retry, it calls
+    the same tool again with the same arguments (up to ``max_calls`` times per tool), and then
+    gives up. ``ok`` and ``duplicate`` are both successes.
     """
 
     def __init__(self, max_calls: int = 2) -> None:
         self.max_calls = max_calls
 
-    def next_step(self, messages: list[Message], tools: dict[str, Tool]) -> ToolCall | Reply:
+    def next_step(self, messages: list[Message], tools: dict[str, Any]) -> ToolCall | Reply:
         calls = [m["tool_call"] for m in messages if m["role"] == "assistant" and "tool_call" in m]
-        results = {m["tool_call_id"]: m["content"] for m in messages if m["role"] == "tool"}
+        results = {m["tool_call_id"]: m["content"]["result"] for m in messages
+                   if m["role"] == "tool" and m["content"]["status"] in ("ok", "duplicate")}
         last = messages[-1]
-        if last["role"] == "tool" and isinstance(last["content"], dict) and "error" in last["content"]:
-            failed = calls[-1]
-            if sum(c["name"] == failed["name"] for c in calls) < self.max_calls:
+        if last["role"] == "tool" and last["content"]["status"] in ("in_progress", "error"):
+            failed, outcome = calls[-1], last["content"]
+            again = outcome["status"] == "in_progress" or outcome.get("retryable", False)
+            if again and sum(c["name"] == failed["name"] for c in calls) < self.max_calls:
                 return ToolCall(failed["name"], dict(failed["arguments"]))
-            return Reply(f"Sorry, {failed['name']} failed: {last['content']['error']}")
+            return Reply(f"Sorry, {failed['name']} failed: {outcome['message']}")
         done = {c["name"]: results[c["id"]] for c in calls if c["id"] in results}
         order_id = messages[0]["order_id"]
         if "lookup_order" not in done:
@@ -159,17 +196,20 @@ class Agent:
     """Runs one conversation: asks the model for a step, runs the tool, saves a checkpoint.
 
     Args:
-        tools: The tool registry (see :func:`toolbox`).
+        tools: The tools by name (see :func:`toolbox`): anything with ``start(arguments)``
+            returning a pending call with ``task_id``, ``idempotency_key``,
+            ``answered_at_enqueue`` and ``wait(timeout)`` (a :class:`celery_idem.tools.Tool`).
         model: Anything with ``next_step(messages, tools)``.
         checkpoint: JSON file the conversation is saved to after every step (None: no saving).
         timeouts: Seconds to wait for the first call of a write tool (default
-            ``default_timeout``); when the wait runs out the model is told the tool failed.
-            A call the model repeats waits ``default_timeout``.
+            ``default_timeout``); when the wait runs out the model is told the call is
+            ``in_progress`` (idempotent tools) or failed (naive tools). A call the model repeats
+            waits ``default_timeout``.
         crash_after_enqueue: Tool name: SIGKILL this process right after enqueueing it
             (to show a crash and a resume from the checkpoint).
     """
 
-    def __init__(self, tools: dict[str, Tool], model: Any, checkpoint: Path | None = None,
+    def __init__(self, tools: dict[str, Any], model: Any, checkpoint: Path | None = None,
                  timeouts: dict[str, float] | None = None, default_timeout: float = 20.0,
                  crash_after_enqueue: str | None = None,
                  on_step: Callable[[Message], None] | None = None) -> None:
@@ -215,33 +255,28 @@ class Agent:
             self._add(self._call(call))
 
     def _call(self, call: dict[str, Any]) -> Message:
-        tool = self.tools[call["name"]]
-        args = call["arguments"]
-        reply: Message = {"role": "tool", "tool_call_id": call["id"], "name": tool.name}
-        if tool.kind == "read":
-            return {**reply, "content": tool.run(**args)}
-        result = tool.run.apply_async(kwargs=args)
-        reply["task_id"] = result.id
-        self.state.setdefault("enqueued", []).append({"tool": tool.name, "task_id": result.id})
-        key = getattr(result, "idempotency_key", None) or _key_of(tool.run, args)
-        if key:
-            reply["idempotency_key"] = key
-        if getattr(result, "original_task_id", None):
+        tool_ = self.tools[call["name"]]
+        reply: Message = {"role": "tool", "tool_call_id": call["id"], "name": tool_.name}
+        # start() checks the arguments and enqueues (a read tool runs here); the task id and
+        # the key are saved before the wait, so a resumed process knows what it had started.
+        pending = tool_.start(call["arguments"])
+        if pending.task_id:
+            reply["task_id"] = pending.task_id
+            self.state.setdefault("enqueued", []).append({"tool": tool_.name,
+                                                          "task_id": pending.task_id})
+        if pending.idempotency_key:
+            reply["idempotency_key"] = pending.idempotency_key
+        if pending.answered_at_enqueue:
             # IdempotentTask found the action already done: nothing was sent to the broker.
             reply["answered_at_enqueue"] = True
-        if self.crash_after_enqueue == tool.name:
-            self.state["events"].append(f"crashed after enqueueing {tool.name}")
+        if self.crash_after_enqueue == tool_.name:
+            self.state["events"].append(f"crashed after enqueueing {tool_.name}")
             self._save()
             os.kill(os.getpid(), signal.SIGKILL)
-        first = sum(m.get("tool_call", {}).get("name") == tool.name
+        first = sum(m.get("tool_call", {}).get("name") == tool_.name
                     for m in self.state["messages"]) == 1
-        timeout = self.timeouts.get(tool.name, self.default_timeout) if first else self.default_timeout
-        try:
-            reply["content"] = _result_within(result, timeout)
-        except ResultTimeout:
-            reply["content"] = {"error": f"{tool.name} gave no result within {timeout:g} s"}
-        except Exception as exc:  # the model sees the error, like any tool error
-            reply["content"] = {"error": f"{type(exc).__name__}: {exc}"}
+        timeout = self.timeouts.get(tool_.name, self.default_timeout) if first else self.default_timeout
+        reply["content"] = pending.wait(timeout)
         return reply
 
     def _add(self, message: Message) -> None:
@@ -269,11 +304,6 @@ def _result_within(result: Any, timeout: float) -> Any:
             raise ResultTimeout(f"no result within {timeout:g} s")
         time.sleep(0.05)
     return result.get(timeout=10, interval=0.05)
-
-
-def _key_of(task: Any, args: dict[str, Any]) -> str | None:
-    key_for = getattr(task, "idempotency_key_for", None)
-    return key_for(kwargs=args) if key_for else None
 
 
 def main(argv: list[str] | None = None) -> int:

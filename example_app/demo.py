@@ -77,7 +77,8 @@ class Scenario:
 SCENARIOS = (
     Scenario("1", "agent re-calls a 'failed' tool",
              "charge_card answers after 1 s; the agent's 0.5 s budget runs out, the model sees "
-             "an error and calls charge_card again", keys=False,
+             "an error (naive) or 'in progress, safe to call again' (idempotent) and calls "
+             "charge_card again", keys=False,
              faults=(("charges", "slow", 1, 1.0),), timeouts=(("charge_card", 0.5),)),
     Scenario("2a", "timeout after commit + retries",
              "the provider commits the charge, then hangs up without answering, twice: the "
@@ -320,9 +321,10 @@ class Demo:
                     run.events.append(f"gate {tool}: {_counted(outcomes)}")
             if run.variant == "idempotent" and keys and self.event_log is None:
                 run.events.append("gate: (no event log from an external worker)")
-            charge_ids = {m["content"].get("id") for s in run.states for m in s["messages"]
-                          if m.get("name") == "charge_card" and isinstance(m.get("content"), dict)
-                          and m["content"].get("id")}
+            # A tool message's content is the tool's outcome; the charge is its "result".
+            charges = [m["content"].get("result") for s in run.states for m in s["messages"]
+                       if m.get("name") == "charge_card" and isinstance(m.get("content"), dict)]
+            charge_ids = {c["id"] for c in charges if isinstance(c, dict) and c.get("id")}
             if len(run.states) > 1 or len(charge_ids) > 1:
                 who = f"the {len(run.states)} agent turns" if len(run.states) > 1 else "the agent"
                 run.events.append(f"{who} got the same charge id" if len(charge_ids) == 1

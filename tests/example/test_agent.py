@@ -6,46 +6,54 @@ import json
 from pathlib import Path
 from typing import Any
 
-from example_app.agent import Agent, ScriptedModel, Tool, order_details
+from celery_idem.tools import tool
+from example_app.agent import Agent, ScriptedModel, order_details
 
 
 class Done:
-    """A finished task result."""
+    """A started call that finishes: the tool's outcome is ``ok``."""
 
-    def __init__(self, value: Any, task_id: str) -> None:
-        self.value, self.id = value, task_id
+    answered_at_enqueue = False
 
-    def ready(self) -> bool:
-        return True
+    def __init__(self, name: str, value: Any, task_id: str) -> None:
+        self.name, self.value, self.task_id = name, value, task_id
+        self.idempotency_key = f"key-{name}"
 
-    def get(self, **_: Any) -> Any:
-        return self.value
+    def wait(self, timeout: float) -> dict[str, Any]:
+        return {"status": "ok", "result": self.value, "message": "", "tool": self.name,
+                "task_id": self.task_id, "idempotency_key": self.idempotency_key}
 
 
 class Never(Done):
-    """A task that never finishes (the agent's budget runs out)."""
+    """A call whose task never finishes: the agent's budget runs out."""
 
-    def ready(self) -> bool:
-        return False
+    def wait(self, timeout: float) -> dict[str, Any]:
+        return {"status": "in_progress", "result": None, "tool": self.name,
+                "message": f"{self.name} is still in progress after {timeout:g} s",
+                "task_id": self.task_id, "idempotency_key": self.idempotency_key}
 
 
-class FakeTask:
+class FakeTool:
+    """A write tool (the interface of celery_idem.tools.Tool) that records its calls."""
+
+    kind = "write"
+
     def __init__(self, name: str, results: list[type[Done]] | None = None) -> None:
         self.name = name
         self.calls: list[dict[str, Any]] = []
         self.results = list(results or [])
 
-    def apply_async(self, kwargs: dict[str, Any]) -> Done:
-        self.calls.append(kwargs)
+    def start(self, arguments: dict[str, Any]) -> Done:
+        self.calls.append(arguments)
         cls = self.results.pop(0) if self.results else Done
-        return cls({"id": f"{self.name}-{len(self.calls)}", **kwargs}, f"t-{self.name}-{len(self.calls)}")
+        n = len(self.calls)
+        return cls(self.name, {"id": f"{self.name}-{n}", **arguments}, f"t-{self.name}-{n}")
 
 
-def tools(**results: list[type[Done]]) -> tuple[dict[str, Tool], dict[str, FakeTask]]:
-    fakes = {n: FakeTask(n, results.get(n)) for n in ("charge_card", "create_shipment", "send_email")}
-    reg = {"lookup_order": Tool("lookup_order", "read", "", ("order_id",),
-                                lambda order_id: order_details(order_id))}
-    reg.update({n: Tool(n, "write", "", (), t) for n, t in fakes.items()})
+def tools(**results: list[type[Done]]) -> tuple[dict[str, Any], dict[str, FakeTool]]:
+    fakes = {n: FakeTool(n, results.get(n)) for n in ("charge_card", "create_shipment", "send_email")}
+    reg: dict[str, Any] = {"lookup_order": tool(order_details, kind="read", name="lookup_order")}
+    reg.update(fakes)
     return reg, fakes
 
 
@@ -63,14 +71,17 @@ def test_the_script_looks_up_then_charges_ships_and_confirms(tmp_path: Path) -> 
     assert state["events"] == []
 
 
-def test_a_result_that_looks_like_an_error_makes_the_model_call_the_tool_again() -> None:
+def test_an_in_progress_answer_makes_the_model_call_the_tool_again() -> None:
     reg, fakes = tools(charge_card=[Never])
     state = Agent(reg, ScriptedModel(), timeouts={"charge_card": 0.1}).run("ord_b")
     assert len(fakes["charge_card"].calls) == 2
     assert fakes["charge_card"].calls[0] == fakes["charge_card"].calls[1]
     assert state["events"] == ["re-called charge_card"]
-    errors = [m for m in state["messages"] if m["role"] == "tool" and "error" in m["content"]]
-    assert len(errors) == 1 and "0.1 s" in errors[0]["content"]["error"]
+    waiting = [m for m in state["messages"]
+               if m["role"] == "tool" and m["content"]["status"] == "in_progress"]
+    assert len(waiting) == 1 and "0.1 s" in waiting[0]["content"]["message"]
+    assert all(m.get("idempotency_key") == "key-charge_card" for m in state["messages"]
+               if m.get("name") == "charge_card")
 
 
 def test_the_model_gives_up_after_two_calls() -> None:
@@ -98,3 +109,19 @@ def test_a_call_without_a_result_in_the_checkpoint_is_issued_again(tmp_path: Pat
     assert fakes2["create_shipment"].calls == fakes["create_shipment"].calls
     assert len(fakes2["send_email"].calls) == 1
     assert resumed["events"] == ["resumed from checkpoint", "re-issued create_shipment"]
+
+
+class Declined(Done):
+    """A call that fails for good (a terminal error)."""
+
+    def wait(self, timeout: float) -> dict[str, Any]:
+        return {"status": "error", "result": None, "tool": self.name, "error": "TerminalError",
+                "retryable": False, "message": f"{self.name} failed for good: card declined",
+                "task_id": self.task_id, "idempotency_key": self.idempotency_key}
+
+
+def test_an_error_that_is_not_retryable_is_not_called_again() -> None:
+    reg, fakes = tools(charge_card=[Declined])
+    state = Agent(reg, ScriptedModel()).run("ord_e")
+    assert len(fakes["charge_card"].calls) == 1 and fakes["create_shipment"].calls == []
+    assert "card declined" in state["messages"][-1]["content"]

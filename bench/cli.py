@@ -251,6 +251,17 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
                                        floor=lambda i: trivial())
     if pg:
         gate["postgres"] = micro.sql_gate(args.pg_url, prefix, table_name, n_sql, "s")
+        log("SQL store: fast path and SQLAlchemy path ...")
+        paths = micro.sql_paths(args.pg_url, prefix, table_name, n_sql, "sp")
+        results["sql_paths"] = paths
+        out.add("The SQL store's two paths (PostgreSQL, `Gate.run`, timed in turn)", table(
+            ["path / run", "median µs", "p90 µs", "client CPU µs", "round trips / call"],
+            [[k, t.median_us, t.p90_us, t.cpu_us, t.round_trips] for k, t in paths.items()]) +
+            "\n\nThe same store class on the same table: the *fast path* runs each verb's pre-built "
+            "statement on the pooled psycopg connection as a prepared statement (the default with "
+            "psycopg 3); the *SQLAlchemy path* is the same store with it turned off, executing the same "
+            "pre-built statements through a SQLAlchemy `Connection` (what every other driver and "
+            "dialect does). Round trips: psycopg's network exchanges per call.")
     results["gate"] = gate
     rows = []
     for store, ts in gate.items():
@@ -262,8 +273,8 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
                 cpu_beyond = t.cpu_us - t.round_trips * ev.cpu_us
                 wall_beyond = t.median_us - t.round_trips * ev.median_us
             trips = t.round_trips
-            if t.split:
-                trips_s = f"{trips:g} ({t.split[0]:g} statements + {t.split[1]:g} pre-pings)"
+            if t.split is not None:
+                trips_s = f"{trips:g} ({t.split:g} of them through SQLAlchemy)"
             else:
                 trips_s = "0 (in process)" if store == "memory" else f"{trips:g}"
             rows.append([store, kind, t.median_us, t.p90_us, t.cpu_us, trips_s,
@@ -543,8 +554,13 @@ def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
             text += ("It pays 3 store round trips per task (delay()'s `store.get` in `_cached`, then "
                      "claim and record) at ~50-70 µs of redis-py CPU each, plus acks_late.")
         else:
-            text += ("Each SQL statement costs ~0.5 ms of SQLAlchemy + psycopg client CPU "
-                     "(see the gate table): 2 per task in the worker plus delay()'s read.")
+            paths = r.get("sql_paths")
+            if paths:
+                fast = paths["fast path/first"]
+                text += (f"A first run's two statements cost {fast.cpu_us:.0f} µs of client CPU on the "
+                         f"psycopg fast path ({fast.median_us:.0f} µs wall, the CTE upsert's server time "
+                         "included), plus delay()'s read on the producer; PostgreSQL's own CPU per "
+                         "statement runs on the same 2 CPUs.")
         return text
     if target.startswith("faster than powertools"):
         return ("Powertools works in the worker only (2 plain SET/GET round trips, no producer read, acks "
@@ -656,9 +672,9 @@ def _findings(r: dict[str, Any]) -> list[str]:
         f"(`_cached` -> `store.get`) before publishing, then the worker's gate claims and records.")
     if "postgres" in r["gate"]:
         s = r["gate"]["postgres"]["first"]
-        text = (f"**SQL store: client CPU dominates, then round trips.** A first run on PostgreSQL costs "
+        text = (f"**SQL store.** A first run on PostgreSQL costs "
                 f"{s.median_us:.0f} µs ({s.cpu_us:.0f} µs client CPU) and {s.round_trips:g} round trips "
-                f"({s.split[0]:g} statements + {s.split[1]:g} pool pre-pings)" if s.split else "")
+                f"({s.split:g} of them through SQLAlchemy)" if s.split is not None else "")
         build = r["components"].get(SQL_BUILD)
         if build:
             text += (f"; `SQLStore._claim_postgresql` up to its `execute` (building or looking up the "
@@ -669,6 +685,17 @@ def _findings(r: dict[str, Any]) -> list[str]:
                      f"psycopg {sp.categories.get('psycopg', 0):.0%}, waiting for the server "
                      f"{sp.categories.get('socket I/O (waiting for the server)', 0):.0%}")
         f.append(text + ".")
+    paths = r.get("sql_paths")
+    if paths:
+        fast, slow = paths["fast path/first"], paths["SQLAlchemy path/first"]
+        fd, sd = paths["fast path/duplicate"], paths["SQLAlchemy path/duplicate"]
+        f.append(
+            f"**The SQL store's psycopg fast path** (timed in turn with the SQLAlchemy path on the same "
+            f"table): a first run (claim + record) {fast.median_us:.0f} µs wall / {fast.cpu_us:.0f} µs "
+            f"client CPU against {slow.median_us:.0f} / {slow.cpu_us:.0f} µs through SQLAlchemy "
+            f"({1 - fast.cpu_us / slow.cpu_us:.0%} less CPU); a duplicate {fd.median_us:.0f} / "
+            f"{fd.cpu_us:.0f} µs against {sd.median_us:.0f} / {sd.cpu_us:.0f} µs. Round trips per call: "
+            f"{fast.round_trips:g} and {fd.round_trips:g} on both paths.")
     rec = r["record"]
     f.append(
         f"**Record size.** A done record with a {rec[0].result_bytes}-byte JSON result takes "
@@ -768,7 +795,10 @@ per cent as noise (the per-repetition figures show the spread).
   the calling thread's CPU time; what is compared (the gate and a trivial EVALSHA, a verb and the
   EVALSHA) is timed in turn in one loop, so both see the same machine conditions. Redis round
   trips are counted by a `redis.Connection` subclass that counts the replies read; SQL round
-  trips by SQLAlchemy's cursor events plus the pool's pre-ping (one per connection checkout).
+  trips by counting psycopg's network exchanges on the store's connections (after warm-up
+  calls have prepared the statements), and SQLAlchemy's cursor events count the statements
+  that went through SQLAlchemy. tests/stores/test_sql_fastpath.py checks the SQL counts at the
+  wire (libpq's protocol trace).
 * **Memory**: `MEMORY USAGE <key> SAMPLES 0` of a done record written by the gate, with a real
   task id (a UUID) and owner.
 * **Isolation**: every Redis key of a run (queues, results, records, counters) is under one random

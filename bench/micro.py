@@ -4,8 +4,10 @@ Timing: each call is timed on its own, wall (``perf_counter_ns``) and this threa
 (``thread_time_ns``); medians are reported (and the wall p90). Things that are compared (a verb and
 a trivial round trip) are timed in turn in one loop, so they see the same machine conditions.
 Round trips are counted exactly, by a ``redis.Connection`` subclass that counts replies read
-(health-check PINGs included), and for SQL by SQLAlchemy's cursor events plus the pool's
-pre-ping (one per connection checkout).
+(health-check PINGs included), and for SQL by counting psycopg's network exchanges
+(``Connection.wait``, one per round trip once a connection's statements are prepared, which the
+warm-up calls do), with SQLAlchemy's cursor events counting the statements that went through
+SQLAlchemy (none on the store's psycopg fast path).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Timing:
     cpu_us: float  # client CPU per call: median of this thread's CPU time (thread_time)
     calls: int
     round_trips: float | None = None  # per call
-    split: tuple[float, float] | None = None  # SQL: (statements, pre-pings) per call
+    split: float | None = None  # SQL: statements per call executed through SQLAlchemy
     server_us: float | None = None  # Redis server time per EVALSHA (INFO commandstats), if clean
 
     def row(self) -> dict[str, Any]:
@@ -451,50 +453,87 @@ def pyinstrument_text(redis_url: str, prefix: str, n: int, tag: str) -> str | No
     return str(profiler.output_text(unicode=False, color=False, show_all=False, short_mode=False))
 
 
-def sql_gate(pg_url: str, prefix: str, table: str, n: int, tag: str) -> dict[str, Timing]:
-    """``Gate.run`` on the SQL store (PostgreSQL), counting statements and pre-pings."""
+def pg_counters(store: Any) -> dict[str, int]:
+    """Count, on a new SQLStore's engine: ``trips``, psycopg's network exchanges on every
+    connection it opens (``Connection.wait``; a statement's first run on a connection also
+    prepares it, in the same exchange but one more round trip), and ``sqlalchemy``, the
+    statements SQLAlchemy executed. Call before the store's first connection."""
     import sqlalchemy as sa
 
+    counts = {"trips": 0, "sqlalchemy": 0}
+
+    @sa.event.listens_for(store._engine, "connect")
+    def _wrap(dbapi_connection: Any, _record: Any) -> None:
+        wait = dbapi_connection.wait
+
+        def counting_wait(*args: Any, **kwargs: Any) -> Any:
+            counts["trips"] += 1
+            return wait(*args, **kwargs)
+
+        dbapi_connection.wait = counting_wait
+
+    @sa.event.listens_for(store._engine, "before_cursor_execute")
+    def _stmt(*_: Any) -> None:
+        counts["sqlalchemy"] += 1
+
+    return counts
+
+
+def sql_gate(pg_url: str, prefix: str, table: str, n: int, tag: str) -> dict[str, Timing]:
+    """``Gate.run`` on the SQL store (PostgreSQL), counting round trips and SQLAlchemy statements."""
     from celery_idem.stores.sql import SQLStore
 
     store = SQLStore.from_url(pg_url, prefix=prefix, table_name=table)
-    engine = store._engine
-    counts = {"statements": 0, "pings": 0}
-
-    @sa.event.listens_for(engine, "before_cursor_execute")
-    def _stmt(*_: Any) -> None:
-        counts["statements"] += 1
-
-    do_ping = engine.dialect.do_ping
-
-    def counting_ping(dbapi_connection: Any) -> bool:
-        counts["pings"] += 1
-        return bool(do_ping(dbapi_connection))
-
-    engine.dialect.do_ping = counting_ping  # type: ignore[method-assign]
+    counts = pg_counters(store)
     try:
-        timings = gate_timings(store, prefix, n, tag, count=lambda: counts["statements"] + counts["pings"])
-        # The same loops once more, to split the round trips into statements and pings (the
+        timings = gate_timings(store, prefix, n, tag, count=lambda: counts["trips"])
+        # The same loops once more, to count the statements that went through SQLAlchemy (the
         # duplicate loop reuses the first loop's key 0, already done).
-        split: dict[str, tuple[float, float]] = {}
         gate, task = _gate_for(store, prefix)
         for label, fresh in (("first", True), ("duplicate", False)):
-            before = dict(counts)
+            before = counts["sqlalchemy"]
             for i in range(100):
                 key = task.idempotency_key_for((f"{tag}:split:{i if fresh else 0}",))
                 gate.run(Attempt(key=key, task_id="t", owner=OWNER), _body)
-            split[label] = ((counts["statements"] - before["statements"]) / 100,
-                            (counts["pings"] - before["pings"]) / 100)
-        timings["first"].split = split["first"]
-        timings["duplicate"].split = split["duplicate"]
+            timings[label].split = (counts["sqlalchemy"] - before) / 100
         return timings
     finally:
         store.close()
 
 
+def sql_paths(pg_url: str, prefix: str, table: str, n: int, tag: str) -> dict[str, Timing]:
+    """``Gate.run`` on PostgreSQL through the store's psycopg fast path and through SQLAlchemy
+    (the same store with the fast path off: the code path before it existed), timed in turn."""
+    from celery_idem.stores.sql import SQLStore
+
+    stores = {"fast path": SQLStore.from_url(pg_url, prefix=prefix, table_name=table),
+              "SQLAlchemy path": SQLStore.from_url(pg_url, prefix=prefix, table_name=table)}
+    stores["SQLAlchemy path"]._fast = False
+    counts = {name: pg_counters(store) for name, store in stores.items()}
+    try:
+        out: dict[str, Timing] = {}
+        for kind in ("first", "duplicate"):
+            fns: dict[str, Callable[[int], Any]] = {}
+            for name, store in stores.items():
+                gate, task = _gate_for(store, prefix)
+                attempts = {i: Attempt(key=task.idempotency_key_for((f"{tag}:{name}:{i}",)),
+                                       task_id=str(uuid.uuid4()), owner=OWNER) for i in range(-20, n)}
+                if kind == "first":
+                    fns[f"{name}/first"] = lambda i, g=gate, a=attempts: g.run(a[i], _body)
+                else:
+                    fns[f"{name}/duplicate"] = lambda i, g=gate, a=attempts: g.run(a[-1], _body)
+            out.update(time_interleaved(fns, n, warm=20,
+                                        count=lambda: sum(c["trips"] for c in counts.values())))
+        return out
+    finally:
+        for store in stores.values():
+            store.close()
+
+
 def sql_floor(pg_url: str, n: int) -> dict[str, Timing]:
     """PostgreSQL round trips: raw psycopg ``SELECT 1``, and SQLAlchemy with the store's engine
-    options (checkout with pre-ping + ``SELECT 1``)."""
+    options (a pooled checkout + ``SELECT 1``, through a SQLAlchemy ``Connection`` and on the
+    psycopg connection itself as the store's fast path does)."""
     import psycopg
     import sqlalchemy as sa
 
@@ -516,8 +555,20 @@ def sql_floor(pg_url: str, n: int) -> dict[str, Timing]:
         with engine.connect() as c:
             c.execute(select_one).scalar_one()
 
-    label = "checkout + pre-ping + SELECT 1 (SQLAlchemy, store's engine options)"
+    label = "checkout + SELECT 1 (SQLAlchemy Connection, store's engine options)"
     out[label] = time_calls(pooled, n, warm=50)
+
+    def raw_pooled(i: int) -> None:
+        fairy = engine.raw_connection()
+        try:
+            cur = fairy.driver_connection.cursor()  # type: ignore[union-attr]
+            cur.execute(select_one.text, prepare=True)
+            cur.fetchone()
+        finally:
+            fairy.close()
+
+    label = "checkout + prepared SELECT 1 (psycopg connection from the pool: the store's fast path)"
+    out[label] = time_calls(raw_pooled, n, warm=50)
     engine.dispose()
     return out
 

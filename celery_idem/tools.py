@@ -299,6 +299,49 @@ def _schema_of(hint: Any) -> dict[str, Any]:
     )
 
 
+def _strict(schema: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``schema`` as OpenAI's strict mode wants it (see :meth:`Tool.openai`)."""
+    out = {k: v for k, v in schema.items() if k != "default"}
+    if out == {} or (out.keys() <= {"description"}):
+        raise ToolError(f"{where}: strict mode needs a type here (annotate it, or strict=False)")
+    if "anyOf" in out:
+        out["anyOf"] = [_strict(s, where) for s in out["anyOf"]]
+    if isinstance(out.get("items"), Mapping):
+        out["items"] = _strict(out["items"], f"{where}[]")
+    kinds = out.get("type")
+    if kinds == "object" or (isinstance(kinds, list) and "object" in kinds):
+        if "properties" not in out:
+            raise ToolError(f"{where}: strict mode cannot describe a free-form object "
+                            f"(dict); use strict=False or a hand-written parameters=")
+        required = set(out.get("required", ()))
+        props = {}
+        for name, original in out["properties"].items():
+            prop = _strict(original, f"{where}.{name}")
+            if name not in required:
+                prop = _nullable(prop)
+                if "default" in original and original["default"] is not None:
+                    # The schema cannot say it any more; the model still should know it.
+                    note = f"null means the default, {json.dumps(original['default'])}."
+                    text = str(prop.get("description") or "").rstrip(". ")
+                    prop["description"] = f"{text}; {note}" if text else note.capitalize()
+            props[name] = prop
+        out.update(properties=props, required=list(props), additionalProperties=False)
+    return out
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    if not validate(schema, None):
+        return schema  # already accepts null
+    kinds = schema.get("type")
+    if isinstance(kinds, str) and "enum" not in schema:
+        return {**schema, "type": [kinds, "null"]}
+    if isinstance(kinds, list) and "enum" not in schema:
+        return {**schema, "type": [*kinds, "null"]}
+    meta = {k: schema[k] for k in ("description",) if k in schema}
+    return {"anyOf": [{k: v for k, v in schema.items() if k != "description"},
+                      {"type": "null"}], **meta}
+
+
 def _enum_schema(values: list[Any]) -> dict[str, Any]:
     values = [canonical(v) for v in values]
     kinds = {_SIMPLE.get(type(v)) for v in values}
@@ -316,34 +359,31 @@ def _json_default(value: Any) -> Any:
     return out
 
 
+_ARG_ENTRY = re.compile(r"^(\s+)\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     """Split a Google-style docstring into its text and its ``Args:`` descriptions."""
     text: list[str] = []
     args: dict[str, str] = {}
     section: str | None = None
     current: str | None = None
+    indent = 0  # of the entries: a line indented deeper continues the current entry
     for line in doc.splitlines():
-        header = _SECTIONS.match(line.strip()) if not line.startswith((" ", "\t")) else None
+        header = None if line.startswith((" ", "\t")) else _SECTIONS.match(line.strip())
         if header:
-            section, current = header.group(1), None
-            continue
-        if section is None:
+            section, current, indent = header.group(1), None, 0
+        elif section is None:
             text.append(line)
         elif section in ("Args", "Arguments", "Parameters") and line.strip():
-            m = re.match(r"^\s{1,8}(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line)
-            if m and (current is None or len(line) - len(line.lstrip()) <= _indent_of(doc, current)):
-                current = m.group(1).lstrip("*")
-                args[current] = m.group(2).strip()
+            entry = _ARG_ENTRY.match(line)
+            depth = len(line) - len(line.lstrip())
+            if entry and (current is None or depth <= indent):
+                indent, current = depth, entry.group(2)
+                args[current] = entry.group(3).strip()
             elif current is not None:
                 args[current] = f"{args[current]} {line.strip()}".strip()
     return "\n".join(text).strip(), args
-
-
-def _indent_of(doc: str, name: str) -> int:
-    for line in doc.splitlines():
-        if re.match(rf"^\s+\*{{0,2}}{re.escape(name)}\s*(\(|:)", line):
-            return len(line) - len(line.lstrip())
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,6 +486,15 @@ class Tool:
         if not isinstance(arguments, Mapping):
             return {}, [f"the arguments must be a JSON object, got {type(arguments).__name__}"]
         parsed = dict(arguments)
+        properties = self.parameters.get("properties", {})
+        for name in [n for n, v in parsed.items() if v is None]:
+            prop = properties.get(name)
+            if isinstance(prop, Mapping) and "default" in prop and validate(
+                {k: v for k, v in prop.items() if k != "default"}, None
+            ):
+                # null for an optional argument that cannot be null: OpenAI's strict mode
+                # sends it for "not given" (see openai(strict=True)). Use the default.
+                del parsed[name]
         return parsed, validate(self.parameters, parsed)
 
     def _run_here(self, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -523,15 +572,27 @@ class Tool:
 
     # -- vendor formats --------------------------------------------------------------------
 
-    def openai(self, api: Literal["chat", "responses"] = "chat") -> dict[str, Any]:
+    def openai(self, api: Literal["chat", "responses"] = "chat", *,
+               strict: bool = False) -> dict[str, Any]:
         """The tool in OpenAI's format.
 
         Args:
             api: ``"chat"`` (Chat Completions: ``{"type": "function", "function": {...}}``)
                 or ``"responses"`` (Responses API: the same fields, not nested).
+            strict: Add ``"strict": true`` and the schema OpenAI's strict mode needs: every
+                property required (an optional one becomes nullable: a null argument means
+                "use the default"), no ``default``, ``additionalProperties: false`` on every
+                object.
+
+        Raises:
+            ToolError: ``strict`` and a parameter strict mode cannot describe (a free-form
+                ``dict`` or an untyped value): the message names it.
         """
-        function = {"name": self.name, "description": self.description,
-                    "parameters": self.parameters}
+        function: dict[str, Any] = {"name": self.name, "description": self.description,
+                                    "parameters": self.parameters}
+        if strict:
+            function["parameters"] = _strict(self.parameters, self.name)
+            function["strict"] = True
         if api == "responses":
             return {"type": "function", **function}
         if api != "chat":
@@ -782,9 +843,10 @@ class Toolbox:
         """Run a model's tool call: ``name`` and its arguments (JSON text or a mapping)."""
         return self.start(name, arguments).wait(timeout)
 
-    def openai(self, api: Literal["chat", "responses"] = "chat") -> list[dict[str, Any]]:
-        """Every tool in OpenAI's format (the request's ``tools``)."""
-        return [t.openai(api) for t in self]
+    def openai(self, api: Literal["chat", "responses"] = "chat", *,
+               strict: bool = False) -> list[dict[str, Any]]:
+        """Every tool in OpenAI's format (the request's ``tools``); see :meth:`Tool.openai`."""
+        return [t.openai(api, strict=strict) for t in self]
 
     def anthropic(self) -> list[dict[str, Any]]:
         """Every tool in Anthropic's format (the request's ``tools``)."""

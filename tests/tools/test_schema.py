@@ -8,7 +8,8 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import json
-from typing import Annotated, Any, Literal, Optional
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, Optional, Union
 
 import pytest
 from celery import Celery
@@ -237,3 +238,57 @@ def test_an_unknown_tool_name_is_an_error_result_not_an_exception() -> None:
     out = box.call("delete_everything", "{}")
     assert out["status"] == "error" and out["error"] == "UnknownTool" and out["retryable"] is False
     assert "stock_level" in out["message"]
+
+
+def test_openai_strict_mode_requires_every_property_and_drops_defaults() -> None:
+    spec = tool(charge_card).openai(strict=True)
+    assert spec["function"]["strict"] is True
+    assert spec["function"]["parameters"] == {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string", "description": "The shop's order id."},
+            "amount_cents": {"type": "integer", "description": "The amount, in cents."},
+            "currency": {"anyOf": [{"type": "string", "enum": ["usd", "eur"]}, {"type": "null"}],
+                         "description": 'ISO currency code; null means the default, "usd".'},
+            "hold": {"type": ["boolean", "null"],
+                     "description": "Test hook: keep running until the test releases the order; "
+                                    "null means the default, false."},
+        },
+        "required": ["order_id", "amount_cents", "currency", "hold"],
+        "additionalProperties": False,
+    }
+    assert tool(charge_card).openai("responses", strict=True)["strict"] is True
+    assert "strict" not in tool(charge_card).openai()["function"]  # off unless asked
+
+
+def test_strict_mode_refuses_what_it_cannot_describe() -> None:
+    def free(meta: dict[str, int]) -> None: ...
+    def untyped(value) -> None: ...  # type: ignore[no-untyped-def]
+
+    with pytest.raises(ToolError, match=r"free\.meta: strict mode cannot describe a free-form"):
+        tool(free, kind="read").openai(strict=True)
+    with pytest.raises(ToolError, match=r"untyped\.value: strict mode needs a type"):
+        tool(untyped, kind="read").openai(strict=True)
+
+
+def test_a_null_for_an_argument_with_a_default_means_the_default() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def book(room: str, nights: int = 1, note: str | None = "x") -> None:
+        seen.append({"room": room, "nights": nights, "note": note})
+
+    t = tool(book, kind="read")
+    assert t.invoke({"room": "12", "nights": None, "note": None})["status"] == "ok"
+    assert seen == [{"room": "12", "nights": 1, "note": None}]  # note may be null: kept
+    out = t.invoke({"room": None})
+    assert out["status"] == "error" and "'room' must be string, got null" in out["message"]
+
+
+def test_abstract_collection_hints_and_unions() -> None:
+    def f(a: Sequence[str], b: Mapping[str, bool], c: Union[int, str]) -> None: ...  # noqa: UP007
+
+    assert tool(f, kind="read").parameters["properties"] == {
+        "a": {"type": "array", "items": {"type": "string"}},
+        "b": {"type": "object", "additionalProperties": {"type": "boolean"}},
+        "c": {"type": ["integer", "string"]},
+    }

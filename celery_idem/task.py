@@ -18,7 +18,7 @@ import socket
 import weakref
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Celery, Task
 from celery.exceptions import Reject, Retry
@@ -38,6 +38,9 @@ from .lease import current_lease
 from .records import Record, State
 from .stores import store_from_url
 from .stores.base import Store
+
+if TYPE_CHECKING:
+    from .receipts import Receipt, ReceiptTransaction
 
 __all__ = ["HEADER", "CachedResult", "IdempotentTask"]
 
@@ -92,6 +95,18 @@ def get_store(app: Celery) -> Store:
                                        "result_backend_transport_options"))
         _stores[app] = store
     return store
+
+
+class ReceiptFound(BaseException):
+    """Raised out of ``idempotent_transaction`` when an earlier attempt committed the receipt.
+
+    The task layer turns it into the body's return value (the receipt's result). A
+    BaseException, so a body's ``except Exception`` cannot swallow it and carry on.
+    """
+
+    def __init__(self, receipt: Receipt) -> None:
+        super().__init__(f"receipt found: {receipt!r}")
+        self.receipt = receipt
 
 
 class CachedResult(EagerResult):  # type: ignore[misc]
@@ -236,6 +251,61 @@ class IdempotentTask(Task):  # type: ignore[misc]
         lease = current_lease.get()
         return lease is not None and lease.lost.is_set()
 
+    def idempotent_transaction(
+        self, session_or_connection: Any, *, commit: bool = True, table: str | None = None
+    ) -> ReceiptTransaction:
+        """Write this action's receipt in the same SQL transaction as the body's own writes.
+
+        Use it inside a bound body (``bind=True``)::
+
+            with self.idempotent_transaction(session) as tx:
+                session.add(Order(...))
+                tx.result = {"order": 7}
+            return tx.result
+
+        On enter, the receipt row (keyed by the idempotency key) is inserted first; if an
+        earlier attempt already committed one, the block does not run and the task returns that
+        attempt's ``tx.result``. On a clean exit, ``tx.result`` is stored in the receipt and the
+        transaction is committed. See ``docs/transactions.md``.
+
+        Args:
+            session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to PostgreSQL,
+                MySQL/MariaDB or SQLite (the business database; it need not be the store's).
+            commit: True: the block ends with a commit. False: the receipt joins a transaction
+                the caller commits.
+            table: The receipts table (default ``app.conf.idempotency_receipts_table``, else
+                ``celery_idem_receipts``); created on first use.
+
+        Raises:
+            RuntimeError: Called outside a running body, or twice in one run.
+            TypeError: Not a Session or Connection, or an unsupported database.
+            LeaseLost: On exit, when another attempt took the claim over (rolled back).
+        """
+        from .receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction  # needs sqlalchemy
+
+        req = self.request
+        key, token = self.idempotency_key, self.idempotency_token
+        if key is None or token is None:
+            raise RuntimeError(
+                f"{self.name}: idempotent_transaction must be used inside the running body of "
+                f"an IdempotentTask (bind=True, called through the worker, delay() or apply())"
+            )
+        if getattr(req, "idempotency_receipt_", False):
+            raise RuntimeError(
+                f"{self.name}: idempotent_transaction was already used in this run of "
+                f"{key!r}; one action has one receipt, so put all its writes in one block"
+            )
+        prefix = self.app.conf.get("idempotency_key_prefix") or "celery-idem:"
+        tx = ReceiptTransaction(
+            session_or_connection,
+            key=prefix + key, token=token, task_id=req.id or "", codec=self._gate.codec,
+            ttl=self.idempotency_config.ttl,
+            table=table or self.app.conf.get("idempotency_receipts_table") or DEFAULT_RECEIPTS_TABLE,
+            commit=commit, lease_lost=lambda: self.idempotency_lease_lost, on_found=ReceiptFound,
+        )
+        req.idempotency_receipt_ = True
+        return tx
+
     # -- producer side -------------------------------------------------------------------------
 
     def apply_async(
@@ -354,7 +424,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         def body(token: int) -> Any:
             req.idempotency_token_ = token
-            return call_body(*args, **kwargs)
+            try:
+                return call_body(*args, **kwargs)
+            except ReceiptFound as found:
+                # An earlier attempt committed the body's transaction and died before the
+                # record: its result is the action's, and the gate records it as usual.
+                return found.receipt.value
 
         while True:
             try:

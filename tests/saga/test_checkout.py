@@ -9,6 +9,7 @@ provider but was not recorded is taken over and replays the same write by its ke
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -77,9 +78,18 @@ def test_crashes_between_and_inside_steps_resume_to_one_charge_one_order_one_rec
     print(f"\nsaga with 3 crashes: {elapsed:.1f} s; provider events {events}")
 
 
+@pytest.fixture(params=["redis", "postgresql"])
+def any_store_cluster(request: pytest.FixtureRequest, make_cluster: Callable[..., Cluster]) -> Cluster:
+    """A cluster whose idempotency store is Redis, or the SQL store on PostgreSQL."""
+    if request.param == "postgresql":
+        return make_cluster(IDEM_STORE="db+" + request.getfixturevalue("pg_url"))
+    return make_cluster()
+
+
 def test_a_terminal_failure_compensates_in_reverse_once_even_when_compensations_crash(
-    cluster: Cluster, provider: ProviderClient
+    any_store_cluster: Cluster, provider: ProviderClient
 ) -> None:
+    cluster = any_store_cluster
     w = start(cluster, provider)
     order_id, email = f"sg2_{cluster.prefix.strip(':')}", "not-an-address"
     # Given a saga whose last step fails terminally (the receipt address is rejected), and

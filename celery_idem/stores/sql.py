@@ -11,7 +11,7 @@ The verbs are the contract of :mod:`celery_idem.stores.base`, with the semantics
 * engines run in autocommit: each verb is one self-contained statement, except where a dialect
   cannot say what it needs in one (see :meth:`SQLStore.claim` and :meth:`SQLStore.renew`).
 
-Statements per verb (each is one round trip; the pool's pre-ping adds one per checkout)::
+Statements per verb (each is one round trip; the engine runs without pre-ping)::
 
     verb      PostgreSQL              SQLite                         MySQL / MariaDB
     claim     1 (CTE upsert)          BEGIN IMMEDIATE + 1..2 + COMMIT 1 (not taken) / 2 (taken)
@@ -23,6 +23,13 @@ Statements per verb (each is one round trip; the pool's pre-ping adds one per ch
 A claim that loses a race against a concurrent first claim of the same key runs once more
 (nothing was written the first time); a fenced verb that is refused reads the row once more to
 say why. Neither is on the hot path.
+
+PostgreSQL through psycopg 3 (the default driver when psycopg2 is not installed) takes a fast
+path: each verb's statement is built and compiled once, then run on the pooled psycopg
+connection itself as a server-side prepared statement with plain tuples, skipping SQLAlchemy's
+per-call compile-cache lookup, parameter processing and result objects (they cost more client
+CPU than the round trip). Same SQL, same single round trip, same exceptions. Every other
+driver and dialect runs the same pre-built statements through a SQLAlchemy ``Connection``.
 """
 
 from __future__ import annotations
@@ -32,15 +39,15 @@ import importlib.util
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.engine import URL, Connection, Engine, RowMapping, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
@@ -277,6 +284,186 @@ class _ClaimRaced(Exception):
     """
 
 
+# A row by column name (a SQLAlchemy RowMapping, or a dict on the fast path).
+_Row: TypeAlias = Mapping[Any, Any]
+# What a statement run through a session gives back: the row count, and the first row when the
+# statement returns rows.
+_Outcome: TypeAlias = "tuple[int, _Row | None]"
+# The verbs' statements.
+_Statement: TypeAlias = "sa.Select[Any] | sa.Update"
+
+
+class _SASession:
+    """Runs the store's statements through a SQLAlchemy ``Connection`` (every dialect)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def execute(self, statement: _Statement, params: Mapping[str, Any]) -> _Outcome:
+        result = self.conn.execute(statement, params)
+        if not result.returns_rows:
+            return result.rowcount, None
+        return result.rowcount, result.mappings().first()
+
+
+@dataclass(frozen=True)
+class _RawStatement:
+    """One statement compiled once for the psycopg fast path.
+
+    Attributes:
+        sql: The DBAPI SQL text (``%(name)s`` placeholders, with SQLAlchemy's type casts).
+        constants: The values of the parameters SQLAlchemy made of literals (``'done'``, 1, ...);
+            each call adds its own ``idem_*`` values.
+        columns: The result columns' names, in order; empty when no rows come back.
+        processors: SQLAlchemy's bind processors for the ``idem_*`` values (the dialect's
+            ``bytes`` -> ``psycopg.Binary``), applied per call as SQLAlchemy would.
+    """
+
+    sql: str
+    constants: Mapping[str, Any]
+    columns: tuple[str, ...]
+    processors: Mapping[str, Callable[[Any], Any]]
+
+    def values(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        values = {**self.constants, **params}
+        for name, process in self.processors.items():
+            values[name] = process(values[name])
+        return values
+
+    @classmethod
+    def compile(cls, statement: _Statement, dialect: Any) -> _RawStatement:
+        compiled = statement.compile(dialect=dialect)
+        # An expanding IN renders its values at execution time, which the fast path does not
+        # do: a statement needing it is a bug in the store, caught the first time it runs.
+        if "POSTCOMPILE" in compiled.string:
+            raise RuntimeError(f"celery_idem: statement unfit for the raw path:\n{compiled.string}")
+        processors: dict[str, Callable[[Any], Any]] = dict(getattr(compiled, "_bind_processors", {}))
+        constants = {
+            k: processors.pop(k)(v) if k in processors else v
+            for k, v in compiled.params.items()
+            if not k.startswith("idem_")
+        }
+        returns_rows = isinstance(statement, sa.Select) or bool(compiled.returning)
+        # keys(), not iteration: a ColumnCollection iterates over its columns, not their names.
+        names = statement.exported_columns.keys()
+        columns = tuple(str(name) for name in names) if returns_rows else ()
+        return cls(compiled.string, constants, columns, processors)
+
+
+class _RawSession:
+    """Runs the store's statements on a pooled psycopg 3 connection itself (PostgreSQL).
+
+    Errors come out as SQLAlchemy would raise them (a driver error wrapped in its
+    :class:`sqlalchemy.exc.DBAPIError` subclass, the connection invalidated on a disconnect), so
+    :meth:`SQLStore._translate_errors` maps them exactly as on the SQLAlchemy path.
+    """
+
+    def __init__(self, store: SQLStore, fairy: Any) -> None:
+        self._store = store
+        self._fairy = fairy
+        driver = fairy.driver_connection
+        self._driver = driver
+        # prepare_threshold=None is how psycopg is told not to prepare (PgBouncer in
+        # transaction mode before 1.21): respect it; otherwise prepare at the first run.
+        self._prepare = driver.prepare_threshold is not None
+
+    def execute(self, statement: _Statement, params: Mapping[str, Any]) -> _Outcome:
+        raw = self._store._raw_statement(statement)
+        values = raw.values(params)
+        dialect = self._store._engine.dialect
+        cursor = self._driver.cursor(row_factory=_tuple_row())
+        try:
+            cursor.execute(raw.sql, values, prepare=self._prepare)
+            row = cursor.fetchone() if raw.columns else None
+            return cursor.rowcount, None if row is None else dict(zip(raw.columns, row, strict=True))
+        except dialect.loaded_dbapi.Error as exc:
+            disconnect = dialect.is_disconnect(exc, self._fairy.dbapi_connection, cursor)
+            if disconnect:
+                # Like SQLAlchemy: drop this connection, and every pooled connection older
+                # than now on its next checkout (a server restart killed them all).
+                self._store._engine.pool._invalidate(self._fairy, exc)
+            raise sa_exc.DBAPIError.instance(
+                raw.sql, values, exc, dialect.loaded_dbapi.Error,
+                hide_parameters=self._store._engine.hide_parameters,
+                connection_invalidated=disconnect, dialect=dialect,
+            ) from exc
+        except BaseException:
+            # Interrupted mid-protocol (a soft time limit, KeyboardInterrupt): the connection's
+            # state is unknown, so it must not go back to the pool.
+            self._fairy.invalidate()
+            raise
+        finally:
+            cursor.close()
+
+
+def _tuple_row() -> Any:
+    # Explicit, so an engine built with connect_args={"row_factory": dict_row} cannot change
+    # what the fast path reads. Imported here: psycopg is only needed when it is the driver.
+    from psycopg.rows import tuple_row
+
+    return tuple_row
+
+
+@dataclass(frozen=True)
+class _VerbStatements:
+    """The fenced writes' and the read's statements, built once per table.
+
+    Each call's values are ``idem_*`` bind parameters; the key and token ones take the type of
+    the column they are compared with, as the literal values they replace did.
+    """
+
+    record: sa.Update
+    release: sa.Update
+    renew: sa.Update
+    renew_returning: sa.Update  # renew handing back the new lease, where UPDATE can RETURNING
+    renew_read: sa.Select[Any]  # where it cannot: the new lease read back, still fenced
+    get: sa.Select[Any]
+
+    @classmethod
+    def build(cls, t: sa.Table) -> _VerbStatements:
+        key: sa.BindParameter[str] = sa.bindparam("idem_key")
+        # Only the holder's live IN_PROGRESS row: the fence of record, release and renew.
+        fenced = sa.and_(
+            t.c.key == key,
+            t.c.token == sa.bindparam("idem_token"),
+            t.c.state == State.IN_PROGRESS.value,
+            t.c.expires > db_now(),
+        )
+        lease = sa.bindparam("idem_lease", type_=sa.Double)
+        # The record must outlive the lease too: a body running past the TTL keeps its record
+        # (and with it the token that fences every earlier holder).
+        renew = sa.update(t).where(fenced).values(
+            lease_expires=db_now() + lease,
+            expires=sa.case((t.c.expires < db_now() + lease, db_now() + lease), else_=t.c.expires),
+        )
+        return cls(
+            record=sa.update(t).where(fenced).values(
+                state=sa.bindparam("idem_state"),
+                content_type=sa.bindparam("idem_content_type"),
+                data=sa.bindparam("idem_data", type_=t.c.data.type),
+                lease_expires=None,
+                updated=db_now(),
+                expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
+            ),
+            # The RELEASED tombstone keeps the token and the TTL, and nothing of the holder.
+            release=sa.update(t).where(fenced).values(
+                state=State.RELEASED.value,
+                owner="",
+                task_id="",
+                attempt=0,
+                lease_expires=None,
+                payload_hash=None,
+                content_type=None,
+                data=None,
+                updated=db_now(),
+            ),
+            renew=renew,
+            renew_returning=renew.returning(t.c.lease_expires),
+            renew_read=sa.select(t.c.lease_expires).where(fenced),
+            get=sa.select(t).where(t.c.key == key, t.c.expires > db_now()),
+        )
+
+
 # Workers fork after the store is built: a child must never reuse the parent's sockets (two
 # processes talking over one connection corrupt both). Engines are held weakly so a closed
 # store can be collected; os.register_at_fork hooks cannot be unregistered.
@@ -397,9 +584,15 @@ class SQLStore(Store):
         self._table = _build_table(table_name)
         self._table_ready = False
         self._table_lock = threading.Lock()
-        # Built once per shape (with/without payload validation): see _claim_template.
+        # Every hot-path statement is built once with ``idem_*`` bind parameters: building one
+        # costs more client CPU than its round trip (see docs/benchmarks.md). The claim is
+        # built once per shape (with/without payload validation), see _claim_template.
         self._pg_claims: dict[bool, sa.Select[Any]] = {}
-        self._record_update: sa.Update | None = None
+        self._verbs = _VerbStatements.build(self._table)
+        # PostgreSQL through psycopg 3 runs them on the DBAPI connection (see the module doc).
+        # psycopg2, pg8000, ... keep SQLAlchemy's path: their parameter handling differs.
+        self._fast = self._dialect == "postgresql" and self._engine.dialect.driver == "psycopg"
+        self._raw_statements: dict[_Statement, _RawStatement] = {}
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> SQLStore:
@@ -459,6 +652,39 @@ class SQLStore(Store):
             with self._engine.connect() as conn:
                 yield conn
 
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[_SASession | _RawSession]:
+        """A pooled connection to run the verbs' statements on, with errors translated.
+
+        The psycopg fast path when it applies (see the module doc), else SQLAlchemy's.
+        """
+        if not self._fast:
+            with self._connect() as conn:
+                yield _SASession(conn)
+            return
+        with self._translate_errors():
+            self._ensure_table()
+            dialect = self._engine.dialect
+            try:
+                fairy = self._engine.raw_connection()
+            except dialect.loaded_dbapi.Error as exc:
+                # engine.connect() wraps a failed checkout the same way.
+                raise sa_exc.DBAPIError.instance(
+                    None, None, exc, dialect.loaded_dbapi.Error,
+                    connection_invalidated=dialect.is_disconnect(exc, None, None), dialect=dialect,
+                ) from exc
+            try:
+                yield _RawSession(self, fairy)
+            finally:
+                fairy.close()  # back to the pool (or discarded, if invalidated)
+
+    def _raw_statement(self, statement: _Statement) -> _RawStatement:
+        raw = self._raw_statements.get(statement)
+        if raw is None:
+            # Two threads may both compile it: the results are equal, either one is kept.
+            raw = self._raw_statements[statement] = _RawStatement.compile(statement, self._engine.dialect)
+        return raw
+
     def _ensure_table(self) -> None:
         if self._table_ready:
             return
@@ -479,7 +705,7 @@ class SQLStore(Store):
     def _stored(self, key: str) -> str:
         return self.prefix + key
 
-    def _record(self, row: RowMapping) -> Record:
+    def _record(self, row: _Row) -> Record:
         key = str(row["key"])[len(self.prefix) :]
         try:
             data = row["data"]
@@ -550,10 +776,11 @@ class SQLStore(Store):
         args = _ClaimArgs(self._stored(key), owner, task_id, attempt, lease, ttl, payload_hash)
         for _ in range(_CLAIM_RUNS):
             try:
-                with self._connect() as conn:
+                with self._session() as session:
                     if self._dialect == "postgresql":
-                        return self._claim_postgresql(conn, args)
-                    return self._claim_select_then_write(conn, args)
+                        return self._claim_postgresql(session, args)
+                    assert isinstance(session, _SASession)  # the fast path is PostgreSQL only
+                    return self._claim_select_then_write(session.conn, args)
             except _ClaimRaced:
                 continue  # the winner's row is committed now; the next run sees it
         raise StoreUnavailable(
@@ -561,7 +788,7 @@ class SQLStore(Store):
             f"{self._shown_url}: the row kept changing between the decision and the write"
         )
 
-    def _claim_postgresql(self, conn: Connection, args: _ClaimArgs) -> Claim:
+    def _claim_postgresql(self, session: _SASession | _RawSession, args: _ClaimArgs) -> Claim:
         # WITH old    AS MATERIALIZED (SELECT * FROM t WHERE key = :k FOR UPDATE),
         #      decide AS MATERIALIZED (SELECT now, old.*, CASE <predicates> END AS status
         #                              FROM (SELECT <db clock> AS now) clock
@@ -583,7 +810,8 @@ class SQLStore(Store):
         query = self._pg_claims.get(validate)
         if query is None:
             query = self._pg_claims[validate] = self._build_pg_claim(_claim_template(validate))
-        row = conn.execute(query, _claim_params(args)).mappings().one()
+        _, row = session.execute(query, _claim_params(args))
+        assert row is not None  # the statement always returns its one "decide" row
         if row["status"] in _HOLDS and row["taken_token"] is None:
             raise _ClaimRaced
         return self._claim_result(row, taken_token=row["taken_token"])
@@ -602,7 +830,10 @@ class SQLStore(Store):
         )
         values = args.values(now=decide.c.now, token=sa.func.coalesce(decide.c.token, 0) + 1)
         insert = pg_insert(t).from_select(
-            list(values), sa.select(*values.values()).where(decide.c.status.in_(_HOLDS))
+            # Not IN (...): SQLAlchemy expands an IN list at execution time, which the
+            # compile-once fast path does not do.
+            list(values),
+            sa.select(*values.values()).where(sa.or_(*(decide.c.status == s for s in _HOLDS))),
         )
         up = (
             insert.on_conflict_do_update(
@@ -677,7 +908,7 @@ class SQLStore(Store):
             raise
         conn.exec_driver_sql("COMMIT")
 
-    def _claim_result(self, row: RowMapping, *, taken_token: int | None) -> Claim:
+    def _claim_result(self, row: _Row, *, taken_token: int | None) -> Claim:
         now = float(row["now"])
         live = row["key"] is not None and float(row["expires"]) > now
         # A live row in a state we do not know raises CorruptRecord here, before its NULL
@@ -690,15 +921,6 @@ class SQLStore(Store):
         return Claim(status, before.token, before, now)
 
     # -- fenced writes ------------------------------------------------------------------------
-
-    def _fenced(self, stored_key: str, token: int) -> ColumnElement[bool]:
-        t = self._table
-        return sa.and_(
-            t.c.key == stored_key,
-            t.c.token == token,
-            t.c.state == State.IN_PROGRESS.value,
-            t.c.expires > db_now(),
-        )
 
     def _lease_lost(self, verb: str, key: str, token: int, current: Record | None) -> LeaseLost:
         """Why a fenced write matched no row, worded like the memory store."""
@@ -734,30 +956,15 @@ class SQLStore(Store):
         """
         if state not in (State.DONE, State.FAILED):
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
-        if self._record_update is None:
-            # Built once with bind parameters: rebuilding it per call cost more client CPU than
-            # the round trip (see docs/benchmarks.md).
-            self._record_update = (
-                sa.update(self._table)
-                .where(self._fenced(sa.bindparam("idem_key"), sa.bindparam("idem_token")))  # type: ignore[arg-type]
-                .values(
-                    state=sa.bindparam("idem_state"),
-                    content_type=sa.bindparam("idem_content_type"),
-                    data=sa.bindparam("idem_data", type_=self._table.c.data.type),
-                    lease_expires=None,
-                    updated=db_now(),
-                    expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
-                )
-            )
         params = {
             "idem_key": self._stored(key), "idem_token": token, "idem_state": state.value,
             "idem_content_type": content_type, "idem_data": data, "idem_ttl": ttl,
         }
-        with self._connect() as conn:
-            if conn.execute(self._record_update, params).rowcount == 1:
+        with self._session() as session:
+            if session.execute(self._verbs.record, params)[0] == 1:
                 return
             # Not the hot path: read the row once more to tell a retry from a lost lease.
-            current = self._get(conn, key)
+            current = self._get(session, key)
             if current is not None and current.token == token and current.state is state:
                 return  # the holder retrying a record whose reply it lost
             raise self._lease_lost("record", key, token, current)
@@ -771,24 +978,10 @@ class SQLStore(Store):
             LeaseLost: The row has another token, is not in progress, or is gone.
             StoreUnavailable: The database could not be reached.
         """
-        update = (
-            sa.update(self._table)
-            .where(self._fenced(self._stored(key), token))
-            .values(
-                state=State.RELEASED.value,
-                owner="",
-                task_id="",
-                attempt=0,
-                lease_expires=None,
-                payload_hash=None,
-                content_type=None,
-                data=None,
-                updated=db_now(),
-            )
-        )
-        with self._connect() as conn:
-            if conn.execute(update).rowcount != 1:
-                raise self._lease_lost("release", key, token, self._get(conn, key))
+        with self._session() as session:
+            params = {"idem_key": self._stored(key), "idem_token": token}
+            if session.execute(self._verbs.release, params)[0] != 1:
+                raise self._lease_lost("release", key, token, self._get(session, key))
 
     def renew(self, key: str, token: int, lease: float) -> float:
         """Extend the caller's lease to database-now + ``lease``: one fenced UPDATE.
@@ -803,31 +996,23 @@ class SQLStore(Store):
             LeaseLost: The row has another token, is not in progress, or is gone.
             StoreUnavailable: The database could not be reached.
         """
-        t = self._table
-        fenced = self._fenced(self._stored(key), token)
-        # The record must outlive the lease too: a body running past the TTL keeps its record
-        # (and with it the token that fences every earlier holder).
-        update = sa.update(t).where(fenced).values(
-            lease_expires=db_now() + lease,
-            expires=sa.case((t.c.expires < db_now() + lease, db_now() + lease), else_=t.c.expires),
-        )
-        with self._connect() as conn:
+        params = {"idem_key": self._stored(key), "idem_token": token, "idem_lease": lease}
+        with self._session() as session:
+            expires: Any = None
             if self._engine.dialect.update_returning:
-                expires = conn.execute(update.returning(t.c.lease_expires)).scalar_one_or_none()
-            elif conn.execute(update).rowcount == 1:
-                expires = conn.execute(sa.select(t.c.lease_expires).where(fenced)).scalar()
-            else:
-                expires = None
+                _, row = session.execute(self._verbs.renew_returning, params)
+                expires = None if row is None else row["lease_expires"]
+            elif session.execute(self._verbs.renew, params)[0] == 1:
+                _, row = session.execute(self._verbs.renew_read, params)
+                expires = None if row is None else row["lease_expires"]
             if expires is None:
-                raise self._lease_lost("renew", key, token, self._get(conn, key))
+                raise self._lease_lost("renew", key, token, self._get(session, key))
             return float(expires)
 
     # -- reads --------------------------------------------------------------------------------
 
-    def _get(self, conn: Connection, key: str) -> Record | None:
-        t = self._table
-        query = sa.select(t).where(t.c.key == self._stored(key), t.c.expires > db_now())
-        row = conn.execute(query).mappings().one_or_none()
+    def _get(self, session: _SASession | _RawSession, key: str) -> Record | None:
+        _, row = session.execute(self._verbs.get, {"idem_key": self._stored(key)})
         return None if row is None else self._record(row)
 
     def get(self, key: str) -> Record | None:
@@ -837,9 +1022,8 @@ class SQLStore(Store):
             StoreUnavailable: The database could not be reached.
             CorruptRecord: The stored row cannot be read.
         """
-        with self._connect() as conn:
-            return self._get(conn, key)
-
+        with self._session() as session:
+            return self._get(session, key)
     def _own_rows(self) -> ColumnElement[bool]:
         t = self._table
         if not self.prefix:

@@ -711,7 +711,8 @@ def _ready_within(result: AsyncResult, timeout: float) -> bool:
 
 
 def _short(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    # One line (no traceback-like layout), no final period: it is put inside a sentence.
+    text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
     return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
 
 

@@ -37,3 +37,26 @@ def test_pending_exposes_the_task_id_and_key_before_waiting(idle: Env) -> None:
     assert pending.idempotency_key == charge_card.idempotency_key_for(
         kwargs={"order_id": "o2", "amount_cents": 6})
     assert pending.wait(timeout=0.1)["status"] == "in_progress"
+
+
+def test_a_broker_that_does_not_answer_is_a_retryable_error() -> None:
+    from celery import Celery
+
+    from celery_idem import IdempotentTask
+    from tests.integration.harness import free_port
+
+    app = Celery("nobroker", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False)
+    app.conf.idempotency_store = "memory://"
+    app.conf.broker_connection_timeout = 0.5  # fail fast: nothing listens there
+    app.conf.broker_transport_options = {"max_retries": 0}
+
+    @app.task(base=IdempotentTask, name="nobroker.pay")
+    def pay(order_id: str) -> str:
+        return order_id
+
+    out = tool(pay, options={"retry": False}).invoke({"order_id": "o1"})
+    assert out["status"] == "error" and out["retryable"] is True, out
+    assert out["error"] == "OperationalError"
+    assert "could not be started" in out["message"] and "is safe" in out["message"]
+    assert ".." not in out["message"]
+    assert out["idempotency_key"] == pay.idempotency_key_for(kwargs={"order_id": "o1"})

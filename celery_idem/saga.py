@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .exceptions import LeaseLost, StoreUnavailable, TerminalError
 from .gate import Attempt, Gate, Requeue
@@ -196,7 +196,6 @@ class Saga:
             result = self._run(name, key, fn, args, kwargs, compensating=False)
         except self._gate.config.terminal_on as exc:
             self._abort(f"step {name!r}", name, exc)
-            raise AssertionError("unreachable") from None  # _abort always raises
         self._compensations[name] = compensate
         self.results[name] = result
         return result
@@ -250,7 +249,7 @@ class Saga:
         except StoreUnavailable:
             pass  # the step's claim reaches the same store and decides (it raises if still down)
 
-    def _abort(self, where: str, step: str | None, exc: BaseException) -> None:
+    def _abort(self, where: str, step: str | None, exc: BaseException) -> NoReturn:
         """Compensate the completed steps, newest first, each once; then raise SagaFailed."""
         self._failed = True
         terminal = self._gate.config.terminal_on

@@ -28,7 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..exceptions import CorruptRecord, LeaseLost, StoreUnavailable
+from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
 from ..records import Claim, ClaimStatus, Record, State
 from .base import Store
 
@@ -65,7 +65,8 @@ def _translate_errors(store: RedisStore, key: str | None = None) -> Iterator[Non
         raise StoreUnavailable(f"the Redis store at {store.location} refused: {exc}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise StoreUnavailable(f"could not reach the Redis store at {store.location}: {exc}") from exc
-    except redis.RedisError as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+        # RedisClusterException (no node of the cluster answers) is not a RedisError.
         raise StoreUnavailable(f"the Redis store at {store.location} failed: {exc}") from exc
 
 
@@ -90,9 +91,12 @@ class RedisStore(Store):
                  location: str | None = None) -> None:
         super().__init__(prefix)
         if not isinstance(wait_replicas, int) or isinstance(wait_replicas, bool) or wait_replicas < 0:
-            raise ValueError(f"wait_replicas must be an int >= 0, got {wait_replicas!r}")
+            raise ImproperlyConfigured(
+                f"wait_replicas must be an int >= 0 (replicas to confirm each write), "
+                f"got {wait_replicas!r}")
         if not isinstance(wait_timeout, (int, float)) or wait_timeout <= 0:
-            raise ValueError(f"wait_timeout must be a number of seconds > 0, got {wait_timeout!r}")
+            raise ImproperlyConfigured(
+                f"wait_timeout must be a number of seconds > 0, got {wait_timeout!r}")
         self.client = client
         self.wait_replicas = wait_replicas
         self.wait_timeout = float(wait_timeout)

@@ -29,7 +29,7 @@ from redis.connection import parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from ..exceptions import ImproperlyConfigured
+from ..exceptions import ImproperlyConfigured, StoreUnavailable
 from .redis import _CLIENT_DEFAULTS, RedisStore, _store_options, _text
 
 __all__ = ["RedisClusterStore", "RedisSentinelStore"]
@@ -115,7 +115,14 @@ class RedisClusterStore(RedisStore):
         # after a failover or resharding are still followed inside the client.
         opts.setdefault("retry", Retry(NoBackoff(), 0))
         seeds = [ClusterNode(h, p) for h, p in hosts]  # type: ignore[no-untyped-call]
-        client = RedisCluster(startup_nodes=seeds, **opts)
+        try:
+            # Unlike redis.Redis, RedisCluster connects at once: it needs the slot map.
+            client = RedisCluster(startup_nodes=seeds, **opts)
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise StoreUnavailable(
+                f"could not reach the Redis Cluster store at {','.join(f'{h}:{p}' for h, p in hosts)}"
+                f": {exc}"
+            ) from exc
         return cls(client, prefix=prefix, **store_opts)
 
     def _k(self, key: str) -> str:

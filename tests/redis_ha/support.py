@@ -125,8 +125,8 @@ class LocalCluster:
         text = text.decode() if isinstance(text, bytes) else str(text)
         return dict(line.split(":", 1) for line in text.split() if ":" in line)
 
-    def roles(self) -> dict[int, str]:
-        """port -> 'master' | 'slave', as the live nodes see each other (first live answer)."""
+    def table(self) -> list[tuple[str, int, str, str]]:
+        """``CLUSTER NODES`` as (node id, port, flags, master id), from the first live node."""
         for node in self.nodes.values():
             if not node.alive:
                 continue
@@ -135,22 +135,23 @@ class LocalCluster:
                     raw = c.execute_command("CLUSTER", "NODES")
             except redis.RedisError:
                 continue
-            out: dict[int, str] = {}
-            text = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if isinstance(raw, dict):  # some redis-py versions parse the reply
-                return {int(k.split(":")[1].split("@")[0]): ("master" if "master" in v["flags"]
-                                                             else "slave")
-                        for k, v in raw.items()}
-            for line in text.splitlines():
+            rows = []
+            for line in _s(raw).splitlines():
                 parts = line.split()
                 port = int(parts[1].split("@")[0].rsplit(":", 1)[1])
-                flags = parts[2]
-                if "fail" in flags and "fail?" not in flags:
-                    out[port] = "failed"
-                else:
-                    out[port] = "master" if "master" in flags else "slave"
-            return out
-        return {}
+                rows.append((parts[0], port, parts[2], parts[3]))
+            return rows
+        return []
+
+    def roles(self) -> dict[int, str]:
+        """port -> 'master' | 'slave' | 'failed', as the live nodes see each other."""
+        out: dict[int, str] = {}
+        for _id, port, flags, _master in self.table():
+            if "fail" in flags.split(","):
+                out[port] = "failed"
+            else:
+                out[port] = "master" if "master" in flags else "slave"
+        return out
 
     def masters(self) -> list[int]:
         return sorted(p for p, r in self.roles().items() if r == "master" and self.nodes[p].alive)
@@ -188,9 +189,9 @@ class LocalCluster:
         raise AssertionError(f"no master serves {name}")
 
     def replica_of(self, master: int) -> int:
-        with self.nodes[master].client() as c:
-            info = c.info("replication")
-        return int(info["slave0"]["port"])
+        rows = self.table()
+        master_id = next(i for i, port, _f, _m in rows if port == master)
+        return next(port for _i, port, _f, m in rows if m == master_id)
 
     def wait_promoted(self, dead: int, timeout: float = 60) -> int:
         """After ``dead`` was killed: wait until its replica is master and the cluster is ok."""

@@ -292,3 +292,23 @@ def test_abstract_collection_hints_and_unions() -> None:
         "b": {"type": "object", "additionalProperties": {"type": "boolean"}},
         "c": {"type": ["integer", "string"]},
     }
+
+
+def test_importing_the_module_imports_no_optional_package() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, celery_idem.tools; "
+            "print(sorted(m for m in ('langchain_core', 'pydantic', 'redis', 'sqlalchemy') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_langchain_missing_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "langchain_core.tools", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install langchain-core"):
+        tool(charge_card).langchain()

@@ -158,6 +158,10 @@ class System:
         return self.app.tasks[self.task_name]
 
 
+#: IdempotentTask on the Redis store with ``idempotency_check_on_enqueue=False``.
+NOCHECK = "idem/redis-nocheck"
+
+
 @dataclass
 class Plan:
     tasks: int
@@ -274,6 +278,10 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
                 unique.append(System(f"idem/{store}", apps[store], "bench.idem", workers[store]))
                 dup.append(System(f"idem/{store}", apps[store], "bench.idem_count", workers[store],
                                   counted=True))
+                if store == "redis":
+                    unique.append(System(NOCHECK, apps[store], "bench.idem_nocheck", workers[store]))
+                    dup.append(System(NOCHECK, apps[store], "bench.idem_nocheck_count", workers[store],
+                                      counted=True))
         for peer, task_name in PEERS.items():
             if plan.peers and task_name in base_app.tasks:
                 unique.append(System(peer, base_app, task_name, base_worker, peer=True))

@@ -34,6 +34,7 @@ KNOWN_OPTIONS = frozenset(
         "idempotency_validate",
         "idempotency_wait",
         "idempotency_record_timeout",
+        "idempotency_check_on_enqueue",
     }
 )
 
@@ -92,6 +93,7 @@ class IdempotencyConfig:
     validate: bool
     wait: float
     record_timeout: float
+    check_on_enqueue: bool = True
 
 
 def _exception_tuple(name: str, value: Any) -> tuple[type[BaseException], ...]:
@@ -204,4 +206,12 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         validate=bool(attrs.idempotency_validate),
         wait=_positive("idempotency_wait", attrs.idempotency_wait, zero_ok=True),
         record_timeout=_positive("idempotency_record_timeout", attrs.idempotency_record_timeout),
+        check_on_enqueue=_flag(owner, "idempotency_check_on_enqueue",
+                               getattr(attrs, "idempotency_check_on_enqueue", True)),
     )
+
+
+def _flag(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ImproperlyConfigured(f"{owner}: {name} must be True or False, got {value!r}")
+    return value

@@ -333,6 +333,9 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
     results["profiles"] = micro.profiles(args.redis_url, prefix, n_prof, "p",
                                          pg=(args.pg_url, table_name) if pg else None)
     results["pyinstrument"] = micro.pyinstrument_text(args.redis_url, prefix, n_prof, "pi")
+    if pg:
+        results["pyinstrument_pg"] = micro.pyinstrument_text(
+            args.redis_url, prefix, max(200, n_prof // 4), "pq", pg=(args.pg_url, table_name))
     counting.close()
 
 
@@ -831,4 +834,7 @@ per cent as noise (the per-repetition figures show the spread).
     if r.get("pyinstrument"):
         tree = ("\n## pyinstrument call tree (Gate.run, Redis store, first runs)\n\n```text\n"
                 + r["pyinstrument"].strip() + "\n```\n")
+    if r.get("pyinstrument_pg"):
+        tree += ("\n## pyinstrument call tree (Gate.run, SQL store on PostgreSQL, first runs)\n\n```text\n"
+                 + r["pyinstrument_pg"].strip() + "\n```\n")
     return head + findings + "\n" + body + tree

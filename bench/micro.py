@@ -434,14 +434,24 @@ def profiles(redis_url: str, prefix: str, n: int, tag: str,
     return out
 
 
-def pyinstrument_text(redis_url: str, prefix: str, n: int, tag: str) -> str | None:
-    """A pyinstrument call tree of ``Gate.run`` (first runs, Redis), if pyinstrument is installed."""
+def pyinstrument_text(redis_url: str, prefix: str, n: int, tag: str,
+                      pg: tuple[str, str] | None = None) -> str | None:
+    """A pyinstrument call tree of ``Gate.run`` (first runs; Redis, or the SQL store on PostgreSQL
+    with ``pg`` = (url, table)), if pyinstrument is installed."""
     try:
         from pyinstrument import Profiler
     except ImportError:
         return None
-    store = RedisStore.from_url(redis_url, prefix=prefix)
+    store: Store
+    if pg is None:
+        store = RedisStore.from_url(redis_url, prefix=prefix)
+    else:
+        from celery_idem.stores.sql import SQLStore
+
+        store = SQLStore.from_url(pg[0], prefix=prefix, table_name=pg[1])
     gate, task = _gate_for(store, prefix)
+    for i in range(20):  # connections, prepared statements
+        gate.run(Attempt(key=task.idempotency_key_for((f"{tag}:pyiw:{i}",)), task_id="w", owner=OWNER), _body)
     attempts = [Attempt(key=task.idempotency_key_for((f"{tag}:pyi:{i}",)), task_id=str(uuid.uuid4()),
                         owner=OWNER) for i in range(n)]
     profiler = Profiler(interval=0.0001)

@@ -1,6 +1,6 @@
 """Measure the Redis Cluster / Sentinel stores: failover runs and the cost of ``wait_replicas``.
 
-    .venv/bin/python -m tests.redis_ha.measure [--rounds 3] [--actions 60]
+    .venv/bin/python -m tests.redis_ha.measure [--rounds 3] [--actions 60] [--kinds cluster,sentinel]
 
 1. Latency of claim + record on a local 6-node cluster and a sentinel-managed master, with
    ``wait_replicas`` 0 and 1 (same host: this is the floor; across hosts WAIT adds about one
@@ -50,22 +50,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--actions", type=int, default=60)
     parser.add_argument("--latency-n", type=int, default=2000)
+    parser.add_argument("--kinds", default="cluster,sentinel")
+    parser.add_argument("--no-latency", action="store_true")
     args = parser.parse_args()
+    kinds = args.kinds.split(",")
 
-    print("## claim + record latency (one process, sequential)")
-    cluster = LocalCluster()
-    try:
-        print(f"cluster : {latency(cluster.url, args.latency_n)}")
-    finally:
-        cluster.cleanup()
-    group = SentinelGroup()
-    try:
-        print(f"sentinel: {latency(group.url + f'?master_name={MASTER_NAME}', args.latency_n)}")
-    finally:
-        group.cleanup()
+    if not args.no_latency:
+        print("## claim + record latency (one process, sequential)")
+        cluster = LocalCluster()
+        try:
+            print(f"cluster : {latency(cluster.url, args.latency_n)}")
+        finally:
+            cluster.cleanup()
+        group = SentinelGroup()
+        try:
+            url = group.url + f"?master_name={MASTER_NAME}"
+            print(f"sentinel: {latency(url, args.latency_n)}")
+        finally:
+            group.cleanup()
 
     print(f"\n## failover runs ({args.actions} actions x 3 copies, 2 workers x 2 processes)")
-    for kind in ("cluster", "sentinel"):
+    for kind in kinds:
         for wait in (0, 1):
             for _ in range(args.rounds):
                 env = {**os.environ, "IDEM_HA_WAIT": str(wait),

@@ -77,6 +77,18 @@ def pg_ledger_url() -> str:
     return libpq_url(PG_URL)
 
 
+def outcome(result: AsyncResult) -> Any:
+    """The task's return value, read by polling the result backend.
+
+    Not ``result.get()``: Celery's Redis result consumer waits on a pub/sub subscription to the
+    old master, which a failover silently ends (the result is in the new master, the message
+    was published before the subscription moved), so ``get`` can wait out its timeout.
+    """
+    wait_for(result.ready, timeout=240, interval=0.1, what=f"the result of {result.id}")
+    assert result.successful(), result.result
+    return result.result
+
+
 def run_failover(stack: HaStack, kind: str, kill: Callable[[], tuple[float, Callable[[], None]]],
                  wait_replicas: int) -> Run:
     """Enqueue, kill mid-run (``kill`` returns (promotion seconds, restart)), settle, count."""
@@ -103,7 +115,7 @@ def run_failover(stack: HaStack, kind: str, kill: Callable[[], tuple[float, Call
 
     values: dict[str, list[Any]] = {n: [] for n in names}
     for name, result in sent:
-        values[name].append(result.get(timeout=240))
+        values[name].append(outcome(result))
     counts = stack.ledger.effect_counts(base)
     run.duplicates = {n: c - 1 for n, c in counts.items() if c > 1}
     run.lost = [n for n in names if counts.get(n, 0) == 0]

@@ -191,6 +191,13 @@ class ReceiptTransaction:
                 f"idempotent_transaction needs a SQLAlchemy Session or Connection, got "
                 f"{type(target).__module__}.{type(target).__qualname__}{hint}"
             )
+        if not key or len(key) > 255:
+            # The key column is 255 characters; MySQL's INSERT IGNORE would truncate a longer
+            # key silently and make two actions share one receipt.
+            raise ValueError(
+                f"a receipt key must be 1 to 255 characters (idempotency_key_prefix + key), got "
+                f"{len(key)}: {key[:60]!r}..."
+            )
         self.target = target
         self.key = key
         self.token = token

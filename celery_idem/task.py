@@ -284,6 +284,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         Raises:
             RuntimeError: Called outside a running body, or twice in one run.
             TypeError: Not a Session or Connection, or an unsupported database.
+            ValueError: The prefixed key is longer than the receipt's 255-character column.
             LeaseLost: On exit, when another attempt took the claim over (rolled back).
         """
         from .receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction  # needs sqlalchemy

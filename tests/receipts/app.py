@@ -6,7 +6,7 @@ Configured from the environment (set by :mod:`tests.receipts.kills`):
 * ``RCPT_STORE``: the idempotency store URL (that Redis, or the business PostgreSQL);
 * ``RCPT_STORE_TABLE``: the SQL store's table; ``RCPT_PREFIX``, ``RCPT_QUEUE``;
 * ``RCPT_DB``, ``RCPT_ORDERS``, ``RCPT_RECEIPTS``: the business database and its tables;
-* ``RCPT_LEASE``: ``idempotency_lease`` seconds.
+* ``RCPT_LEASE``: ``idempotency_lease`` seconds; ``RCPT_PLAIN=1``: no receipt (the control).
 
 ``place_order`` writes one order row and its receipt in one transaction; then, the first time
 each action commits, the pool process SIGKILLs itself: after the commit, before the record
@@ -29,6 +29,8 @@ from celery_idem import IdempotentTask
 PREFIX = os.environ.get("RCPT_PREFIX", "rcpt:")
 REDIS = os.environ.get("RCPT_REDIS", "redis://127.0.0.1:6379/0")
 LEASE = float(os.environ.get("RCPT_LEASE", "2"))
+#: ``RCPT_PLAIN=1``: write without a receipt, to show what the kill does without one.
+PLAIN = os.environ.get("RCPT_PLAIN") == "1"
 
 app = Celery("receipts", broker=REDIS, backend=REDIS)
 app.conf.update(
@@ -79,14 +81,21 @@ _flags = redis.Redis.from_url(REDIS)
 @app.task(base=IdempotentTask, bind=True, idempotency_fields=("action",), idempotency_lease=LEASE)
 def place_order(self: IdempotentTask, action: str, amount: int) -> dict[str, Any]:
     pid = os.getpid()
-    with Session(engine()) as session, self.idempotent_transaction(session) as tx:
-        session.execute(sa.insert(ORDERS).values(
-            action=action, amount=amount, task_id=self.request.id,
-            token=self.idempotency_token, pid=pid))
-        tx.result = {"action": action, "amount": amount, "task_id": self.request.id,
-                     "token": self.idempotency_token, "pid": pid}
+    row = {"action": action, "amount": amount, "task_id": self.request.id,
+           "token": self.idempotency_token, "pid": pid}
+    if PLAIN:
+        # The control: the same write without a receipt (commit, then the gate's record).
+        with Session(engine()) as session:
+            session.execute(sa.insert(ORDERS).values(**row))
+            session.commit()
+        result = row
+    else:
+        with Session(engine()) as session, self.idempotent_transaction(session) as tx:
+            session.execute(sa.insert(ORDERS).values(**row))
+            tx.result = row
+        result = tx.result
     # Committed. The first attempt of each action dies here: before the gate records the
     # result and before Celery acknowledges the message (acks_late).
     if _flags.set(f"{PREFIX}killed:{action}", pid, nx=True):
         os.kill(pid, signal.SIGKILL)
-    return tx.result
+    return result

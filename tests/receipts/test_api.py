@@ -245,6 +245,11 @@ def _tx(conn: sa.Connection, db: BusinessDB, key: str, token: int, **kw: Any) ->
                               ttl=3600, table=db.receipts, **kw)
 
 
+def test_a_key_longer_than_the_column_is_refused(db: BusinessDB) -> None:
+    with db.engine.connect() as conn, pytest.raises(ValueError, match="1 to 255 characters"):
+        _tx(conn, db, "k" * 256, 1)
+
+
 def test_a_lost_lease_rolls_back_before_the_commit(db: BusinessDB) -> None:
     with db.engine.connect() as conn, \
             pytest.raises(LeaseLost, match="taken over before the commit"), \

@@ -33,3 +33,12 @@ def test_kill_after_commit_leaves_one_order_per_action_and_the_committed_results
     assert report.duplicate_rows == 0 and report.missing == [], report.line()
     assert report.orders == KILLS, report.line()
     assert report.wrong_results == [], report.wrong_results
+
+
+def test_the_same_kill_without_a_receipt_duplicates_every_order() -> None:
+    """The control: the test above can fail. Without the receipt, each kill after the commit
+    leaves a committed order with no record, and the takeover writes it again."""
+    require(PG_URL, 5432, "PostgreSQL")
+    report = run(3, "redis", plain=True)
+    assert report.kills == 3, report.line()
+    assert report.duplicate_rows == 3 and report.orders == 6, report.line()

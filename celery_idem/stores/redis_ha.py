@@ -162,10 +162,10 @@ class RedisSentinelStore(RedisStore):
         sentinel: A ``redis.sentinel.Sentinel``.
         master_name: The monitored master's name.
         prefix: Prepended to every key.
-        db: Database number on the master.
         wait_replicas: See :class:`~celery_idem.stores.redis.RedisStore`.
         wait_timeout: See :class:`~celery_idem.stores.redis.RedisStore`.
-        client_options: Keyword arguments for ``Sentinel.master_for``.
+        client_options: Keyword arguments for ``Sentinel.master_for`` (``db``, ``password``,
+            socket timeouts, ...).
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("sentinel",)

@@ -307,10 +307,10 @@ def chaos_echo(self, action, blob="", secret=""):
 
 
 # -- Redis Cluster / Sentinel failover (tests/redis_ha) --------------------------------------------
-# ``IDEM_BACKEND_OPTIONS``: JSON for result_backend_transport_options (a sentinel master_name).
+# ``IDEM_CONF``: JSON of more app settings (a sentinel backend's transport options, ...).
 
-if os.environ.get("IDEM_BACKEND_OPTIONS"):
-    app.conf.result_backend_transport_options = _json.loads(os.environ["IDEM_BACKEND_OPTIONS"])
+if os.environ.get("IDEM_CONF"):
+    app.conf.update(_json.loads(os.environ["IDEM_CONF"]))
 
 
 @app.task(base=ChaosTask, bind=True, idempotency_fields=("action",), idempotency_lease=30,

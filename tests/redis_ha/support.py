@@ -353,24 +353,29 @@ class HaStack(Stack):
                  backend_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.backend_url = backend_url
-        self.backend_options = backend_options
+        self.backend_conf: dict[str, Any] = {}
         if backend_url:
             import json
 
-            self.env["IDEM_BACKEND"] = backend_url
-            self.env["IDEM_BACKEND_OPTIONS"] = json.dumps(backend_options or {})
+            self.backend_conf = {
+                "result_backend": backend_url,
+                "result_backend_transport_options": backend_options or {},
+                # Without it Celery stores a result once: a task that finishes while the master
+                # is down loses its result ("Exception raised outside body"), and its caller waits.
+                "result_backend_always_retry": True,
+            }
+            self.env["IDEM_CONF"] = json.dumps(self.backend_conf)
+        self._saved_backend: dict[str, Any] = {}
 
     def activate(self) -> None:
-        saved_options = self.app.conf.get("result_backend_transport_options")
+        saved = {k: self.app.conf.get(k) for k in self.backend_conf}
         super().activate()
-        if self.backend_url:
-            self._saved_backend_options = saved_options
+        if self.backend_conf:
+            self._saved_backend = saved
             reset_app(self.app)
-            self.app.conf.result_backend = self.backend_url
-            self.app.conf.result_backend_transport_options = self.backend_options or {}
+            self.app.conf.update(self.backend_conf)
 
     def deactivate(self) -> None:
         super().deactivate()
-        if self.backend_url:
-            self.app.conf.result_backend_transport_options = getattr(
-                self, "_saved_backend_options", None) or {}
+        self.app.conf.update(self._saved_backend)
+        self._saved_backend = {}

@@ -19,6 +19,8 @@ Set ``IDEM_HA_WAIT=0`` to run these tests without ``WAIT`` (the measurement scri
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
 import uuid
@@ -78,12 +80,8 @@ def pg_ledger_url() -> str:
 
 
 def outcome(result: AsyncResult) -> Any:
-    """The task's return value, read by polling the result backend.
-
-    Not ``result.get()``: Celery's Redis result consumer waits on a pub/sub subscription to the
-    old master, which a failover silently ends (the result is in the new master, the message
-    was published before the subscription moved), so ``get`` can wait out its timeout.
-    """
+    """The task's return value, read by polling the result backend (a plain GET each time,
+    so nothing depends on the pub/sub subscription the client had to the old master)."""
     wait_for(result.ready, timeout=240, interval=0.1, what=f"the result of {result.id}")
     assert result.successful(), result.result
     return result.result
@@ -116,6 +114,9 @@ def run_failover(stack: HaStack, kind: str, kill: Callable[[], tuple[float, Call
     values: dict[str, list[Any]] = {n: [] for n in names}
     for name, result in sent:
         values[name].append(outcome(result))
+    del result
+    sent.clear()
+    forget_results()
     counts = stack.ledger.effect_counts(base)
     run.duplicates = {n: c - 1 for n, c in counts.items() if c > 1}
     run.lost = [n for n in names if counts.get(n, 0) == 0]
@@ -137,21 +138,41 @@ def run_failover(stack: HaStack, kind: str, kill: Callable[[], tuple[float, Call
     return run
 
 
-@pytest.fixture
-def cluster_stack(pg_ledger_url: str) -> Iterator[tuple[HaStack, LocalCluster]]:
-    cluster = LocalCluster()
+def forget_results() -> None:
+    """Collect the AsyncResults of a run while the servers still answer.
+
+    Each one unsubscribes from its result channel when it is collected, which makes Celery's
+    result consumer reconnect (through the sentinels); after the deployment is gone that
+    reconnect retries for minutes inside a ``__del__``.
+    """
+    gc.collect()
+
+
+@contextlib.contextmanager
+def stack_on(deployment: LocalCluster | SentinelGroup, ledger_url: str, store_url: str,
+             **kwargs: Any) -> Iterator[HaStack]:
+    """A stack (private broker, ledger, ``wait_replicas=WAIT_REPLICAS``) on ``deployment``,
+    torn down with it."""
     broker = ChaosRedis()
-    ledger = Ledger(pg_ledger_url)
-    stack = HaStack(broker, cluster.url, ledger, store_options={"wait_replicas": WAIT_REPLICAS},
-                    name="cluster")
+    ledger = Ledger(ledger_url)
+    stack = HaStack(broker, store_url, ledger, store_options={"wait_replicas": WAIT_REPLICAS},
+                    **kwargs)
     try:
         with stack.active():
-            yield stack, cluster
+            yield stack
     finally:
+        forget_results()
         stack.close()
         ledger.drop()
         broker.cleanup()
-        cluster.cleanup()
+        deployment.cleanup()
+
+
+@pytest.fixture
+def cluster_stack(pg_ledger_url: str) -> Iterator[tuple[HaStack, LocalCluster]]:
+    cluster = LocalCluster()
+    with stack_on(cluster, pg_ledger_url, cluster.url, name="cluster") as stack:
+        yield stack, cluster
 
 
 def test_cluster_master_killed_mid_run_zero_duplicate_effects(
@@ -181,21 +202,11 @@ def test_cluster_master_killed_mid_run_zero_duplicate_effects(
 @pytest.fixture
 def sentinel_stack(pg_ledger_url: str) -> Iterator[tuple[HaStack, SentinelGroup]]:
     group = SentinelGroup()
-    broker = ChaosRedis()
-    ledger = Ledger(pg_ledger_url)
     # The store is not configured: it is the Celery result backend, a sentinel:// URL whose
     # master name is in result_backend_transport_options, as Celery users already write it.
-    stack = HaStack(broker, "", ledger, store_options={"wait_replicas": WAIT_REPLICAS},
-                    name="sentinel", backend_url=group.url,
-                    backend_options={"master_name": MASTER_NAME})
-    try:
-        with stack.active():
-            yield stack, group
-    finally:
-        stack.close()
-        ledger.drop()
-        broker.cleanup()
-        group.cleanup()
+    with stack_on(group, pg_ledger_url, "", name="sentinel", backend_url=group.url,
+                  backend_options={"master_name": MASTER_NAME}) as stack:
+        yield stack, group
 
 
 def test_sentinel_master_killed_mid_run_zero_duplicate_effects(

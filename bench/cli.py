@@ -258,14 +258,16 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         log("SQL store: fast path and SQLAlchemy path ...")
         paths = micro.sql_paths(args.pg_url, prefix, table_name, n_sql, "sp")
         results["sql_paths"] = paths
-        out.add("The SQL store's two paths (PostgreSQL, `Gate.run`, timed in turn)", table(
+        out.add("The SQL store's paths (PostgreSQL, `Gate.run`, timed in turn)", table(
             ["path / run", "median µs", "p90 µs", "client CPU µs", "round trips / call"],
             [[k, t.median_us, t.p90_us, t.cpu_us, t.round_trips] for k, t in paths.items()]) +
             "\n\nThe same store class on the same table: the *fast path* runs each verb's pre-built "
             "statement on the pooled psycopg connection as a prepared statement (the default with "
             "psycopg 3); the *SQLAlchemy path* is the same store with it turned off, executing the same "
             "pre-built statements through a SQLAlchemy `Connection` (what every other driver and "
-            "dialect does). Round trips: psycopg's network exchanges per call.")
+            "dialect does); *synchronous_commit=off* is the fast path without waiting for the WAL "
+            "flush of each commit, measured to show what durability costs (not a recommendation). "
+            "Round trips: psycopg's network exchanges per call.")
     results["gate"] = gate
     rows = []
     for store, ts in gate.items():
@@ -734,6 +736,14 @@ def _findings(r: dict[str, Any]) -> list[str]:
             f"({1 - fast.cpu_us / slow.cpu_us:.0%} less CPU); a duplicate {fd.median_us:.0f} / "
             f"{fd.cpu_us:.0f} µs against {sd.median_us:.0f} / {sd.cpu_us:.0f} µs. Round trips per call: "
             f"{fast.round_trips:g} and {fd.round_trips:g} on both paths.")
+        nd = paths.get(f"{micro.NOT_DURABLE}/first")
+        if nd is not None:
+            f.append(
+                f"**What the durable commits cost** (PostgreSQL): the same first run with "
+                f"`synchronous_commit=off` takes {nd.median_us:.0f} µs instead of {fast.median_us:.0f} µs "
+                f"(the two WAL flushes are the difference). Measured for the explanation only, not "
+                f"recommended: with it a PostgreSQL crash can lose the last commits, a record among them, "
+                f"and a lost record lets the body run again.")
     rec = r["record"]
     f.append(
         f"**Record size.** A done record with a {rec[0].result_bytes}-byte JSON result takes "

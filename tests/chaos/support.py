@@ -203,8 +203,10 @@ class TcpProxy:
     closes both sides: the server executed the command, the client never learns the outcome.
     """
 
-    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", seed: int = 0) -> None:
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", seed: int = 0,
+                 listen_host: str = "127.0.0.1") -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.listen_host = listen_host  # another address (a test's network namespace gateway)
         self.port = free_port()
         self.drop_rate = 0.0
         self.drops = {"drop_request": 0, "drop_reply": 0}
@@ -225,7 +227,7 @@ class TcpProxy:
                 return
             listener = socket.socket()
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(("127.0.0.1", self.port))
+            listener.bind((self.listen_host, self.port))
             listener.listen(128)
             self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True,

@@ -21,11 +21,9 @@ If the machine cannot make namespaces, the test skips locally and fails in CI.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,26 +43,6 @@ pytestmark = [pytest.mark.worker, pytest.mark.crash]
 HOSTS = 3
 VISIBILITY = 8  # seconds: the broker redelivers a cut host's unacknowledged messages after it
 HOLD = 2.0  # seconds each body works before it commits
-
-
-class GatewayProxy(TcpProxy):
-    """A :class:`TcpProxy` listening on a gateway address instead of 127.0.0.1."""
-
-    def __init__(self, upstream_port: int, bind: str) -> None:
-        self.bind_host = bind
-        super().__init__(upstream_port)
-
-    def up(self) -> None:
-        with self._lock:
-            if self._listener is not None:
-                return
-            listener = socket.socket()
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((self.bind_host, self.port))
-            listener.listen(128)
-            self._listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True,
-                         name=f"proxy-{self.bind_host}-{self.port}").start()
 
 
 class HostWorker(Worker):
@@ -119,7 +97,7 @@ def cluster(hosts: Hosts, pg_ledger_url: str, healed: Path) -> Iterator[Stack]:
     proxies: list[TcpProxy] = []
     try:
         for host in hosts:
-            proxy = GatewayProxy(5432, host.gateway)
+            proxy = TcpProxy(5432, listen_host=host.gateway)
             proxies.append(proxy)
             redis_url = f"redis://{host.gateway}:{redis.port}/0"
             env = {**stack.env, "IDEM_BROKER": redis_url, "IDEM_BACKEND": redis_url,

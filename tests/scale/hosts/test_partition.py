@@ -2,8 +2,8 @@
 
 Three hosts are Linux network namespaces made by the test (``tests/scale/hosts/netns.py``),
 each with a ``celery worker`` (prefork -c 2) under a hostname of its own. They reach one private
-``redis-server`` (broker, result backend and idempotency store) bound on their gateway
-addresses, and the PostgreSQL ledger through a TCP proxy bound there too.
+``redis-server`` (broker and result backend) bound on their gateway addresses, and PostgreSQL
+through a TCP proxy bound there too (the ledger; and the store, when it is not the Redis).
 
 While host 0 runs bodies that hold claims, its link goes down: it keeps running but can reach
 nothing. Its leases expire; duplicates and the broker's redelivery (visibility timeout 8 s)
@@ -33,7 +33,7 @@ import pytest
 
 from celery_idem.records import State
 from tests.chaos.support import ChaosRedis, Ledger, Stack, TcpProxy
-from tests.conftest import IN_CI
+from tests.conftest import IN_CI, PG_URL
 from tests.integration.harness import ROOT, Worker, wait_for
 from tests.scale.hosts import app as host_app
 from tests.scale.hosts.netns import Host, Hosts, netns_unavailable
@@ -87,23 +87,40 @@ def healed(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def cluster(hosts: Hosts, pg_ledger_url: str, healed: Path) -> Iterator[Stack]:
-    """One private Redis and a ledger proxy on every gateway; one worker per host."""
+def store_kind() -> str:
+    """The idempotency store: the private Redis, or a PostgreSQL table (parametrized)."""
+    return "redis"
+
+
+@pytest.fixture
+def cluster(hosts: Hosts, pg_ledger_url: str, healed: Path, store_kind: str) -> Iterator[Stack]:
+    """One private Redis and a PostgreSQL proxy on every gateway; one worker per host.
+
+    The broker and result backend are the Redis; the store is the Redis too, or a PostgreSQL
+    table of its own reached through the same proxy as the ledger.
+    """
     redis = ChaosRedis("--bind", "127.0.0.1", *hosts.gateways, "--protected-mode", "no")
     ledger = Ledger(pg_ledger_url)
     ledger.conn.execute(f"CREATE TABLE {ledger.base}_fence (action text PRIMARY KEY, "
                         f"token bigint NOT NULL)")
-    stack = Stack(redis, redis.url, ledger, env={"IDEM_VISIBILITY": str(VISIBILITY)}, name="hosts")
+    table = f"{ledger.base}_records"
+    pg_store = "db+" + PG_URL
+    store_url, options = ((redis.url, None) if store_kind == "redis"
+                          else (pg_store, {"table_name": table}))
+    stack = Stack(redis, store_url, ledger, env={"IDEM_VISIBILITY": str(VISIBILITY)},
+                  store_options=options, name="hosts")
     proxies: list[TcpProxy] = []
     try:
         for host in hosts:
             proxy = TcpProxy(5432, listen_host=host.gateway)
             proxies.append(proxy)
             redis_url = f"redis://{host.gateway}:{redis.port}/0"
+            via_proxy = f"{host.gateway}:{proxy.port}"
             env = {**stack.env, "IDEM_BROKER": redis_url, "IDEM_BACKEND": redis_url,
-                   "IDEM_LEDGER": redis_url, "IDEM_STORE": redis_url,
-                   "IDEM_PG_URL": pg_ledger_url.replace("127.0.0.1:5432",
-                                                        f"{host.gateway}:{proxy.port}")}
+                   "IDEM_LEDGER": redis_url,
+                   "IDEM_STORE": (redis_url if store_kind == "redis"
+                                  else pg_store.replace("127.0.0.1:5432", via_proxy)),
+                   "IDEM_PG_URL": pg_ledger_url.replace("127.0.0.1:5432", via_proxy)}
             if host.index == 0:
                 env["SCALE_WORK_UNTIL"] = str(healed)
             stack.workers.append(HostWorker(host, env))
@@ -117,6 +134,7 @@ def cluster(hosts: Hosts, pg_ledger_url: str, healed: Path) -> Iterator[Stack]:
         for proxy in proxies:
             proxy.close()
         ledger.conn.execute(f"DROP TABLE IF EXISTS {ledger.base}_fence")
+        ledger.conn.execute(f"DROP TABLE IF EXISTS {table}")
         ledger.drop()
         redis.cleanup()
 
@@ -125,9 +143,12 @@ def calls(stack: Stack, run: str) -> list[dict[str, Any]]:
     return [c for c in stack.ledger.all_calls() if c["action"].startswith(run)]
 
 
-@pytest.mark.parametrize("mode", ["blackhole", "linkdown"])
+@pytest.mark.parametrize(("store_kind", "mode"), [
+    ("redis", "blackhole"), ("redis", "linkdown"), ("postgresql", "blackhole"),
+])
 def test_a_host_cut_off_while_holding_claims_causes_no_duplicate_and_loses_no_action(
-    hosts: Hosts, cluster: Stack, action: Callable[[str], str], mode: str, healed: Path
+    hosts: Hosts, cluster: Stack, action: Callable[[str], str], store_kind: str, mode: str,
+    healed: Path,
 ) -> None:
     stack, cut = cluster, hosts[0]
     run = action("")
@@ -188,7 +209,7 @@ def test_a_host_cut_off_while_holding_claims_causes_no_duplicate_and_loses_no_ac
                     if "celery_idem takeover" in line and f"previous_owner={cut.hostname}:" in line)
     assert takeovers >= len(held)
     everything = calls(stack, run)
-    print(f"\n[scale/hosts {mode}] hosts={HOSTS} processes={HOSTS * 2} actions={len(names)} "
+    print(f"\n[scale/hosts {store_kind} {mode}] hosts={HOSTS} processes={HOSTS * 2} actions={len(names)} "
           f"messages={2 * len(names)} held_by_cut_host={len(held)} takeovers={takeovers} "
           f"others_done_after_cut_s={done_at - cut_at:.1f} stale_commits_refused={len(stale)} "
           f"{late} calls={len(everything)} effects={sum(counts.values())}")

@@ -7,8 +7,11 @@
 * The purge ``DELETE`` on the big table: with the clock inside the statement (before the fix)
   and bound as a value (now), as EXPLAIN ANALYZE sees them.
 * Store round trips per task, counted at the SQL driver: a first ``delay()`` and a duplicate.
+* The store's verbs through a private PgBouncer in transaction pooling mode (when installed),
+  with psycopg's defaults and with ``prepare_threshold=None``.
 
-Options: ``--redis-records N`` (20000), ``--pg-records N`` (10000), ``--big N`` (1000000).
+Options: ``--redis-records N`` (20000), ``--pg-records N`` (10000), ``--big N`` (1000000),
+``--pgbouncer-only``.
 Everything is made under unique names and dropped afterwards.
 """
 
@@ -182,16 +185,108 @@ def statements_per_task() -> dict[str, int]:
     return out
 
 
+def pgbouncer_check(actions: int = 400) -> dict[str, Any]:
+    """Store verbs through a private PgBouncer in transaction pooling mode, from 4 threads.
+
+    Needs the ``pgbouncer`` binary (Debian: ``apt-get install pgbouncer``); as root it runs as
+    the ``postgres`` user. Each action: claim, renew, record, get, a duplicate claim.
+    """
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+
+    from tests.integration.harness import free_port, wait_for
+
+    exe = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    if not os.path.exists(exe):
+        return {"skipped": "pgbouncer is not installed"}
+    work = tempfile.mkdtemp(prefix="celery-idem-pgbouncer-")
+    port = free_port()
+    with open(f"{work}/users.txt", "w") as fh:
+        fh.write('"root" ""\n')
+    with open(f"{work}/pgbouncer.ini", "w") as fh:
+        fh.write(f"[databases]\ntest = host=127.0.0.1 port=5432 dbname=test\n[pgbouncer]\n"
+                 f"listen_addr = 127.0.0.1\nlisten_port = {port}\nauth_type = trust\n"
+                 f"auth_file = {work}/users.txt\npool_mode = transaction\n"
+                 f"default_pool_size = 4\nmax_client_conn = 200\nunix_socket_dir =\n")
+    as_user = ["-u", "postgres"] if os.geteuid() == 0 else []
+    if as_user:
+        shutil.chown(work, "postgres")
+        os.chmod(work, 0o755)
+    proc = subprocess.Popen([exe, *as_user, f"{work}/pgbouncer.ini"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    table = f"measure_{uuid.uuid4().hex[:8]}_records"
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split()
+    out: dict[str, Any] = {"pgbouncer": " ".join(version[:2]), "pool_mode": "transaction"}
+    try:
+        import socket
+
+        def up() -> bool:
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_for(up, timeout=20, what="pgbouncer")
+        for label, options in (("psycopg defaults", {}),
+                               ("prepare_threshold=None",
+                                {"connect_args": {"prepare_threshold": None}})):
+            store = SQLStore(f"db+postgresql+psycopg://root@127.0.0.1:{port}/test",
+                             prefix=f"{uuid.uuid4().hex[:6]}:", table_name=table,
+                             engine_options=options)
+            errors: dict[str, int] = {}
+
+            def one(i: int, store: SQLStore = store, errors: dict[str, int] = errors) -> None:
+                try:
+                    key = f"op:{i}"
+                    got = store.claim(key, owner="h:1", task_id=f"t{i}", attempt=0, lease=60,
+                                      ttl=600)
+                    store.renew(key, got.token, 60)
+                    store.record(key, got.token, state=State.DONE,
+                                 content_type="application/json", data=b"1", ttl=600)
+                    rec = store.get(key)
+                    assert rec is not None and rec.state is State.DONE
+                    again = store.claim(key, owner="h:1", task_id=f"u{i}", attempt=0, lease=60,
+                                        ttl=600)
+                    assert again.status.value == "done"
+                except Exception as exc:  # counted, by kind
+                    reason = str(getattr(exc, "orig", None) or exc).splitlines()[0][:60]
+                    name = f"{type(exc).__name__}: {reason}"
+                    errors[name] = errors.get(name, 0) + 1
+
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(one, range(actions)))
+            store.close()
+            top = sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+            out[label] = {"actions": actions, "failed": sum(errors.values()),
+                          "most_common_errors": dict(top)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        engine = sa.create_engine(PG)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
+        engine.dispose()
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-records", type=int, default=20000)
     parser.add_argument("--pg-records", type=int, default=10000)
     parser.add_argument("--big", type=int, default=1_000_000)
+    parser.add_argument("--pgbouncer-only", action="store_true",
+                        help="only the PgBouncer (transaction pooling) check")
     args = parser.parse_args()
+    if args.pgbouncer_only:
+        print(json.dumps({"pgbouncer_transaction_mode": pgbouncer_check()}, indent=2))
+        return
     report = {
         "statements_per_task_postgresql": statements_per_task(),
         "redis": redis_sizes(args.redis_records),
         "postgresql": pg_sizes(args.pg_records, args.big),
+        "pgbouncer_transaction_mode": pgbouncer_check(),
     }
     print(json.dumps(report, indent=2))
 

@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.chaos.support import ChaosRedis, Ledger, Stack, wait_for
+from tests.chaos.support import ChaosRedis, Ledger, Stack, reset_app, wait_for
 from tests.conftest import PG_URL
 from tests.integration import app as tasks
 
@@ -169,10 +169,11 @@ def test_many_actions_with_duplicates_run_once_each(
     assert_no_trouble(active)
     after = pg_counters(pg_ledger_url)
     seen = decisions(active)  # both tests of the module
+    reset_app(active.app)  # close the test process's own pool: count only the workers' connections
     print(f"\n[scale/sql many actions] actions={n_actions} messages={len(calls)} "
           f"processes={WORKERS * CONCURRENCY} seconds={took:.2f} "
           f"messages_per_s={len(calls) / took:.0f} actions_per_s={n_actions / took:.0f} "
           f"effects={sum(counts.values())} requeued={seen['requeued']} "
           f"takeover={seen['takeover']} "
-          f"store_connections={store_connections(active, pg_ledger_url)} "
+          f"workers_store_connections={store_connections(active, pg_ledger_url)} "
           f"db_deadlocks_delta={after['deadlocks'] - before['deadlocks']}")

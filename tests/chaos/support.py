@@ -39,15 +39,31 @@ import celery_idem.task as idem_task
 from tests.integration import app as app_module
 from tests.integration.harness import Worker, free_port, wait_for
 
-__all__ = ["ChaosRedis", "Ledger", "Rule", "Stack", "TcpProxy", "lua_sha", "reset_app", "wait_for"]
+__all__ = [
+    "ChaosRedis", "Ledger", "Rule", "Stack", "TcpProxy", "load_scripts", "lua_sha", "reset_app",
+    "wait_for",
+]
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
+def _lua(name: str) -> str:
+    return resources.files("celery_idem.stores").joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
 def lua_sha(name: str) -> str:
     """The SHA1 a Redis client sends with ``EVALSHA`` for the store's ``<name>.lua``."""
-    text = resources.files("celery_idem.stores").joinpath("lua", f"{name}.lua").read_text("utf-8")
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+    return hashlib.sha1(_lua(name).encode("utf-8")).hexdigest()
+
+
+def load_scripts(client: redis.Redis) -> None:
+    """``SCRIPT LOAD`` the store's scripts, as a server that served the store before has them.
+
+    On a fresh server the first ``EVALSHA`` of a verb gets ``NOSCRIPT`` and writes nothing, so a
+    fault armed on it would cut a request that had no effect.
+    """
+    for name in ("claim", "record", "release", "renew"):
+        client.script_load(_lua(name))
 
 
 def tag() -> str:

@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.chaos.support import Stack, lua_sha, pids, wait_for
+from tests.chaos.support import Stack, load_scripts, lua_sha, pids, wait_for
 from tests.integration import app as tasks
 
 pytestmark = [pytest.mark.worker, pytest.mark.crash]
@@ -191,6 +191,8 @@ def test_store_reply_lost_at_claim_at_record_and_at_renew(
 ) -> None:
     stack = request.getfixturevalue(f"{kind}_active")
     verbs = REDIS_VERBS if kind == "redis" else SQL_VERBS
+    if kind == "redis":
+        load_scripts(stack.store_server.client())
 
     def arm(verb: str, key: str) -> Any:
         patterns, exclude = verbs[verb]

@@ -110,6 +110,12 @@ class LeaseKeeper:
         try:
             lease.store.renew(lease.key, lease.token, lease.duration)
         except LeaseLost as exc:
+            if lease.done:
+                # A renewal delayed (by an outage, say) past the holder's own record: the record
+                # fenced it, and nothing was lost.
+                logger.debug("celery_idem late renewal refused key=%s token=%s: %s",
+                             lease.key, lease.token, exc)
+                return
             lease.lost.set()
             logger.error(
                 "celery_idem lease_lost key=%s token=%s: %s; another holder took over, this "

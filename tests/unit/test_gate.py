@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -966,3 +967,25 @@ def test_the_keeper_flags_a_lease_another_holder_took_over(world: World) -> None
     with pytest.raises(LeaseLost):
         gate.run(attempt("t1"), body)
     assert flagged == [True]
+
+
+def test_a_renewal_that_arrives_after_the_holders_own_record_is_not_a_lost_lease(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a holder that recorded its result (the store now fences its token's renewals)
+    claim = world.memory.claim(KEY, owner="o", task_id="t1", attempt=0, lease=LEASE, ttl=TTL)
+    world.memory.record(KEY, claim.token, state=State.DONE, content_type="application/json",
+                        data=b"1", ttl=TTL)
+    lease = Lease(world.memory, KEY, claim.token, LEASE)
+    lease.done = True
+    # When a renewal delayed past that record reaches the store
+    with caplog.at_level(logging.DEBUG, logger="celery_idem"):
+        LeaseKeeper()._renew(lease)
+    # Then it is refused quietly: nothing was lost, no ERROR, the flag stays down
+    assert not lease.lost.is_set()
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert "late renewal refused" in caplog.text
+    # And the same refusal for a holder still running is a lost lease
+    live = Lease(world.memory, KEY, claim.token, LEASE)
+    LeaseKeeper()._renew(live)
+    assert live.lost.is_set()

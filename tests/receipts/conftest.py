@@ -66,11 +66,10 @@ def drop_db(db: BusinessDB) -> None:
     db.engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BusinessDB]:
-    if request.param == "sqlite":
+def _business_db(kind: str, tmp_path: Path) -> Iterator[BusinessDB]:
+    if kind == "sqlite":
         url = f"sqlite:///{tmp_path / 'business.db'}"
-    elif request.param == "postgresql":
+    elif kind == "postgresql":
         require(PG_URL, 5432, "PostgreSQL")
         url = PG_URL
     else:
@@ -79,3 +78,15 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BusinessDB]:
     business = make_db(url)
     yield business
     drop_db(business)
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BusinessDB]:
+    yield from _business_db(request.param, tmp_path)
+
+
+@pytest.fixture(params=["postgresql", "mariadb"])
+def concurrent_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BusinessDB]:
+    """A database with concurrent writers (not SQLite, where a second writer gets 'database is
+    locked' until the first commits, so two holders cannot race inside it)."""
+    yield from _business_db(request.param, tmp_path)

@@ -656,9 +656,11 @@ class Pending:
         assert self.result is not None
         timeout = self.tool.timeout if timeout is None else timeout
         result, tool, key = self.result, self.tool, self.idempotency_key
-        if not _ready_within(result, timeout):
-            return tool._in_progress(timeout, key, self.task_id)
         try:
+            # Polling reads the state from the backend too: inside the try, so a backend that
+            # is down gives an error outcome, not an exception.
+            if not _ready_within(result, timeout):
+                return tool._in_progress(timeout, key, self.task_id)
             state, value = result.state, result.result
         except Exception as exc:  # the result backend is down, or the result unreadable
             logger.warning("celery_idem.tools %s: result of %s unreadable: %s", tool.name,

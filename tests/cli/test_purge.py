@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+
+import pytest
 
 from celery_idem.cli import EXIT_UNAVAILABLE
 from celery_idem.records import State
-from tests.cli.conftest import Idem
+from tests.cli.conftest import Idem, _idem
 from tests.integration.harness import free_port, wait_for
 
 SHORT_TTL = 0.5
+
+
+@pytest.fixture
+def idem_sql(pg_url: str, redis_url: str) -> Iterator[Idem]:
+    """The command on a fresh prefix of the SQL store (PostgreSQL): what only SQL stores do."""
+    yield from _idem("db+" + pg_url, redis_url)
 
 
 def _expired_records(idem: Idem, names: list[str]) -> None:
@@ -59,9 +68,8 @@ def test_purge_deletes_expired_sql_rows_in_batches_and_keeps_live_ones(idem: Ide
     assert out.stdout.strip().startswith("deleted 0 expired records in 1 batch")
 
 
-def test_purge_stops_at_max_seconds_and_says_more_remain(idem: Idem) -> None:
-    if not idem.env["IDEM_STORE"].startswith("db+"):
-        return  # nothing to stop on Redis: covered above
+def test_purge_stops_at_max_seconds_and_says_more_remain(idem_sql: Idem) -> None:
+    idem = idem_sql
     _expired_records(idem, [f"op:old{i}" for i in range(3)])
     out = idem.run("purge", "--batch", "1", "--max-seconds", "0")
     assert out.returncode == 0, out.stderr
@@ -70,9 +78,8 @@ def test_purge_stops_at_max_seconds_and_says_more_remain(idem: Idem) -> None:
     assert idem.json("purge", "--batch", "1")["deleted"] == 2
 
 
-def test_purge_of_an_unreachable_sql_store_exits_4(idem: Idem) -> None:
-    if not idem.env["IDEM_STORE"].startswith("db+"):
-        return  # purge never talks to Redis (it expires records itself)
+def test_purge_of_an_unreachable_sql_store_exits_4(idem_sql: Idem) -> None:
+    idem = idem_sql
     port = free_port()
     dead = f"db+postgresql+psycopg://root@127.0.0.1:{port}/test"
     out = idem.run("purge", "--json", env={"IDEM_STORE": dead})

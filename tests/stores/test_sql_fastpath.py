@@ -303,7 +303,9 @@ def test_a_verb_interrupted_mid_query_does_not_return_its_busy_connection(
     assert threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGALRM, soft_time_limit)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        # The claim blocks on the lock until the alarm: a generous delay costs nothing and
+        # makes sure, on a loaded machine, the query is on the wire when the alarm fires
+        signal.setitimer(signal.ITIMER_REAL, 2.0)
         with pytest.raises(SoftTimeLimitExceeded):
             claim(store, "k", who="b")
     finally:

@@ -121,7 +121,11 @@ def _ensure_table(conn: Connection, table: sa.Table) -> None:
     if conn.dialect.name == "sqlite":
         # SQLite DDL is transactional, and a second connection could not write while this one
         # holds the write lock (or would see another in-memory database): create it in place.
-        table.create(conn, checkfirst=True)
+        if not conn.dialect.has_table(conn, table.name):
+            # In the caller's transaction, which may still roll back and take the table with
+            # it: not remembered as ready; the next use checks again (a local PRAGMA).
+            table.create(conn)
+            return
     else:
         # MySQL commits the open transaction on any DDL, and a CREATE that races another
         # process's would abort a PostgreSQL transaction: use a connection of its own.

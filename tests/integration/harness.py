@@ -58,7 +58,16 @@ class Worker:
             cmd, cwd=ROOT, env={**os.environ, **env}, stdout=self._fh, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_for(self._ready, timeout=60, what=f"worker {name} to be ready")
+        self._wait_ready(60)
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Wait for " ready."; a worker that never gets there is killed, not left consuming."""
+        try:
+            wait_for(self._ready, timeout=timeout, what=f"worker {self.name} to be ready")
+        except BaseException:
+            self.kill()
+            self._fh.close()
+            raise
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:

@@ -63,7 +63,7 @@ class HostWorker(Worker):
             cmd, cwd=ROOT, env={**os.environ, **env}, stdout=self._fh, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_for(self._ready, timeout=90, what=f"worker on {host.hostname} to be ready")
+        self._wait_ready(90)
 
 
 @pytest.fixture

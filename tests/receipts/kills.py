@@ -86,7 +86,6 @@ def run(kills: int, store: str = "redis", *, db: str = "postgresql", concurrency
     orders = orders_table(f"rcpt_orders_{tag}")
     receipts = f"rcpt_receipts_{tag}"
     store_table = f"rcpt_records_{tag}"
-    orders.metadata.create_all(engine)
     prefix = f"rcpt-{tag}:"
     env = {
         "RCPT_REDIS": server.url, "RCPT_PREFIX": prefix, "RCPT_QUEUE": f"rcpt-{tag}",
@@ -101,7 +100,8 @@ def run(kills: int, store: str = "redis", *, db: str = "postgresql", concurrency
     flags = redis.Redis.from_url(server.url)
     worker: Worker | None = None
     started = time.monotonic()
-    try:
+    try:  # everything after the private server starts is undone in the finally
+        orders.metadata.create_all(engine)
         worker = Worker(env, f"rcpt-{store}-{tag}", concurrency=concurrency,
                         app="tests.receipts.app")
         sent = {

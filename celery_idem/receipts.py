@@ -356,7 +356,15 @@ def purge_receipts(bind: Engine | Connection, *, table: str = DEFAULT_RECEIPTS_T
     t = receipts_table(table)
     if not sa.inspect(bind).has_table(t.name):
         return 0
+    # The clock is read first and bound as a value, so PostgreSQL can use the expires index
+    # (as SQLStore.purge_expired does).
+    now = float(bind.execute(sa.select(db_now())).scalar_one())
+    expired = t.c.expires <= sa.literal(now, sa.Double)
     # A bounded batch; the keys come through a derived table because MySQL refuses a LIMIT
     # directly inside IN (...).
-    doomed = sa.select(t.c.key).where(t.c.expires <= db_now()).limit(limit).subquery()
-    return int(bind.execute(sa.delete(t).where(t.c.key.in_(sa.select(doomed.c.key)))).rowcount or 0)
+    doomed = sa.select(t.c.key).where(expired).limit(limit).subquery()
+    # The outer condition is checked again on the row being deleted: a takeover may have
+    # renewed the receipt (committed while this DELETE waited for its row lock) after the
+    # subquery read it as expired; deleting it would let the new action run twice.
+    delete = sa.delete(t).where(t.c.key.in_(sa.select(doomed.c.key)), expired)
+    return int(bind.execute(delete).rowcount or 0)

@@ -173,6 +173,8 @@ class ReceiptTransaction:
         result: The value to keep in the receipt (set it inside the block); a later attempt that
             finds the receipt returns it as the task's result.
         held: True once this attempt inserted the receipt.
+        rolled_back: True once the block's transaction was rolled back here (``commit=True``
+            only): it left no receipt, so another block of the same run may follow.
     """
 
     def __init__(
@@ -214,6 +216,7 @@ class ReceiptTransaction:
         self.on_found = on_found
         self.result: Any = None
         self.held = False
+        self.rolled_back = False
         self._entered = False
 
     # -- the transaction's ends -----------------------------------------------------------------
@@ -224,6 +227,7 @@ class ReceiptTransaction:
 
     def _rollback(self) -> None:
         self.target.rollback()
+        self.rolled_back = True
 
     # -- enter: the receipt first ---------------------------------------------------------------
 

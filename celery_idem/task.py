@@ -282,7 +282,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 ``celery_idem_receipts``); created on first use.
 
         Raises:
-            RuntimeError: Called outside a running body, or twice in one run.
+            RuntimeError: Called outside a running body, or again in one run after a block
+                that was not rolled back by ``idempotent_transaction`` itself.
             TypeError: Not a Session or Connection, or an unsupported database.
             ValueError: The prefixed key is longer than the receipt's 255-character column.
             LeaseLost: On exit, when another attempt took the claim over (rolled back).
@@ -296,7 +297,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 f"{self.name}: idempotent_transaction must be used inside the running body of "
                 f"an IdempotentTask (bind=True, called through the worker, delay() or apply())"
             )
-        if getattr(req, "idempotency_receipt_", False):
+        earlier = getattr(req, "idempotency_receipt_", None)
+        if earlier is not None and not earlier.rolled_back:
+            # A block it rolled back left no receipt (a body retrying after a deadlock, say);
+            # any other earlier block may have committed this action's one receipt.
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction was already used in this run of "
                 f"{key!r}; one action has one receipt, so put all its writes in one block"
@@ -309,7 +313,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             table=table or self.app.conf.get("idempotency_receipts_table") or DEFAULT_RECEIPTS_TABLE,
             commit=commit, lease_lost=lambda: self.idempotency_lease_lost, on_found=ReceiptFound,
         )
-        req.idempotency_receipt_ = True
+        req.idempotency_receipt_ = tx
         return tx
 
     # -- producer side -------------------------------------------------------------------------

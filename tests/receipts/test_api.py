@@ -66,11 +66,13 @@ def place(self: IdempotentTask, action: str, amount: int, mode: str = "session",
 
 
 @pytest.fixture(autouse=True)
-def current(db: BusinessDB) -> BusinessDB:
-    CURRENT["db"] = db
+def current(request: pytest.FixtureRequest) -> None:
     # One process, one in-memory store for every test: start each test with no records.
     get_store(app)._records.clear()  # type: ignore[attr-defined]
-    return db
+    # The tasks' business database, for the tests that ask for one (not requested here, so a
+    # test on ``concurrent_db`` is not multiplied by every ``db`` parameter)
+    if "db" in request.fixturenames:
+        CURRENT["db"] = request.getfixturevalue("db")
 
 
 def test_first_run_commits_the_order_and_its_receipt(db: BusinessDB) -> None:

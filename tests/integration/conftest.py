@@ -64,6 +64,15 @@ class Cluster:
             w.stop()
         for name in self.ledger.scan_iter(match=self.prefix + "*", count=1000):
             self.ledger.delete(name)
+        if (self.env.get("IDEM_STORE") or "").startswith("db+"):
+            # The SQL store's table is shared by every test: delete this test's rows (its prefix).
+            import sqlalchemy as sa
+
+            store = self.store
+            table = store._table
+            with store._engine.begin() as conn:
+                conn.execute(sa.delete(table).where(table.c.key.startswith(self.prefix,
+                                                                           autoescape=True)))
         conf = self.app.conf
         for k, v in self._saved.items():
             conf[k] = v

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,9 +71,12 @@ class Cluster:
 
             store = self.store
             table = store._table
-            with store._engine.begin() as conn:
-                conn.execute(sa.delete(table).where(table.c.key.startswith(self.prefix,
-                                                                           autoescape=True)))
+            try:  # best effort: the rest of close() must run even if the database is gone
+                with store._engine.begin() as conn:
+                    conn.execute(sa.delete(table).where(table.c.key.startswith(self.prefix,
+                                                                               autoescape=True)))
+            except sa.exc.SQLAlchemyError as exc:
+                warnings.warn(f"could not delete {self.prefix}* rows: {exc}", stacklevel=1)
         conf = self.app.conf
         for k, v in self._saved.items():
             conf[k] = v

@@ -149,11 +149,16 @@ class RedisStore(Store):
             pipe.evalsha(script.sha, 1, name, *args)
             pipe.execute_command(  # type: ignore[no-untyped-call]
                 "WAIT", self.wait_replicas, _ms(self.wait_timeout))
-            try:
-                reply, acked = pipe.execute()
-            except redis.exceptions.NoScriptError:
+            # raise_on_error=False: a raised pipeline error has its message rewritten
+            # ("Command # 1 (EVALSHA ...) of pipeline caused error: ..."), which would hide a
+            # WRONGTYPE (a foreign key: CorruptRecord) from _translate_errors.
+            reply, acked = pipe.execute(raise_on_error=False)
+            if isinstance(reply, redis.exceptions.NoScriptError):
                 node.script_load(script.script)  # a restarted or newly promoted server
                 continue
+            for outcome in (reply, acked):
+                if isinstance(outcome, Exception):
+                    raise outcome
             if int(acked) < self.wait_replicas:
                 raise _NotReplicated(
                     f"the Redis store at {self.location} wrote {name} but only {acked} of "

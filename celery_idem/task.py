@@ -282,8 +282,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 ``celery_idem_receipts``); created on first use.
 
         Raises:
-            RuntimeError: Called outside a running body, or again in one run after a block
-                that was not rolled back by ``idempotent_transaction`` itself.
+            RuntimeError: Called outside a running body, inside a saga step, or again in one
+                run after a block that was not rolled back by ``idempotent_transaction`` itself.
             TypeError: Not a Session or Connection, or an unsupported database.
             ValueError: The prefixed key is longer than the receipt's 255-character column.
             LeaseLost: On exit, when another attempt took the claim over (rolled back).
@@ -296,6 +296,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction must be used inside the running body of "
                 f"an IdempotentTask (bind=True, called through the worker, delay() or apply())"
+            )
+        held = current_lease.get()
+        if held is not None and held.key != key:
+            # Inside a saga step: the gate holds the step's key, not the task's. A receipt keyed
+            # by the task would answer the whole saga with this step's result.
+            raise RuntimeError(
+                f"{self.name}: idempotent_transaction cannot be used inside a saga step (the "
+                f"step runs under its own key {held.key!r}); write the step's receipt-worthy "
+                f"effect in the task body, or make the step its own IdempotentTask"
             )
         earlier = getattr(req, "idempotency_receipt_", None)
         if earlier is not None and not earlier.rolled_back:

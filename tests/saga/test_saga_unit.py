@@ -177,3 +177,28 @@ def test_a_run_whose_saga_was_taken_over_starts_no_further_step(app: Celery) -> 
     with pytest.raises(LeaseLost, match="step 'b' was not started"):
         flow.apply(("o7",)).get()
     assert world.log == ["a"]
+
+
+def test_a_receipt_block_inside_a_step_is_refused_before_it_touches_the_database(
+    app: Celery,
+) -> None:
+    # Given a saga whose step opens idempotent_transaction (keyed by the task, not the step)
+    touched: list[str] = []
+
+    class Session:  # never reached: the refusal comes before the session is looked at
+        def __getattr__(self, name: str) -> Any:
+            touched.append(name)
+            raise AssertionError(f"the session was used: {name}")
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, idempotency_fields=("order_id",))
+    def checkout(self: Any, order_id: str) -> Any:
+        def write_order(step: Step) -> Any:
+            with self.idempotent_transaction(Session()):
+                return "written"
+
+        return Saga(self).step("order", write_order)
+
+    # When it runs, Then the step fails with an error that names the misuse, and nothing ran
+    with pytest.raises(RuntimeError, match="inside a saga step"):
+        checkout.apply(("o9",)).get()
+    assert touched == []

@@ -374,9 +374,7 @@ def purge(ctx: click.Context, batch: int, max_seconds: float | None, as_json: bo
     run = _run(ctx, as_json)
     with run.store() as store:
         report = purge_expired(store, batch=batch, max_seconds=max_seconds)
-    doc = {"deleted": report.deleted, "batches": report.batches,
-           "seconds": round(report.seconds, 3), "complete": report.complete,
-           "supported": report.supported}
+    doc = report.as_dict()
     if not report.supported:
         text = f"{_where(store)} deletes expired records by itself; nothing to purge"
     else:

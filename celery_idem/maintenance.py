@@ -56,6 +56,19 @@ class PurgeReport:
     complete: bool
     supported: bool = True
 
+    def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready values (the purge task's result, ``idem purge --json``)."""
+        return {"deleted": self.deleted, "batches": self.batches,
+                "seconds": round(self.seconds, 3), "complete": self.complete,
+                "supported": self.supported}
+
+
+def _check_limits(batch: Any, max_seconds: Any) -> None:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive integer, not {batch!r}")
+    if max_seconds is not None and max_seconds < 0:
+        raise ValueError(f"max_seconds must be >= 0 or None, not {max_seconds!r}")
+
 
 def purge_expired(
     store: Any,
@@ -79,10 +92,7 @@ def purge_expired(
         ValueError: ``batch`` is not a positive integer, or ``max_seconds`` is negative.
         StoreUnavailable: The store could not be reached.
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive integer, not {batch!r}")
-    if max_seconds is not None and max_seconds < 0:
-        raise ValueError(f"max_seconds must be >= 0 or None, not {max_seconds!r}")
+    _check_limits(batch, max_seconds)
     started = monotonic()
     if not isinstance(store, _Purgeable):
         # Redis and memory drop expired records themselves: nothing is left to delete.
@@ -130,18 +140,12 @@ def register_purge_task(
     """
     if every is not None and not every > 0:
         raise ValueError(f"every must be a positive number of seconds or None, not {every!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive integer, not {batch!r}")
-    if max_seconds is not None and max_seconds < 0:
-        raise ValueError(f"max_seconds must be >= 0 or None, not {max_seconds!r}")
+    _check_limits(batch, max_seconds)
 
     def purge() -> dict[str, Any]:
         from .task import get_store
 
-        report = purge_expired(get_store(app), batch=batch, max_seconds=max_seconds)
-        return {"deleted": report.deleted, "batches": report.batches,
-                "seconds": round(report.seconds, 3), "complete": report.complete,
-                "supported": report.supported}
+        return purge_expired(get_store(app), batch=batch, max_seconds=max_seconds).as_dict()
 
     # shared=False: the task purges this app's store; it must not be copied onto other apps.
     task = app.task(name=PURGE_TASK_NAME, ignore_result=True, shared=False)(purge)

@@ -80,6 +80,9 @@ class RedisClusterStore(RedisStore):
             put every record in one slot, on one master).
         wait_replicas: See :class:`~celery_idem.stores.redis.RedisStore`.
         wait_timeout: See :class:`~celery_idem.stores.redis.RedisStore`.
+
+    ``now()`` reads one node's clock, while each script reads the clock of the master that owns
+    its key: the masters' clocks should agree (NTP) for lease arithmetic across slots.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("redis+cluster", "rediss+cluster")
@@ -145,11 +148,6 @@ class RedisClusterStore(RedisStore):
                 with contextlib.suppress(redis.RedisError):
                     self.cluster.nodes_manager.initialize()
             raise
-
-    def now(self) -> float:
-        # TIME goes to one node; each script reads the clock of the master that owns its key.
-        # Masters' clocks should agree (NTP) for now() to match lease arithmetic across slots.
-        return super().now()
 
     def close(self) -> None:
         self.cluster.close()

@@ -30,7 +30,7 @@ from .events import Emit, Outcome
 from .exceptions import IdempotencyKeyMismatch, LeaseLost, StoreUnavailable, TerminalError
 from .lease import LeaseKeeper, keeper
 from .records import Claim, ClaimStatus, Record, State
-from .stores.base import Store
+from .stores.base import BackendWrite, Store
 
 __all__ = ["Attempt", "Gate", "Requeue"]
 
@@ -65,6 +65,17 @@ class Requeue(Exception):
         super().__init__(f"{key!r} is still in progress; re-queue and look again later")
         self.key = key
         self.holder = holder
+
+
+def _build(also: Callable[[T], BackendWrite | None] | None, key: str, result: T) -> BackendWrite | None:
+    """``also(result)``, or None if it fails: the record must be written whatever happens here."""
+    if also is None:
+        return None
+    try:
+        return also(result)
+    except Exception as exc:
+        logger.debug("celery_idem backend write not folded key=%s: %r", key, exc)
+        return None
 
 
 def _no_emit(outcome: Outcome, key: str, token: int, original: str, extra: dict[str, Any]) -> None:
@@ -111,8 +122,21 @@ class Gate:
         self.monotonic = monotonic
         self.lease_keeper = lease_keeper
 
-    def run(self, attempt: Attempt, body: Callable[[int], T]) -> T:
+    def run(
+        self,
+        attempt: Attempt,
+        body: Callable[[int], T],
+        also: Callable[[T], BackendWrite | None] | None = None,
+    ) -> T:
         """Run ``body(token)`` if and only if this attempt wins the key.
+
+        Args:
+            attempt: Who runs, under which key.
+            body: Called with the fencing token; its return value is recorded.
+            also: Called with the body's result just before it is recorded; a
+                :class:`~celery_idem.stores.base.BackendWrite` it returns goes into the same
+                store call (see :meth:`Store.record_with`), and its ``written`` tells the
+                caller whether it was made.
 
         Returns:
             The body's result, or the recorded result of the attempt that ran it.
@@ -135,7 +159,7 @@ class Gate:
             )
             status = claim.status
             if status.holds:
-                return self._run_held(attempt, claim, body)
+                return self._run_held(attempt, claim, body, also)
             rec = claim.record
             assert rec is not None  # every non-holding status carries the record it found
             if status is ClaimStatus.MISMATCH:
@@ -174,7 +198,10 @@ class Gate:
 
     # -- holding the key ---------------------------------------------------------------------
 
-    def _run_held(self, attempt: Attempt, claim: Claim, body: Callable[[int], T]) -> T:
+    def _run_held(
+        self, attempt: Attempt, claim: Claim, body: Callable[[int], T],
+        also: Callable[[T], BackendWrite | None] | None,
+    ) -> T:
         key, token = attempt.key, claim.token
         if claim.status is ClaimStatus.TAKEOVER:
             prev = claim.record
@@ -189,7 +216,7 @@ class Gate:
             except BaseException as exc:
                 self._after_error(attempt, token, exc)
                 raise
-            self._record_result(attempt, token, result)
+            self._record_result(attempt, token, result, _build(also, attempt.key, result))
         return result
 
     def _after_error(self, attempt: Attempt, token: int, exc: BaseException) -> None:
@@ -230,7 +257,9 @@ class Gate:
         self.emit(Outcome.HELD, key, token, attempt.task_id,
                   {"error": type(exc).__name__, "held_for": f"{cfg.lease:g}s"})
 
-    def _record_result(self, attempt: Attempt, token: int, result: Any) -> None:
+    def _record_result(
+        self, attempt: Attempt, token: int, result: Any, also: BackendWrite | None = None
+    ) -> None:
         try:
             ctype, data = self.codec.encode_result(result)
         except Exception as exc:
@@ -246,7 +275,7 @@ class Gate:
                 self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
                           {"error": "TypeError", "reason": "result_not_encodable"})
             raise
-        if self._write(attempt, token, State.DONE, ctype, data):
+        if self._write(attempt, token, State.DONE, ctype, data, also):
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
             return
         # The store kept refusing the result. If it takes a small record now, the store is up
@@ -267,7 +296,10 @@ class Gate:
         logger.error("celery_idem %s", refused)
         raise refused
 
-    def _write(self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes) -> bool:
+    def _write(
+        self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes,
+        also: BackendWrite | None = None,
+    ) -> bool:
         """Record with retries for ``record_timeout``; the lease keeps being renewed meanwhile.
 
         Returns:
@@ -281,8 +313,12 @@ class Gate:
         delay = 0.05
         while True:
             try:
-                self.store.record(key, token, state=state, content_type=ctype, data=data,
-                                  ttl=self.config.ttl)
+                if also is None:
+                    self.store.record(key, token, state=state, content_type=ctype, data=data,
+                                      ttl=self.config.ttl)
+                else:
+                    self.store.record_with(key, token, state=state, content_type=ctype,
+                                           data=data, ttl=self.config.ttl, also=also)
                 return True
             except LeaseLost:
                 self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "record"})

@@ -36,8 +36,9 @@ from .gate import Attempt, Gate, Requeue
 from .keys import bind_arguments, key_from_fields, payload_hash, select_fields
 from .lease import current_lease
 from .records import Record, State
+from .results import Writer, result_writer
 from .stores import store_from_url
-from .stores.base import Store
+from .stores.base import BackendWrite, Store
 
 if TYPE_CHECKING:
     from .receipts import Receipt, ReceiptTransaction
@@ -184,6 +185,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
     @cached_property
     def _signature(self) -> inspect.Signature | None:
         return _signature_of(self.run)
+
+    @cached_property
+    def _result_writer(self) -> Writer | None:
+        return result_writer(self, self._gate.store)
 
     @cached_property
     def _gate(self) -> Gate:
@@ -441,6 +446,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
         req.idempotency_key_ = key
         call_body = super().__call__
+        writer = self._result_writer
+        folded: list[BackendWrite] = []
+
+        def also(result: Any) -> BackendWrite | None:
+            assert writer is not None  # passed to the gate only when there is one
+            write = writer(req, result)
+            if write is not None:
+                folded.append(write)
+            return write
 
         def body(token: int) -> Any:
             req.idempotency_token_ = token
@@ -453,7 +467,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         while True:
             try:
-                return self._gate.run(attempt, body)
+                result = self._gate.run(attempt, body, also if writer is not None else None)
             except Requeue as busy:
                 if req.is_eager or req.called_directly:
                     continue  # no broker to re-queue to: wait another round in place
@@ -464,6 +478,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 self._emit(Outcome.REQUEUED, key, 0, req.id or "", {"reason": "store_unavailable"})
                 n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
                 self._requeue(countdown=min(2.0 ** n, 30.0), reason=str(down), exc=down)
+            else:
+                if folded and folded[-1].written:
+                    # The record's script stored the result meta: Celery must not write it again
+                    # (mark_as_done skips the store when the request ignores results).
+                    req.ignore_result = True
+                return result
 
     def _requeue(self, countdown: float, reason: str, exc: BaseException | None = None) -> None:
         """Publish this message again (same task id, same ``retries``) and end this attempt."""

@@ -21,11 +21,36 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..records import Claim, Record, State
 
-__all__ = ["Store"]
+__all__ = ["BackendWrite", "Store"]
+
+
+@dataclass
+class BackendWrite:
+    """The result backend's write of one task result, for a store that can fold it into a record.
+
+    Celery's Redis backend stores a result as ``SET key value [EX expires]`` plus ``PUBLISH key
+    value`` (what ``AsyncResult.get`` listens for). When the idempotency store lives on the same
+    server, :meth:`Store.record_with` makes that write in the record's own round trip, fenced like
+    the record: one round trip where there were three (record, the backend's ``GET``, its
+    ``SET``+``PUBLISH``).
+
+    Attributes:
+        key: The backend's result key.
+        value: The encoded result meta, exactly as the backend would write it.
+        expires: Seconds the key lives (0: no expiry).
+        written: Set by the store once the write is made; the caller skips the backend's own
+            write only then.
+    """
+
+    key: str
+    value: bytes | str
+    expires: int = 0
+    written: bool = False
 
 
 class Store(abc.ABC):
@@ -109,6 +134,25 @@ class Store(abc.ABC):
                 happened; retrying is safe).
             ValueError: ``state`` is not DONE or FAILED.
         """
+
+    def record_with(
+        self,
+        key: str,
+        token: int,
+        *,
+        state: State,
+        content_type: str,
+        data: bytes,
+        ttl: float,
+        also: BackendWrite,
+    ) -> None:
+        """:meth:`record`, and ``also`` in the same atomic step when the store can do that.
+
+        The default only records: ``also.written`` stays False and the caller leaves the result
+        to the backend. Raises what :meth:`record` raises; ``also`` is written only when the
+        record is (the same fence).
+        """
+        self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
 
     @abc.abstractmethod
     def release(self, key: str, token: int) -> None:

@@ -36,7 +36,7 @@ from ..exceptions import (
     StoreUnavailable,
 )
 from ..records import Claim, ClaimStatus, Record, State
-from .base import Store
+from .base import BackendWrite, Store
 
 __all__ = ["RedisStore"]
 
@@ -121,6 +121,7 @@ class RedisStore(Store):
             raise ImproperlyConfigured(
                 f"wait_timeout must be a number of seconds > 0, got {wait_timeout!r}")
         self.client = client
+        self._fold_refused = False  # record_with: the server refused the backend's key once
         self.wait_replicas = wait_replicas
         self.wait_timeout = float(wait_timeout)
         if location is None:
@@ -159,24 +160,28 @@ class RedisStore(Store):
         """The client that talks to the server holding ``name`` (cluster: that key's master)."""
         return self.client
 
-    def _run(self, script: Any, key: str, args: list[Any]) -> Any:
-        """Run one verb's script on ``key``: one round trip, or two with ``wait_replicas``."""
+    def _run(self, script: Any, key: str, args: list[Any], other: str | None = None) -> Any:
+        """Run one verb's script on ``key``: one round trip, or two with ``wait_replicas``.
+
+        ``other``: a second key the script writes (the result backend's, see ``record_with``).
+        """
         name = self._k(key)
+        keys = (name,) if other is None else (name, other)
         if not self.wait_replicas:
             # What redis-py's Script.__call__ does, inlined: it costs several µs per call in
             # argument shuffling and a Pipeline type check that never applies here.
             client = script.registered_client
             try:
-                return client.evalsha(script.sha, 1, name, *args)
+                return client.evalsha(script.sha, len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
                 script.sha = client.script_load(script.script)  # a restarted server
-                return client.evalsha(script.sha, 1, name, *args)
+                return client.evalsha(script.sha, len(keys), *keys, *args)
         # WAIT counts the replicas that have every write made *on this connection*, so the
         # script and the WAIT go down one connection, pipelined (still one network exchange).
         node = self._node(name)
         for _ in range(2):
             pipe = node.pipeline(transaction=False)
-            pipe.evalsha(script.sha, 1, name, *args)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
             pipe.execute_command(  # type: ignore[no-untyped-call]
                 "WAIT", self.wait_replicas, _ms(self.wait_timeout))
             # raise_on_error=False: a raised pipeline error has its message rewritten
@@ -246,6 +251,36 @@ class RedisStore(Store):
         except _REDIS_ERRORS as exc:
             raise _translated(self, key, exc) from exc
         if reply != b"ok":
+            self._check_fence(reply, key, token, "record")
+
+    def record_with(
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+        also: BackendWrite,
+    ) -> None:
+        """Record, and write ``also`` (SET + PUBLISH) in the same script, only if the fence holds.
+
+        The caller must know that ``also.key`` lives on this store's server and database (the
+        task layer checks that the result backend's connection is this store's).
+        """
+        if state not in (State.DONE, State.FAILED):
+            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        if self._fold_refused:
+            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
+            return
+        args = [token, state.value, content_type, data, _ms(ttl), also.value, max(0, also.expires)]
+        try:
+            reply = self._run(self._record, key, args, other=also.key)
+        except redis.exceptions.NoPermissionError:
+            # The store's user may not touch the backend's key (an ACL): nothing was run. Record
+            # alone, now and from now on; the backend writes its result itself.
+            self._fold_refused = True
+            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
+            return
+        except _REDIS_ERRORS as exc:
+            raise _translated(self, key, exc) from exc
+        if reply == b"ok":
+            also.written = True
+        elif reply != b"ok:nometa":  # recorded; the backend writes its meta itself
             self._check_fence(reply, key, token, "record")
 
     def release(self, key: str, token: int) -> None:

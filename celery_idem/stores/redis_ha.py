@@ -30,6 +30,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from ..exceptions import ImproperlyConfigured, StoreUnavailable
+from .base import Store
 from .redis import _CLIENT_DEFAULTS, RedisStore, _store_options, _text
 
 __all__ = ["RedisClusterStore", "RedisSentinelStore"]
@@ -138,9 +139,12 @@ class RedisClusterStore(RedisStore):
         node = self.cluster.get_node_from_key(name)  # type: ignore[no-untyped-call]
         return self.cluster.get_redis_connection(node)
 
-    def _run(self, script: Any, key: str, args: list[Any]) -> Any:
+    # A Celery result key hashes to another slot than the record: no script can write both.
+    record_with = Store.record_with
+
+    def _run(self, script: Any, key: str, args: list[Any], other: str | None = None) -> Any:
         try:
-            return super()._run(script, key, args)
+            return super()._run(script, key, args, other)
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
             if self.wait_replicas:
                 # The WAIT path talks to the key's master directly, bypassing the cluster

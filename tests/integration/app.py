@@ -36,6 +36,8 @@ app.conf.update(
 )
 if os.environ.get("IDEM_STORE"):
     app.conf.idempotency_store = os.environ["IDEM_STORE"]
+if os.environ.get("IDEM_FOLD") == "0":  # the control of test_result_fold.py
+    app.conf.idempotency_fold_results = False
 
 _ledger = redis.Redis.from_url(os.environ.get("IDEM_LEDGER", "redis://127.0.0.1:6379/0"))
 

@@ -35,7 +35,7 @@ from celery_idem.codec import KombuCodec
 from celery_idem.exceptions import LeaseLost, StoreUnavailable
 from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
-from celery_idem.stores.sql import SQLStore
+from celery_idem.stores.sql import SQLStore, _ClaimArgs, _RawSession, _SASession
 
 from .support import LONG, claim, drop_table, poll
 
@@ -322,3 +322,162 @@ def test_a_verb_interrupted_mid_query_does_not_return_its_busy_connection(
     assert len(wire.connections) == 2
     rec = store.get("k")
     assert rec is not None and (rec.token, rec.owner) == (1, "host:a")
+
+
+# -- a duplicate claim of a finished key locks and writes nothing -------------------------------
+
+
+def _finished_keys(store: SQLStore) -> dict[str, tuple[ClaimStatus, str | None]]:
+    """Keys a second claim finds finished, each with that claim's status and payload hash."""
+    done, failed, mismatch, mismatch_held = (claim(store, k, payload_hash="h1")
+                                             for k in ("done", "failed", "mismatch", "mismatch-held"))
+    for key, taken, state in (("done", done, State.DONE), ("failed", failed, State.FAILED),
+                              ("mismatch", mismatch, State.DONE)):
+        store.record(key, taken.token, state=state, content_type="application/json", data=b"1", ttl=LONG)
+    assert mismatch_held.status is ClaimStatus.CLAIMED  # still in progress, with another hash
+    return {"done": (ClaimStatus.DONE, "h1"), "failed": (ClaimStatus.FAILED, "h1"),
+            "mismatch": (ClaimStatus.MISMATCH, "h2"), "mismatch-held": (ClaimStatus.MISMATCH, "h2")}
+
+
+def _claim_in_a_transaction(store: SQLStore, key: str, payload_hash: str | None) -> tuple[ClaimStatus, Any]:
+    """Run the store's PostgreSQL claim, as the store runs it, inside a transaction of ours.
+
+    Returns its status and ``txid_current_if_assigned()`` just after it: PostgreSQL assigns a
+    transaction id at its first write (a row lock included), so None means nothing was
+    written, and the commit would have had no WAL to flush. The transaction is rolled back.
+    """
+    args = _ClaimArgs(store._stored(key), "host:b", "task-b", 0, LONG, LONG, payload_hash)
+    with store._engine.connect() as conn:
+        fairy = conn.connection
+        driver = fairy.driver_connection
+        assert driver is not None
+        with driver.transaction(force_rollback=True):  # BEGIN on the store's autocommit connection
+            session = _RawSession(store, fairy) if store._fast else _SASession(conn)
+            result = store._claim_postgresql(args, session.execute)
+            xid = driver.execute("SELECT txid_current_if_assigned()").fetchone()
+    assert xid is not None
+    return result.status, xid[0]
+
+
+def test_a_claim_that_finds_the_key_finished_assigns_no_transaction_id(
+    make_store: Callable[..., SQLStore], path: str
+) -> None:
+    # Given keys whose next claim is DONE, FAILED or MISMATCH, one held (BUSY) and one absent
+    store = _on(path, make_store(pool_size=1, max_overflow=0))
+    finished = _finished_keys(store)
+    claim(store, "held")
+    # When each is claimed inside a transaction we control, Then the finished ones wrote
+    # nothing: no transaction id (so no row lock, no WAL, no commit flush)
+    for key, (status, payload_hash) in finished.items():
+        assert _claim_in_a_transaction(store, key, payload_hash) == (status, None), key
+    # And the others still lock or write (the check can tell): a BUSY claim locks the row it
+    # decides on, a first claim inserts one (rolled back)
+    status, xid = _claim_in_a_transaction(store, "held", None)
+    assert (status, xid is not None) == (ClaimStatus.BUSY, True)
+    status, xid = _claim_in_a_transaction(store, "absent", None)
+    assert (status, xid is not None) == (ClaimStatus.CLAIMED, True)
+    assert store.get("absent") is None
+
+
+def test_a_claim_that_finds_the_key_finished_does_not_wait_for_a_row_lock(
+    make_store: Callable[..., SQLStore], pg_url: str, path: str
+) -> None:
+    # Given finished keys, a held key, and another session holding a lock on all their rows;
+    # the store's sessions give up waiting for a lock after a second (a bound, not a timing)
+    store = _on(path, make_store(pool_size=1, max_overflow=0,
+                                 connect_args={"options": "-c lock_timeout=1000"}))
+    finished = _finished_keys(store)
+    claim(store, "held")
+    holder = sa.create_engine(pg_url)
+    try:
+        with holder.connect() as conn, conn.begin():
+            locked = conn.execute(sa.text(f"SELECT key FROM {store._table.name} FOR UPDATE")).all()
+            assert len(locked) == len(finished) + 1
+            # When they are claimed again, Then the finished ones answer at once, read unlocked
+            for key, (status, payload_hash) in finished.items():
+                dup = claim(store, key, who="b", payload_hash=payload_hash)
+                assert dup.status is status, key
+                assert dup.record is not None and dup.record.owner == "host:a"
+            # And a claim that may take the key waits for the lock (here: until lock_timeout)
+            with pytest.raises(StoreUnavailable, match="lock timeout"):
+                claim(store, "held", who="b")
+    finally:
+        holder.dispose()
+    assert claim(store, "held", who="b").status is ClaimStatus.BUSY
+
+
+# -- the statements as the fast path sends them ---------------------------------------------------
+
+
+def test_constants_are_written_into_the_sql_and_each_call_sends_only_its_values(
+    make_store: Callable[..., SQLStore],
+) -> None:
+    # Given a statement with constants that need quoting and escaping (a quote, a percent sign)
+    # and a value used twice, run by a store whose cursors are psycopg's RawCursor (the default)
+    # and by one whose connections have a cursor class of their own (the %(name)s SQL)
+    import psycopg
+
+    opened: list[Any] = []
+
+    class OwnCursor(psycopg.Cursor[Any]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            opened.append(self)
+            super().__init__(*args, **kwargs)
+
+    numbered, named = make_store(), make_store(connect_args={"cursor_factory": OwnCursor})
+    claim(numbered, "k")
+    t = numbered._table
+    statement = sa.select(t.c.owner, sa.literal("it's 100%").label("note")).where(
+        t.c.key == sa.bindparam("idem_key"), t.c.task_id != "x'%",
+        t.c.token == sa.bindparam("idem_token"), t.c.key == sa.bindparam("idem_key"),
+    )
+    raw = numbered._raw_statement(statement)
+    assert (raw.constants, raw.order) == ({}, ("idem_key", "idem_token"))
+    assert (b"$2" in raw.numbered, b"$3" in raw.numbered) == (True, False)
+    assert (b"'it''s 100%'" in raw.numbered, b"'x''%'" in raw.numbered) == (True, True)
+    assert ("'it''s 100%%'" in raw.sql, "'x''%%'" in raw.sql) == (True, True)  # %% for psycopg's parser
+    # When both run it, Then both get the constants back as they were written
+    params = {"idem_key": "fast:k", "idem_token": 1}
+    expected = (1, {"owner": "host:a", "note": "it's 100%"})
+    assert numbered._execute(statement, params) == expected
+    assert opened == []
+    named.now()  # its connection is open (SQLAlchemy's own queries use the class too)
+    opened.clear()
+    assert named._execute(statement, params) == expected
+    assert len(opened) == 1
+
+
+def test_every_verb_works_on_connections_with_their_own_cursor_class(
+    make_store: Callable[..., SQLStore],
+) -> None:
+    # Given connections whose cursor class is the application's (or psycopg older than 3.2,
+    # without RawCursor): the fast path sends the %(name)s SQL through that class
+    import psycopg
+
+    opened: list[Any] = []
+
+    class OwnCursor(psycopg.Cursor[Any]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            opened.append(self)
+            super().__init__(*args, **kwargs)
+
+    store = make_store(connect_args={"cursor_factory": OwnCursor})
+    store.now()  # the connection and the table exist
+    opened.clear()
+    # When every verb runs, Then each answers as on the numbered SQL (the contract's answers)
+    taken = claim(store, "k", payload_hash="h1")
+    assert (taken.status, taken.token) == (ClaimStatus.CLAIMED, 1)
+    assert claim(store, "k", who="b", payload_hash="h1").status is ClaimStatus.BUSY
+    assert claim(store, "k", who="b", payload_hash="h2").status is ClaimStatus.MISMATCH
+    assert store.renew("k", 1, LONG) > taken.now
+    store.record("k", 1, state=State.DONE, content_type="application/json", data=b"[1]", ttl=LONG)
+    dup = claim(store, "k", who="b", payload_hash="h1")
+    assert (dup.status, dup.record and dup.record.data) == (ClaimStatus.DONE, b"[1]")
+    rec = store.get("k")
+    assert rec is not None and rec.state is State.DONE
+    claim(store, "r")
+    store.release("r", 1)
+    assert claim(store, "r", who="b").token == 2
+    with pytest.raises(LeaseLost):
+        store.release("r", 1)
+    assert len(opened) == 12  # one cursor per statement, the refused release's second read included

@@ -153,6 +153,56 @@ def test_concurrent_claims_from_forked_processes_have_one_winner(store: SQLStore
     assert claim(store, "warm-up", who="b").status is ClaimStatus.BUSY  # parent pool still fine
 
 
+@pytest.mark.parametrize("last_write", ["record", "release"])
+def test_claims_racing_the_holders_last_write_see_the_row_before_or_after_it(
+    store: SQLStore, last_write: str
+) -> None:
+    """Claims keep coming while the holder records (or releases) its key.
+
+    PostgreSQL answers a duplicate of a finished key from an unlocked read, and locks the row
+    otherwise: each claim must still see the holder's row either before the write (BUSY) or
+    after it (DONE; or, after a release, exactly one new winner), never a key taken twice.
+    """
+    claim(store, who="a")
+    threads = 6
+    everyone_saw_the_holder = threading.Barrier(threads + 1)
+
+    def contend(i: int) -> list[Any]:
+        seen = [claim(store, who=f"w{i}")]
+        everyone_saw_the_holder.wait(DEADLINE)
+        while seen[-1].status is ClaimStatus.BUSY and seen[-1].record.owner == "host:a":
+            assert seen[-1].now < seen[0].now + DEADLINE, "the holder's write never showed"
+            time.sleep(0.001)
+            seen.append(claim(store, who=f"w{i}"))
+        return seen
+
+    with ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(contend, i) for i in range(threads)]
+        everyone_saw_the_holder.wait(DEADLINE)
+        if last_write == "record":
+            store.record("k", 1, state=State.DONE, content_type="c", data=b"r", ttl=LONG)
+        else:
+            store.release("k", 1)
+        histories = [f.result(timeout=DEADLINE) for f in futures]
+
+    for history in histories:  # before the write: the holder's row, busy
+        for before in history[:-1]:
+            assert before.status is ClaimStatus.BUSY
+            assert (before.record.token, before.record.state) == (1, State.IN_PROGRESS)
+    last = [history[-1] for history in histories]
+    if last_write == "record":
+        assert {(r.status, r.token, r.record.data) for r in last} == {(ClaimStatus.DONE, 1, b"r")}
+        return
+    [winner] = [r for r in last if r.status.holds]
+    assert (winner.status, winner.token) == (ClaimStatus.CLAIMED, 2)
+    holder = store.get("k")
+    assert holder is not None and holder.token == 2
+    for loser in last:
+        if loser is not winner:
+            assert loser.status is ClaimStatus.BUSY
+            assert (loser.record.token, loser.record.owner) == (2, holder.owner)
+
+
 def test_the_table_is_created_once_by_concurrent_stores(make_store: Callable[..., SQLStore]) -> None:
     stores = [make_store() for _ in range(4)]
     barrier = threading.Barrier(len(stores))

@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from . import chart, growth, micro
+from . import chart, growth, micro, tracer
 from .app import peer_status
 from .e2e import NOCHECK, PEERS, Plan, Summary, measure, sql_table, summarize
 from .report import ROOT, machine, table
@@ -322,6 +322,20 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "\n\nA first `delay()` of an `IdempotentTask` costs one more store round trip than the gate's "
         "two: `apply_async` reads the record (`store.get`) to answer a done key without publishing.")
 
+    log("worker tracer ...")
+    traced = tracer.tracer_timings(args.redis_url, prefix, n_eager, "tr")
+    results["tracer"] = traced
+    rows = [[k, t.median_us, t.p90_us, t.cpu_us, t.round_trips] for k, t in traced.items()]
+    out.add("The worker's side in process (Celery's tracer, Redis backend and store)", table(
+        ["task", "median µs", "p90 µs", "client CPU µs", "Redis round trips / task"], rows) +
+        "\n\nWhat a pool child runs per message (`celery.app.trace.build_tracer`, not eager), without "
+        "the broker: the body, then the result written to the Redis backend. A plain task's result "
+        "costs two round trips (the backend's `GET` of the old meta, then `SET` + `PUBLISH` in one "
+        "pipeline). An `IdempotentTask` claims, then records with a script that also writes that meta "
+        "(celery_idem/results.py): two round trips as well. *result not folded* is the same task with "
+        "`idempotency_fold_results = False`: the record, then Celery's own two. Timed in turn; every "
+        "request the backend and the store send is counted (a pipeline is one).")
+
     log("record size ...")
     sizes_ = micro.record_sizes(client, counting, prefix, "m")
     results["record"] = sizes_
@@ -578,11 +592,19 @@ def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
                 f"{dp:.0f} µs in delay() on a {base:.0f} µs plain task; {share:.0%} would allow "
                 f"{share * base / (1 - share):.0f} µs in all. ")
         if system == NOCHECK:
-            text += ("Without the enqueue check it pays 2 store round trips per task (claim and record, in "
-                     "the worker) at ~50-70 µs of redis-py CPU each, plus acks_late.")
+            text += ("Without the enqueue check the worker pays 2 store round trips per task (claim, and "
+                     "the record that also writes Celery's result, in place of the backend's GET and "
+                     "SET), plus acks_late.")
         elif store == "redis":
-            text += ("It pays 3 store round trips per task (delay()'s `store.get` in `_cached`, then "
-                     "claim and record) at ~50-70 µs of redis-py CPU each, plus acks_late.")
+            nocheck = by.get(("unique", "prefork", NOCHECK))
+            extra = ""
+            if nocheck is not None and s.messages:
+                extra = (f" (enqueueing took {(s.enqueue - nocheck.enqueue) / s.messages * 1e6:.0f} µs "
+                         "more per task than without the check)")
+            text += ("The worker's share is the claim (its result write rides on the record); the rest "
+                     "is delay()'s read of the record (`store.get` in `_cached`), one more round trip "
+                     "that the single producer waits for before it publishes" + extra + ". With "
+                     "`idempotency_check_on_enqueue=False` see the row below.")
         else:
             paths = r.get("sql_paths")
             if paths:
@@ -708,6 +730,16 @@ def _findings(r: dict[str, Any]) -> list[str]:
         f"{plain.median_us:.0f} µs "
         f"for the plain task: `IdempotentTask.apply_async` derives the key and reads the record "
         f"(`_cached` -> `store.get`) before publishing, then the worker's gate claims and records.")
+    tr = r.get("tracer")
+    if tr:
+        pl, fo, un = tr[tracer.PLAIN], tr[tracer.FOLDED], tr[tracer.UNFOLDED]
+        f.append(
+            f"**In the worker, the result rides on the record.** Through Celery's tracer a plain task "
+            f"takes {pl.median_us:.0f} µs ({pl.cpu_us:.0f} µs CPU, {pl.round_trips:g} round trips for "
+            f"its result), an `IdempotentTask` {fo.median_us:.0f} µs ({fo.cpu_us:.0f} µs CPU, "
+            f"{fo.round_trips:g} round trips: claim, and the record that writes the result), and "
+            f"{un.median_us:.0f} µs ({un.cpu_us:.0f} µs CPU, {un.round_trips:g} round trips) when the "
+            f"result is not folded into the record.")
     if "postgres" in r["gate"]:
         s = r["gate"]["postgres"]["first"]
         f.append("**PostgreSQL: waiting for the server dominates now.** Each verb is one statement in "

@@ -35,7 +35,14 @@ from celery_idem.codec import KombuCodec
 from celery_idem.exceptions import LeaseLost, StoreUnavailable
 from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
-from celery_idem.stores.sql import SQLStore, _ClaimArgs, _RawSession, _SASession
+from celery_idem.stores.sql import (
+    _KEPT_CURSOR,
+    _KEPT_RESULT_BYTES,
+    SQLStore,
+    _ClaimArgs,
+    _RawSession,
+    _SASession,
+)
 
 from .support import LONG, claim, drop_table, poll
 
@@ -481,3 +488,43 @@ def test_every_verb_works_on_connections_with_their_own_cursor_class(
     with pytest.raises(LeaseLost):
         store.release("r", 1)
     assert len(opened) == 12  # one cursor per statement, the refused release's second read included
+
+
+def test_one_cursor_is_kept_per_pooled_connection_unless_it_holds_a_large_result(
+    make_store: Callable[..., SQLStore],
+) -> None:
+    store = make_store(pool_size=1, max_overflow=0)
+
+    def kept() -> Any:
+        fairy = store._engine.raw_connection()  # the pool's one connection
+        try:
+            return fairy.info.get(_KEPT_CURSOR)
+        finally:
+            fairy.close()
+
+    # Given a connection that ran a verb, Then every later verb runs on the same cursor
+    taken = claim(store, "k")
+    first = kept()
+    assert first is not None and not first.closed
+    store.record("k", taken.token, state=State.DONE, content_type="c", data=b"small", ttl=LONG)
+    assert claim(store, "k", who="b").status is ClaimStatus.DONE
+    rec = store.get("k")
+    assert rec is not None and rec.data == b"small"
+    assert kept() is first
+    # When a verb reads a result larger than the cursor may hold on to, Then it is closed, and
+    # the next verb gets a new one
+    big = b"x" * (_KEPT_RESULT_BYTES + 1)
+    taken = claim(store, "big")
+    store.record("big", taken.token, state=State.DONE, content_type="c", data=big, ttl=LONG)
+    assert kept() is first
+    rec = store.get("big")
+    assert rec is not None and rec.data == big
+    assert (kept(), first.closed) == (None, True)
+    store.get("k")
+    second = kept()
+    assert second is not None and second is not first
+    # And a verb that fails does not keep its cursor either
+    with pytest.raises(sa.exc.DataError):
+        claim(store, "x" * 300)
+    assert (kept(), second.closed) == (None, True)
+    assert claim(store, "k", who="c").status is ClaimStatus.DONE

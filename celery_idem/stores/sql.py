@@ -46,6 +46,7 @@ import importlib.util
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -652,7 +653,20 @@ def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
     # it on every new connection is cheap once it is on.
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute("PRAGMA journal_mode=WAL")
+        # Switching the mode needs the file to itself: connections opening a new file at the same
+        # moment get "database is locked" at once (the busy timeout does not cover it). Retry
+        # for up to 5 s; after that the error is real and surfaces.
+        deadline = time.monotonic() + 5.0
+        delay = 0.005
+        while True:
+            try:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                break
+            except Exception as exc:
+                if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
     finally:
         cursor.close()
 

@@ -90,7 +90,7 @@ class PgKiller:
 
     def kill_waiting(self, verb: str) -> int:
         # pg_stat_activity keeps the first 1 kB of a statement: enough for its opening words.
-        marks = {"claim": 'WITH "old"', "record": "SET state=", "renew": "SET lease_expires="}
+        marks = {"claim": 'WITH peek', "record": "SET state=", "renew": "SET lease_expires="}
 
         def waiting() -> list[tuple[int, str]]:
             return self.admin.execute(

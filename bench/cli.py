@@ -146,8 +146,9 @@ PEER_ROWS = [
      "worker only: `SET NX` an in-progress record, then `SET` the result", "2 (worker); a duplicate 2 "
      "(`SET NX` fails + `GET`)", "yes (JSON, 1 h)",
      "yes on unique tasks; on duplicates a copy arriving while the original runs fails"],
-    ["IdempotentTask (Redis store)", "producer: `HMGET` (answers a done key without publishing); "
-     "worker: claim + record scripts", "3 (producer 1, worker 2); a duplicate 1 (producer)", "yes", "-"],
+    ["IdempotentTask (Redis store)", "producer: `GET` of the record (answers a done key without "
+     "publishing); worker: claim + record scripts, the record also writing Celery's result",
+     "3 (producer 1, worker 2, the result included); a duplicate 1 (producer)", "yes", "-"],
 ]
 PEER_NOTES = table(["system", "where it acts", "round trips per first run", "caches results",
                     "comparable work"], PEER_ROWS) + (
@@ -342,12 +343,12 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
     rows = [[r.result_bytes, r.key_chars, r.fields, r.payload_bytes, r.encoding, r.memory_usage, r.overhead]
             for r in sizes_]
     out.add("Memory per done record (Redis `MEMORY USAGE ... SAMPLES 0`)", table(
-        ["encoded result bytes", "key chars", "hash fields", "field+value bytes", "encoding",
+        ["encoded result bytes", "key chars", "packed fields", "value bytes", "encoding",
          "MEMORY USAGE bytes", "bytes beyond the result"], rows) +
         f"\n\nThe key is `<12-character prefix><task name>:<32 hex>` ({sizes_[0].key_chars} characters, the "
-        "prefix as long as the default `celery-idem:`). The server's `hash-max-listpack-value` is "
-        f"{client.config_get('hash-max-listpack-value').get('hash-max-listpack-value')}: a field value "
-        "longer than that turns the hash into a hashtable.")
+        "prefix as long as the default `celery-idem:`). A record is one string (a marker, the state, "
+        "token, updated time, task id, payload hash, content type code and the result; "
+        "see docs/stores.md), so a larger result adds its own bytes and nothing else.")
 
     log("profiles ...")
     results["profiles"] = micro.profiles(args.redis_url, prefix, n_prof, "p",
@@ -459,8 +460,8 @@ def _growth(out: Out, results: dict[str, Any], args: argparse.Namespace, table_n
                    r.duplicate.p90_us, r.fill_seconds, None if r.used_memory is None else
                    f"{r.used_memory / 1e6:.0f}"] for r in rows])
     body += ("\n\nRedis: a private `redis-server` (started on a free port, killed afterwards), filled "
-             "server-side with done records in the store's own hash format (fields s t i h c d u, a 37-byte "
-             "JSON result, a 1-day TTL). PostgreSQL: a private table filled with `INSERT ... SELECT "
+             "server-side with done records in the store's own packed format (a 37-byte JSON result, "
+             "a 1-day TTL). PostgreSQL: a private table filled with `INSERT ... SELECT "
              "generate_series`, then `ANALYZE`. At each size a claim of a new key and a claim of a done key "
              "are timed in turn (`RedisStore.claim` / `SQLStore.claim` called directly).")
     shared = next((x.shared_buffers for x in rows if x.shared_buffers), None)
@@ -634,10 +635,11 @@ def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
         rec = r["record"][0]
         return (f"`MEMORY USAGE` counts the key itself ({rec.key_chars} characters) and Redis's per-key "
                 f"overhead: beyond the result and the key the record takes {rec.overhead - rec.key_chars} "
-                "bytes (fields s t i h c u with a 36-character task id and ms timestamps).")
+                "bytes (a packed header with a 23-character task id and a ms timestamp, and Redis's "
+                "allocation rounding).")
     if target.startswith("the same"):
-        return ("a field value over `hash-max-listpack-value` (64 by default) turns the hash into a "
-                "hashtable; raising it on the server keeps larger results compact.")
+        return ("Redis's allocator rounds a value up to its size class, so the overhead varies by a "
+                "few bytes with the result's size; the header itself is the same.")
     if target.startswith("claim latency flat, postgres"):
         g = [x for x in r.get("growth", []) if x.store == "postgres"]
         return (f"a B-tree lookup is O(log n) and at {g[-1].keys:,} rows the table and its three "
@@ -784,8 +786,8 @@ def _findings(r: dict[str, Any]) -> list[str]:
         f"**Record size.** A done record with a {rec[0].result_bytes}-byte JSON result takes "
         f"{rec[0].memory_usage} bytes ({rec[0].encoding}), {rec[0].overhead} beyond the result; its "
         f"{rec[0].key_chars}-character key is part of that. With a {rec[1].result_bytes}-byte result "
-        f"the hash "
-        f"becomes a {rec[1].encoding} and takes {rec[1].memory_usage} bytes.")
+        f"it takes {rec[1].memory_usage} bytes ({rec[1].overhead} beyond the result): one packed "
+        f"string, no listpack-to-hashtable cliff.")
     by = {(s.workload, s.pool, s.system): s for s in r.get("e2e", [])}
     for (workload, pool, system), s in by.items():
         base = by.get((workload, pool, "plain"))

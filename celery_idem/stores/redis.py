@@ -1,25 +1,39 @@
 """Redis store (``redis://``, ``rediss://``, ``unix://``): one Lua script per verb.
 
-Each record is a hash at ``<prefix><key>`` with short field names, to keep a done record small:
+Each record is ONE string at ``<prefix><key>`` (not a hash: a string has no per-field overhead
+and no listpack-to-hashtable cliff for results over 64 bytes), packed as::
 
-====  ==========================================  ====  ======================================
-s     state (in_progress/done/failed/released)    l     lease expiry, server ms
-t     fencing token                               h     payload hash (idempotency_validate)
-o     owner (host:pid)                            c     content type of ``d``
-i     task id of the claiming attempt             d     encoded result or error
-a     attempt (request.retries)                   u     last write, server ms
-====  ==========================================  ====  ======================================
+    0xC1 <state> <t> NUL <u> NUL <i> NUL <h> NUL <tail>
 
-The scripts read the server clock (``TIME``), so lease expiry never depends on worker clocks.
-Redis needs persistence (AOF ``appendfsync everysec`` or better) for records to survive a
-restart; see docs/stores.md.
+=====  ==========================================  ==========================================
+0xC1   format marker (version 1); a value without   it is not a celery_idem record
+       it under the prefix is foreign
+state  ``i`` in_progress, ``d`` done, ``f`` failed, ``r`` released (one byte)
+t      fencing token (decimal)
+u      last write, server ms (decimal)
+i      task id of the claiming attempt (a canonical UUID packed as 0x01 + 22 base64url chars)
+h      payload hash (idempotency_validate; empty when not validated)
+tail   in_progress: ``<o> NUL <a> NUL <l>``: owner (host:pid), attempt (request.retries),
+       lease expiry in server ms. done/failed: ``<c> NUL <d>``: content type (one byte code
+       for the common ones, see ``_CONTENT_TYPES``, else verbatim) and the encoded result or
+       error, which is the rest of the value (any bytes, NULs included). released: empty.
+=====  ==========================================  ==========================================
+
+The client refuses a NUL in owner, task id, payload hash and content type (``ValueError``
+naming the field, before anything is sent), so the header parses unambiguously; the data comes
+last and is never scanned. Each script parses the header with one anchored ``string.match``
+and reads the server clock (``TIME``), so lease expiry never depends on worker clocks. Redis
+needs persistence (AOF ``appendfsync everysec`` or better) for records to survive a restart;
+see docs/stores.md.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import re
+import uuid
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any, ClassVar
@@ -40,7 +54,30 @@ from .base import BackendWrite, Store
 
 __all__ = ["RedisStore"]
 
-_FIELDS = ("s", "t", "o", "i", "a", "l", "h", "c", "d", "u")
+#: The first byte of every record (format version 1): neither UTF-8 text nor msgpack ever starts
+#: with it, so a foreign string under the prefix is told apart at once.
+_MARK = b"\xc1"
+_MARK_BYTE = _MARK[0]
+
+#: A record's state byte -> State, and the state codes ``record`` sends.
+_STATE_OF = {ord("i"): State.IN_PROGRESS, ord("d"): State.DONE, ord("f"): State.FAILED,
+             ord("r"): State.RELEASED}
+_STATE_CODE = {State.DONE: b"d", State.FAILED: b"f"}
+
+#: Content types stored as a one-byte code (its index + 1): what the result codec and the error
+#: codec write. Any other content type is stored verbatim (control characters refused, so a code
+#: never reads as a verbatim type).
+_CONTENT_TYPES = (
+    "application/json;utf-8",
+    "application/x-celery-idem-error+json",
+    "application/json",
+    "application/x-python-serialize;binary",
+    "application/x-msgpack;binary",
+    "application/x-yaml;utf-8",
+)
+_CONTENT_CODE = {ctype: bytes([n]) for n, ctype in enumerate(_CONTENT_TYPES, 1)}
+_CONTENT_TYPE_OF = {code: ctype for ctype, code in _CONTENT_CODE.items()}
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 #: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
 #: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
@@ -60,6 +97,47 @@ def _load(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
+def _refuse_nul(**fields: str) -> None:
+    """Raise a ValueError naming the first field holding a NUL (the record format's separator)."""
+    for name, value in fields.items():
+        if "\0" in value:
+            raise ValueError(
+                f"{name} must not contain a NUL character (the Redis record separator): {value!r}")
+
+
+#: A canonical (lowercase, dashed) UUID task id, what Celery makes: stored as 16 bytes in
+#: base64url after a 0x01 byte (23 characters instead of 36; 13 bytes less per record).
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+_PACKED_ID = "\x01"
+
+
+def _pack_task_id(task_id: str) -> str:
+    if _UUID.match(task_id):
+        return _PACKED_ID + base64.urlsafe_b64encode(uuid.UUID(task_id).bytes).rstrip(b"=").decode()
+    if task_id.startswith(_PACKED_ID):
+        raise ValueError(f"task_id must not start with a \\x01 character (it marks a packed UUID in "
+                         f"the Redis record): {task_id!r}")
+    return task_id
+
+
+def _unpack_task_id(raw: bytes) -> str:
+    if raw[:1] == b"\x01":
+        return str(uuid.UUID(bytes=base64.urlsafe_b64decode(raw[1:] + b"==")))
+    return raw.decode()
+
+
+def _content_code(content_type: str) -> str | bytes:
+    """What a record stores for ``content_type``: its one-byte code, or the type itself."""
+    code = _CONTENT_CODE.get(content_type)
+    if code is not None:
+        return code
+    if _CONTROL.search(content_type):
+        raise ValueError(
+            f"content_type must not contain control characters (NUL separates the Redis "
+            f"record's fields): {content_type!r}")
+    return content_type
+
+
 #: Every error redis-py raises (RedisClusterException, no node of a cluster answers, is not a
 #: RedisError).
 _REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
@@ -71,7 +149,7 @@ def _translated(store: RedisStore, key: str | None, exc: Exception) -> Idempoten
         if str(exc).startswith("WRONGTYPE"):
             return CorruptRecord(
                 f"the Redis key {store.prefix}{key} is not a celery_idem record (another program "
-                f"wrote it, or the prefix is shared): {exc}",
+                f"wrote it, the prefix is shared, or an older celery_idem wrote it as a hash): {exc}",
                 key=key,
             )
         return StoreUnavailable(f"the Redis store at {store.location} refused: {exc}")
@@ -194,6 +272,8 @@ class RedisStore(Store):
             for outcome in (reply, acked):
                 if isinstance(outcome, Exception):
                     raise outcome
+            if reply == b"corrupt" or (isinstance(reply, list) and reply[0] == b"corrupt"):
+                return reply  # not a record: nothing was written, so nothing to wait for
             if int(acked) < self.wait_replicas:
                 raise _NotReplicated(
                     f"the Redis store at {self.location} wrote {name} but only {acked} of "
@@ -217,7 +297,10 @@ class RedisStore(Store):
         ttl: float,
         payload_hash: str | None = None,
     ) -> Claim:
-        args: list[str | int] = [owner, task_id, attempt, _ms(lease), _ms(ttl), payload_hash or ""]
+        if "\0" in owner or "\0" in task_id or (payload_hash and "\0" in payload_hash):
+            _refuse_nul(owner=owner, task_id=task_id, payload_hash=payload_hash or "")
+        args: list[str | int] = [owner, _pack_task_id(task_id), attempt, _ms(lease), _ms(ttl),
+                                 payload_hash or ""]
         try:
             try:
                 reply = self._run(self._claim, key, args)
@@ -230,23 +313,23 @@ class RedisStore(Store):
                 with contextlib.suppress(redis.RedisError):
                     self._release(keys=[self._k(key)], args=[int(short.reply[1])])
             raise
-        raw = reply[0]
+        raw, token, now, value = reply
         if raw == b"corrupt":
-            raise CorruptRecord(
-                f"the record {self._k(key)} has an unknown state {reply[3]!r}", key=key
-            )
+            self._decode(key, value)  # raises CorruptRecord saying what is wrong with it
+            raise self._unreadable(key, value)  # pragma: no cover - the script and _decode agree
         status = _STATUSES.get(raw) or ClaimStatus(raw.decode())
-        record = self._decode(key, reply[3:]) if reply[3] is not None else None
-        return Claim(status, int(reply[1]), record, int(reply[2]) / 1000)
+        record = self._decode(key, value) if value is not None else None
+        return Claim(status, int(token), record, int(now) / 1000)
 
     def record(
         self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float
     ) -> None:
-        if state not in (State.DONE, State.FAILED):
+        code = _STATE_CODE.get(state)
+        if code is None:
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         try:
             reply = self._run(
-                self._record, key, [token, state.value, content_type, data, _ms(ttl)]
+                self._record, key, [token, code, _content_code(content_type), data, _ms(ttl)]
             )
         except _REDIS_ERRORS as exc:
             raise _translated(self, key, exc) from exc
@@ -262,12 +345,14 @@ class RedisStore(Store):
         The caller must know that ``also.key`` lives on this store's server and database (the
         task layer checks that the result backend's connection is this store's).
         """
-        if state not in (State.DONE, State.FAILED):
+        code = _STATE_CODE.get(state)
+        if code is None:
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         if self._fold_refused:
             self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
             return
-        args = [token, state.value, content_type, data, _ms(ttl), also.value, max(0, also.expires)]
+        args = [token, code, _content_code(content_type), data, _ms(ttl), also.value,
+                max(0, also.expires)]
         try:
             reply = self._run(self._record, key, args, other=also.key)
         except redis.exceptions.NoPermissionError:
@@ -298,8 +383,8 @@ class RedisStore(Store):
 
     def get(self, key: str) -> Record | None:
         with _translate_errors(self, key):
-            values = self.client.hmget(self._k(key), _FIELDS)
-        return None if values[0] is None else self._decode(key, values)
+            value: bytes | None = self.client.get(self._k(key))  # type: ignore[assignment]
+        return None if value is None else self._decode(key, value)
 
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*"
@@ -312,12 +397,14 @@ class RedisStore(Store):
                     return
                 pipe = self.client.pipeline(transaction=False)
                 for name in names:
-                    pipe.hmget(name, _FIELDS)
+                    pipe.get(name)
                 rows = pipe.execute(raise_on_error=False)
-            for name, values in zip(names, rows, strict=True):
-                if isinstance(values, Exception) or values[0] is None:
-                    continue  # a foreign key under our prefix, or expired between the calls
-                rec = self._decode(self._key_of(name), values)
+            for name, value in zip(names, rows, strict=True):
+                if not isinstance(value, bytes) or value[:1] != _MARK:
+                    # A foreign key under our prefix (another type: WRONGTYPE; a string without
+                    # the marker), or one that expired between the calls.
+                    continue
+                rec = self._decode(self._key_of(name), value)
                 if state is None or rec.state is state:
                     yield rec
 
@@ -334,36 +421,61 @@ class RedisStore(Store):
     def _check_fence(self, reply: Any, key: str, token: int, verb: str) -> None:
         if reply == b"ok":
             return
+        if reply == b"corrupt":
+            raise self._unreadable(key, None)
         detail = reply.decode() if isinstance(reply, bytes) else repr(reply)
         if detail == "missing":
             why = "the record is gone (expired, or removed by an operator)"
         else:
-            _, state, current = detail.split(":", 2)
-            why = f"the record is {state} with token {current}"
+            _, code, current = detail.split(":", 2)
+            state = _STATE_OF.get(ord(code[:1] or "?"))
+            why = f"the record is {state.value if state else code} with token {current}"
         raise LeaseLost(f"{verb} of {key!r} with token {token} refused: {why}", key=key, token=token)
 
-    def _decode(self, key: str, values: list[Any]) -> Record:
-        s, t, o, i, a, lease, h, c, d, u = values
+    def _unreadable(self, key: str, value: bytes | None, why: str = "") -> CorruptRecord:
+        """The error for a value under ``key`` that is not a readable record (left as it is).
+
+        The value itself stays out of the message: it may be another program's data.
+        """
+        foreign = "another program wrote it, the prefix is shared, or an older celery_idem wrote it"
+        if value is None:  # a script's verdict: not a record, or a damaged one
+            what = f"is not a celery_idem record, or a damaged one ({foreign})"
+        elif value[:1] == _MARK:
+            what = f"is a damaged celery_idem record{f' ({why})' if why else ''}"
+        else:
+            what = f"is not a celery_idem record ({foreign})"
+        return CorruptRecord(f"the Redis key {self._k(key)} {what}", key=key)
+
+    def _decode(self, key: str, value: bytes) -> Record:
+        """A stored record (see the module docstring) -> Record."""
+        if value[:1] != _MARK:
+            raise self._unreadable(key, value)
         try:
-            return Record(
-                key=key,
-                state=State(s.decode()),
-                token=int(t),
-                owner=o.decode() if o else "",
-                task_id=i.decode() if i else "",
-                attempt=int(a) if a else 0,
-                lease_expires=int(lease) / 1000 if lease else None,
-                payload_hash=h.decode() if h else None,
-                content_type=c.decode() if c else None,
-                data=d,
-                updated=int(u) / 1000 if u else None,
-            )
-        except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-            raise CorruptRecord(
-                f"the record {self._k(key)} cannot be read ({exc}); it was not written by "
-                f"celery_idem, or it is damaged",
-                key=key,
-            ) from exc
+            state = _STATE_OF.get(value[1])
+            if state is None:
+                raise ValueError(f"unknown state {value[1:2]!r}")
+            if state is State.DONE or state is State.FAILED:
+                head, u, i, h, c, d = value.split(b"\0", 5)
+                return Record(
+                    key=key, state=state, token=int(head[2:]), task_id=_unpack_task_id(i),
+                    payload_hash=h.decode() or None,
+                    content_type=_CONTENT_TYPE_OF.get(c) or c.decode() or None,
+                    data=d, updated=int(u) / 1000,
+                )
+            if state is State.IN_PROGRESS:
+                head, u, i, h, o, a, lease = value.split(b"\0")
+                return Record(
+                    key=key, state=state, token=int(head[2:]), owner=o.decode(),
+                    task_id=_unpack_task_id(i), attempt=int(a), lease_expires=int(lease) / 1000,
+                    payload_hash=h.decode() or None, updated=int(u) / 1000,
+                )
+            if state is State.RELEASED:
+                head, u, _, _, tail = value.split(b"\0")
+                if tail:
+                    raise ValueError("a released record has no tail")
+                return Record(key=key, state=state, token=int(head[2:]), updated=int(u) / 1000)
+        except (ValueError, IndexError, UnicodeDecodeError) as exc:
+            raise self._unreadable(key, value, str(exc) or type(exc).__name__) from exc
 
 
 class _NotReplicated(StoreUnavailable):

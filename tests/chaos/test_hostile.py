@@ -134,7 +134,7 @@ def dump_store(stack: Any) -> bytes:
         try:
             out = b""
             for name in client.scan_iter(match=stack.prefix + "*"):
-                out += name + b"".join(k + v for k, v in client.hgetall(name).items())
+                out += name + client.get(name)  # a record is one string
             return out
         finally:
             client.close()
@@ -203,18 +203,24 @@ def plant(stack: Any, key: str, kind: str, bomb: Path | None = None) -> Callable
         if kind == "foreign":
             client.set(stored, b"a value another program wrote")
             return lambda: client.get(stored)
-        fields: dict[str, Any] = {"s": "done", "t": 1, "i": "elsewhere"}
+        if kind == "old_hash":  # a record as an older celery_idem wrote it: a hash
+            client.hset(stored, mapping={"s": "done", "t": 1, "i": "elsewhere",
+                                         "c": "application/json", "d": b"[1]"})
+            return lambda: client.hgetall(stored)
+        # A record in the store's format (celery_idem/stores/redis.py): marker, state, token,
+        # updated ms, task id, payload hash, content type, data.
+        state, token, ctype, data = b"d", b"1", b"application/json;utf-8", b"[1]"
         if kind == "unknown_state":
-            fields["s"] = "archived"
+            state = b"a"
         elif kind == "bad_token":
-            fields["t"] = "seven"
+            token = b"seven"
         elif kind == "undecodable":
-            fields.update(c="application/json;utf-8", d=b"\xff{ not json")
+            data = b"\xff{ not json"
         elif kind == "pickled":
-            fields.update(c="application/x-python-serialize;binary",
-                          d=pickle.dumps(_Bomb(str(bomb))))
-        client.hset(stored, mapping=fields)
-        return lambda: client.hgetall(stored)
+            ctype, data = b"application/x-python-serialize;binary", pickle.dumps(_Bomb(str(bomb)))
+        client.set(stored, b"\xc1" + state + token + b"\x001764000000000\x00elsewhere\x00\x00"
+                   + ctype + b"\x00" + data)
+        return lambda: client.get(stored)
     table = sa.table(stack.table, *(sa.column(c) for c in (
         "key", "state", "token", "owner", "task_id", "attempt", "content_type", "data",
         "updated", "expires")))
@@ -238,7 +244,7 @@ def plant(stack: Any, key: str, kind: str, bomb: Path | None = None) -> Callable
     return read
 
 
-CORRUPT = {"redis": ["foreign", "unknown_state", "bad_token", "undecodable"],
+CORRUPT = {"redis": ["foreign", "old_hash", "unknown_state", "bad_token", "undecodable"],
            "sql": ["unknown_state", "undecodable"]}
 
 
@@ -337,8 +343,8 @@ def test_key_prefixes_keep_two_apps_on_one_redis_apart() -> None:
 # -- TLS and ACL users ------------------------------------------------------------------------
 
 #: What the store's Redis user needs: its scripts, the commands they call, and reads.
-STORE_ACL = ("-@all", "+evalsha", "+eval", "+script|load", "+hmget", "+hset", "+hdel",
-             "+pexpire", "+pttl", "+time", "+scan", "+ping")
+STORE_ACL = ("-@all", "+evalsha", "+eval", "+script|load", "+get", "+set", "+pttl", "+time",
+             "+scan", "+ping")
 
 
 @pytest.mark.worker
@@ -359,7 +365,8 @@ def test_rediss_and_a_least_privilege_acl_user_work_end_to_end(
     assert isinstance(tasks.chaos_effect.delay(name), CachedResult)
     assert len(stack.effects(name)) == 1
     stored = stack.prefix + tasks.chaos_effect.idempotency_key_for((name,))
-    assert admin.hget(stored, "s") == b"done" and int(admin.hget(stored, "t")) == out["token"]
+    rec = RedisStore(admin, prefix=stack.prefix).get(stored[len(stack.prefix):])
+    assert rec is not None and rec.state.value == "done" and rec.token == out["token"]
     # The same user cannot reach another app's keys: a clear refusal, which the gate treats as
     # an unavailable store (the body never runs unguarded)
     other = RedisStore.from_url(stack.store_url, prefix="another-app:")

@@ -20,6 +20,7 @@ import redis.exceptions
 from celery_idem.exceptions import CorruptRecord, LeaseLost, StoreUnavailable
 from celery_idem.keys import idempotency_key
 from celery_idem.records import ClaimStatus, State
+from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore, _translate_errors
 from tests.integration.harness import RedisServer
 
@@ -91,24 +92,193 @@ def test_a_plain_string_under_the_prefix_is_corrupt_record_naming_the_key(
     assert redis_client.get(prefix + "k") == b"written by another program"  # left alone
 
 
-def test_a_hash_with_a_bogus_state_is_corrupt_record(
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"\xc1x1\x001764000000000\x00t\x00\x00c\x00[1]",  # an unknown state
+        b"\xc1dseven\x001764000000000\x00t\x00\x00c\x00[1]",  # a token that is no number
+        b"\xc1d1\x001764000000000",  # cut short
+        b"\xc1i1\x001764000000000\x00t\x00\x00host:1\x000",  # in progress without a lease
+        b"\xc1",
+    ],
+    ids=["unknown-state", "bad-token", "truncated", "no-lease", "marker-only"],
+)
+def test_a_damaged_record_is_corrupt_record_for_every_verb_and_left_alone(
+    store: RedisStore, redis_client: Any, prefix: str, value: bytes
+) -> None:
+    redis_client.set(prefix + "bad", value)
+    for verb, call in _every_verb(store, "bad").items():
+        with pytest.raises(CorruptRecord) as info:
+            call()
+        assert info.value.key == "bad", verb
+        assert prefix + "bad" in str(info.value), verb
+    assert redis_client.get(prefix + "bad") == value  # nothing written over it
+    with pytest.raises(CorruptRecord) as info:  # marked as a record: damaged, not foreign
+        list(store.scan())
+    assert info.value.key == "bad"
+
+
+def test_a_hash_of_an_older_version_is_corrupt_record_and_left_alone(
     store: RedisStore, redis_client: Any, prefix: str
 ) -> None:
-    redis_client.hset(prefix + "bad", mapping={"s": "exploded", "t": 1, "o": "x", "i": "y"})
-    with pytest.raises(CorruptRecord) as info:
-        store.get("bad")
-    assert info.value.key == "bad"
-    assert prefix + "bad" in str(info.value)
-    with pytest.raises(CorruptRecord) as info:
-        claim(store, "bad")
-    assert info.value.key == "bad"
-    assert prefix + "bad" in str(info.value)
-    assert redis_client.hgetall(prefix + "bad") == {  # the claim wrote nothing
-        b"s": b"exploded",
-        b"t": b"1",
-        b"o": b"x",
-        b"i": b"y",
-    }
+    # What celery_idem wrote before records were one string: a hash of short fields
+    old = {b"s": b"done", b"t": b"1", b"i": b"y", b"c": b"application/json", b"d": b"[1]"}
+    redis_client.hset(prefix + "old", mapping=old)
+    for verb, call in _every_verb(store, "old").items():
+        with pytest.raises(CorruptRecord, match="is not a celery_idem record") as info:
+            call()
+        assert info.value.key == "old", verb
+        assert prefix + "old" in str(info.value), verb
+    assert redis_client.hgetall(prefix + "old") == old
+    assert list(store.scan()) == []  # scan passes over keys that are not records
+
+
+def test_a_foreign_string_is_skipped_by_scan(
+    store: RedisStore, redis_client: Any, prefix: str
+) -> None:
+    redis_client.set(prefix + "foreign", b"written by another program")
+    claim(store, "mine")
+    assert [r.key for r in store.scan()] == ["mine"]
+
+
+# -- the record format ------------------------------------------------------------------------
+
+
+def test_a_done_record_is_one_string_in_the_documented_layout(
+    store: RedisStore, redis_client: Any, prefix: str
+) -> None:
+    claim(store, "k", payload_hash="h1")
+    store.record("k", 1, state=State.DONE, content_type="application/json;utf-8", data=b"[1]",
+                 ttl=LONG)
+    value = redis_client.get(prefix + "k")
+    rec = store.get("k")
+    assert rec is not None and rec.updated is not None
+    # marker, state, token, updated ms, task id, payload hash, content type code, data
+    assert value == b"\xc1d1\x00%d\x00task-a\x00h1\x00\x01\x00[1]" % round(rec.updated * 1000)
+    assert (rec.state, rec.token, rec.task_id, rec.payload_hash, rec.content_type, rec.data,
+            rec.owner, rec.attempt, rec.lease_expires) == (
+        State.DONE, 1, "task-a", "h1", "application/json;utf-8", b"[1]", "", 0, None)
+
+
+def test_an_in_progress_record_holds_owner_attempt_and_lease(
+    store: RedisStore, redis_client: Any, prefix: str
+) -> None:
+    first = claim(store, "k", who="a", attempt=3, lease=30.0)
+    value = redis_client.get(prefix + "k")
+    assert value.startswith(b"\xc1i1\x00") and value.count(b"\x00") == 6
+    rec = store.get("k")
+    assert rec is not None
+    assert (rec.state, rec.token, rec.owner, rec.task_id, rec.attempt, rec.payload_hash,
+            rec.content_type, rec.data) == (
+        State.IN_PROGRESS, 1, "host:a", "task-a", 3, None, None, None)
+    assert rec.lease_expires == pytest.approx(first.now + 30.0, abs=0.002)
+    assert rec.updated == pytest.approx(first.now, abs=0.002)
+    # A renewal rewrites the lease only
+    expires = store.renew("k", 1, 45.0)
+    renewed = store.get("k")
+    assert renewed is not None and renewed.lease_expires == expires
+    assert (renewed.owner, renewed.task_id, renewed.attempt, renewed.updated) == (
+        "host:a", "task-a", 3, rec.updated)
+
+
+@pytest.mark.parametrize("content_type", [
+    "application/json;utf-8", "application/x-celery-idem-error+json", "application/json",
+    "application/x-python-serialize;binary", "application/x-msgpack;binary",
+    "application/x-yaml;utf-8",
+])
+def test_common_content_types_take_one_byte_and_read_back_in_full(
+    store: RedisStore, redis_client: Any, prefix: str, content_type: str
+) -> None:
+    claim(store, "k")
+    store.record("k", 1, state=State.FAILED, content_type=content_type, data=b"\x00x", ttl=LONG)
+    value = redis_client.get(prefix + "k")
+    assert value.endswith(b"\x00\x00x") and value.split(b"\x00")[4] in {bytes([n]) for n in range(1, 7)}
+    rec = store.get("k")
+    assert rec is not None and (rec.content_type, rec.data) == (content_type, b"\x00x")
+
+
+@pytest.mark.parametrize("content_type", ["text/plain; charset=ü", "", "x"])
+def test_other_content_types_are_stored_verbatim(
+    store: RedisStore, redis_client: Any, prefix: str, content_type: str
+) -> None:
+    claim(store, "k")
+    store.record("k", 1, state=State.DONE, content_type=content_type, data=b"d", ttl=LONG)
+    assert redis_client.get(prefix + "k").split(b"\x00")[4] == content_type.encode()
+    rec = store.get("k")
+    assert rec is not None and rec.content_type == (content_type or None)
+
+
+@pytest.mark.parametrize(("verb", "field"), [
+    ("claim", "owner"), ("claim", "task_id"), ("claim", "payload_hash"),
+    ("record", "content_type"), ("record_with", "content_type"),
+])
+def test_a_nul_in_a_header_field_is_a_value_error_naming_it_and_nothing_is_sent(
+    store: RedisStore, redis_client: Any, prefix: str, verb: str, field: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[Any] = []
+    claim(store, "k")
+    before = redis_client.get(prefix + "k")
+    monkeypatch.setattr(store, "_run", lambda *a, **kw: sent.append(a))
+    kwargs: dict[str, Any] = {"owner": "host:a", "task_id": "t", "payload_hash": "h"}
+    kwargs[field] = "bad\x00value"
+    with pytest.raises(ValueError, match=field):
+        if verb == "claim":
+            store.claim("k", attempt=0, lease=LONG, ttl=LONG, **kwargs)
+        elif verb == "record":
+            store.record("k", 1, state=State.DONE, content_type=kwargs["content_type"], data=b"",
+                         ttl=LONG)
+        else:
+            store.record_with("k", 1, state=State.DONE, content_type=kwargs["content_type"],
+                              data=b"", ttl=LONG, also=BackendWrite("meta", b"m"))
+    assert sent == [] and redis_client.get(prefix + "k") == before
+
+
+@pytest.mark.parametrize("task_id", [
+    "0b7c5f2e-3a41-4c7e-9d2a-5b1f6e8a9c10",  # Celery's: packed into 23 characters
+    "0B7C5F2E-3A41-4C7E-9D2A-5B1F6E8A9C10",  # not canonical: stored as given
+    "order-42/attempt", "",
+])
+def test_task_ids_read_back_exactly_and_celerys_uuids_take_23_characters(
+    store: RedisStore, redis_client: Any, prefix: str, task_id: str
+) -> None:
+    first = store.claim("k", owner="o", task_id=task_id, attempt=0, lease=LONG, ttl=LONG)
+    stored = redis_client.get(prefix + "k").split(b"\x00")[2]
+    assert len(stored) == (23 if task_id.islower() and len(task_id) == 36 else len(task_id))
+    assert store.get("k").task_id == task_id
+    # The same task id with a higher attempt takes its own claim over: the packed ids compare.
+    again = store.claim("k", owner="o", task_id=task_id, attempt=1, lease=LONG, ttl=LONG)
+    assert again.status is ClaimStatus.TAKEOVER and again.token == first.token + 1
+    store.record("k", again.token, state=State.DONE, content_type="c", data=b"v", ttl=LONG)
+    assert store.get("k").task_id == task_id
+
+
+def test_a_task_id_starting_with_the_packed_marker_is_refused(store: RedisStore) -> None:
+    with pytest.raises(ValueError, match="task_id"):
+        store.claim("k", owner="o", task_id="\x01abc", attempt=0, lease=LONG, ttl=LONG)
+    assert store.get("k") is None
+
+
+def test_a_control_character_in_a_content_type_is_a_value_error(store: RedisStore) -> None:
+    claim(store, "k")
+    with pytest.raises(ValueError, match="content_type"):
+        store.record("k", 1, state=State.DONE, content_type="\x01", data=b"", ttl=LONG)
+    rec = store.get("k")
+    assert rec is not None and rec.state is State.IN_PROGRESS
+
+
+def test_release_keeps_the_ttl_and_renew_extends_it_past_the_lease(
+    store: RedisStore, redis_client: Any, prefix: str
+) -> None:
+    claim(store, "r", ttl=LONG)
+    store.release("r", 1)
+    assert 0 < redis_client.pttl(prefix + "r") <= LONG * 1000
+    assert redis_client.get(prefix + "r").startswith(b"\xc1r1\x00")
+    claim(store, "n", ttl=5.0)
+    store.renew("n", 1, 1000.0)  # a lease longer than the record's TTL: the record outlives it
+    assert redis_client.pttl(prefix + "n") > 900_000
+    store.renew("n", 1, 1.0)  # a short renewal never shortens the record
+    assert redis_client.pttl(prefix + "n") > 900_000
 
 
 # -- unavailability ---------------------------------------------------------------------------
@@ -201,26 +371,33 @@ def test_every_redis_error_becomes_store_unavailable_or_corrupt_record(
 # -- memory -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("result", [
+    b'{"charge_id":"ch_3PqR8","status":"ok"}',  # 37 bytes
+    b'{"order_id":"ord_12345","note":"' + b"x" * 86 + b'"}',  # 121 bytes: a hash's cliff at 64
+])
 def test_a_done_record_costs_at_most_200_bytes_beyond_its_key_and_result(
-    store: RedisStore, redis_client: Any
+    store: RedisStore, redis_client: Any, result: bytes
 ) -> None:
     # What the gate writes for a typical task: a real key, a Celery task id, host:pid.
     key = idempotency_key("charge_card", "ord_8891", amount_cents=4200)
-    result = b'{"charge_id":"ch_3PqR8","status":"ok"}'
     token = store.claim(
         key, owner="worker-1:4242", task_id=str(uuid.uuid4()), attempt=0, lease=LONG, ttl=86400
     ).token
-    store.record(key, token, state=State.DONE, content_type="application/json", data=result, ttl=86400)
+    store.record(key, token, state=State.DONE, content_type="application/json;utf-8", data=result,
+                 ttl=86400)
     used = redis_client.memory_usage(store.prefix + key, samples=0)
-    fields = redis_client.hgetall(store.prefix + key)
+    value = redis_client.get(store.prefix + key)
     # The budget is the record's own overhead: the key's bytes are the user's choice (prefix,
     # operation name) and the result's are the body's, so neither counts against it.
     budget = 200 + len(result) + len(store.prefix + key)
     assert used <= budget, (
         f"a done record of {len(store.prefix + key)}-byte key with a {len(result)}-byte result "
-        f"takes {used} bytes (budget {budget}); fields: {fields}"
+        f"takes {used} bytes (budget {budget}); value: {value!r}"
     )
-    assert b"o" not in fields and b"a" not in fields  # holder details are dropped once done
+    rec = store.get(key)
+    assert rec is not None and rec.data == result
+    assert b"worker-1" not in value  # holder details are dropped once done
+    assert (rec.owner, rec.attempt, rec.lease_expires) == ("", 0, None)
 
 
 # -- a server that dies and comes back --------------------------------------------------------
@@ -264,3 +441,21 @@ def test_leases_use_the_redis_clock_not_the_workers(
     assert store.now() > 1e9
     assert claim(store, who="b").status is ClaimStatus.BUSY
 
+
+
+@pytest.mark.parametrize("value", [b"written by another program", b"\xc1x1\x001\x00\x00\x00"],
+                         ids=["foreign", "damaged"])
+def test_with_wait_replicas_a_non_record_is_still_corrupt_record_for_every_verb(
+    redis_url: str, prefix: str, redis_client: Any, redis_cleanup: None, value: bytes
+) -> None:
+    # Nothing is written to a non-record, so no replica count can turn it into an outage
+    redis_client.set(prefix + "k", value)
+    store = RedisStore.from_url(redis_url, prefix=prefix, wait_replicas=1, wait_timeout=0.2)
+    try:
+        for verb, call in _every_verb(store, "k").items():
+            with pytest.raises(CorruptRecord) as info:
+                call()
+            assert info.value.key == "k", verb
+    finally:
+        store.close()
+    assert redis_client.get(prefix + "k") == value

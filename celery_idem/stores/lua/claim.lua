@@ -1,42 +1,63 @@
 -- Atomically claim one idempotency key (see Store.claim for the decision order).
--- KEYS[1]  the record hash
+-- KEYS[1]  the record
 -- ARGV[1]  owner          ARGV[2] task id      ARGV[3] attempt (request.retries)
 -- ARGV[4]  lease (ms)     ARGV[5] ttl (ms)     ARGV[6] payload hash ('' = do not validate)
--- Returns  {status, token, now_ms, s, t, o, i, a, l, h, c, d, u} - the record BEFORE the claim.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local r = redis.call('HMGET', KEYS[1], 's', 't', 'o', 'i', 'a', 'l', 'h', 'c', 'd', 'u')
-local state = r[1]
-local token = tonumber(r[2]) or 0
+-- Returns  {status, token, now_ms, the record BEFORE the claim (its stored string) or nil}.
 
-local function reply(status, tok)
-  return {status, tok, now, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10]}
+-- The record format (celery_idem/stores/redis.py documents it): one string
+--   '\193' <state> <token> \0 <updated ms> \0 <task id> \0 <payload hash> \0 <tail>
+-- state: i in_progress, d done, f failed, r released. Each script carries these few lines:
+-- the store sends the file as it is (its SHA1 is the file's).
+
+-- state, token, updated, task id, payload hash, position of the tail; nil when v is not a record.
+local function parse(v)
+  return string.match(v, '^\193([idfr])(%d+)%z(%d+)%z([^%z]*)%z([^%z]*)%z()')
 end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local v = redis.call('GET', KEYS[1])
+local now = now_ms()
+local token = 0
 
 local function take(status)
   token = token + 1
-  redis.call('HSET', KEYS[1], 's', 'in_progress', 't', token, 'o', ARGV[1], 'i', ARGV[2],
-             'a', ARGV[3], 'l', now + tonumber(ARGV[4]), 'h', ARGV[6], 'u', now)
-  redis.call('HDEL', KEYS[1], 'c', 'd')
-  redis.call('PEXPIRE', KEYS[1], ARGV[5])
-  return reply(status, token)
+  redis.call('SET', KEYS[1], '\193i' .. token .. '\0' .. now .. '\0' .. ARGV[2] .. '\0' ..
+             ARGV[6] .. '\0' .. ARGV[1] .. '\0' .. ARGV[3] .. '\0' .. (now + tonumber(ARGV[4])),
+             'PX', ARGV[5])
+  return {status, token, now, v}
 end
 
-if not state or state == 'released' then
+if not v then
   return take('claimed')
 end
-if ARGV[6] ~= '' and r[7] and r[7] ~= '' and r[7] ~= ARGV[6] then
-  return reply('mismatch', token)
+local state, t, _, task_id, hash, tail = parse(v)
+if not state then
+  return {'corrupt', 0, now, v}  -- not written by celery_idem: left alone
 end
-if state == 'done' or state == 'failed' then
-  return reply(state, token)
+token = tonumber(t)
+if state == 'r' then
+  return take('claimed')
 end
-if state ~= 'in_progress' then
-  return reply('corrupt', token)
+if ARGV[6] ~= '' and hash ~= '' and hash ~= ARGV[6] then
+  return {'mismatch', token, now, v}
 end
-local lease_expired = (tonumber(r[6]) or 0) <= now
-local earlier_attempt_of_same_task = r[4] == ARGV[2] and tonumber(ARGV[3]) > (tonumber(r[5]) or 0)
+if state == 'd' then
+  return {'done', token, now, v}
+end
+if state == 'f' then
+  return {'failed', token, now, v}
+end
+local attempt, lease = string.match(v, '^[^%z]*%z(%d+)%z(%d+)$', tail)
+if not attempt then
+  return {'corrupt', 0, now, v}
+end
+local lease_expired = tonumber(lease) <= now
+local earlier_attempt_of_same_task = task_id == ARGV[2] and tonumber(ARGV[3]) > tonumber(attempt)
 if lease_expired or earlier_attempt_of_same_task then
   return take('takeover')
 end
-return reply('busy', token)
+return {'busy', token, now, v}

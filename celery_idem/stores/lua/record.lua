@@ -1,13 +1,36 @@
 -- Fenced: turn the caller's in_progress record into done/failed.
--- KEYS[1] the record hash        KEYS[2] (optional) Celery's result key for this task
--- ARGV[1] token   ARGV[2] state ('done'|'failed')   ARGV[3] content type   ARGV[4] data
--- ARGV[5] ttl (ms)
+-- KEYS[1] the record             KEYS[2] (optional) Celery's result key for this task
+-- ARGV[1] token   ARGV[2] state ('d' done | 'f' failed)   ARGV[3] content type (or its code)
+-- ARGV[4] data    ARGV[5] ttl (ms)
 -- ARGV[6] (with KEYS[2]) the result backend's encoded meta   ARGV[7] its expiry (s, 0 = none)
--- Returns 'ok' ('ok:nometa' when the meta write was refused), or 'fenced:<state>:<token>' /
--- 'missing' when the caller no longer holds the key.
-local r = redis.call('HMGET', KEYS[1], 's', 't')
-if not r[1] then return 'missing' end
-if tonumber(r[2]) ~= tonumber(ARGV[1]) then return 'fenced:' .. r[1] .. ':' .. r[2] end
+-- Returns 'ok' ('ok:nometa' when the meta write was refused), 'fenced:<state code>:<token>' /
+-- 'missing' when the caller no longer holds the key, or 'corrupt' (not a record: left alone).
+
+-- The record format (celery_idem/stores/redis.py documents it): one string
+--   '\193' <state> <token> \0 <updated ms> \0 <task id> \0 <payload hash> \0 <tail>
+-- state: i in_progress, d done, f failed, r released. Each script carries these few lines:
+-- the store sends the file as it is (its SHA1 is the file's).
+
+-- state, token, updated, task id, payload hash, position of the tail; nil when v is not a record.
+local function parse(v)
+  return string.match(v, '^\193([idfr])(%d+)%z(%d+)%z([^%z]*)%z([^%z]*)%z()')
+end
+
+-- What follows the header of an in_progress record: owner, attempt, lease expiry.
+local IN_PROGRESS_TAIL = '^[^%z]*%z%d+%z%d+$'
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local v = redis.call('GET', KEYS[1])
+if not v then return 'missing' end
+local state, t, _, task_id, hash, tail = parse(v)
+if not state or state == 'i' and not string.find(v, IN_PROGRESS_TAIL, tail) then
+  return 'corrupt'
+end
+if tonumber(t) ~= tonumber(ARGV[1]) then return 'fenced:' .. state .. ':' .. t end
 
 -- The result backend's own write (SET + PUBLISH, what Celery's Redis backend does), folded into
 -- this round trip and made only by the fenced holder. pcall: a refused meta write (an ACL, say)
@@ -28,13 +51,10 @@ end
 
 -- The holder retrying a record whose reply it lost: already written (the meta too, unless it
 -- was refused: writing it again is harmless).
-if r[1] == ARGV[2] then return meta() end
-if r[1] ~= 'in_progress' then return 'fenced:' .. r[1] .. ':' .. r[2] end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HSET', KEYS[1], 's', ARGV[2], 'c', ARGV[3], 'd', ARGV[4], 'u', now)
--- Who held the claim and at which attempt no longer matters once the outcome is known: drop
--- them to keep a done record small (the task id stays: it is the original task id).
-redis.call('HDEL', KEYS[1], 'l', 'o', 'a')
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
+if state == ARGV[2] then return meta() end
+if state ~= 'i' then return 'fenced:' .. state .. ':' .. t end
+-- Who held the claim, at which attempt and until when no longer matters once the outcome is
+-- known: the done record drops them to stay small (the task id stays: it is the original one).
+redis.call('SET', KEYS[1], '\193' .. ARGV[2] .. t .. '\0' .. now_ms() .. '\0' .. task_id .. '\0' ..
+           hash .. '\0' .. ARGV[3] .. '\0' .. ARGV[4], 'PX', ARGV[5])
 return meta()

@@ -611,9 +611,15 @@ def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
             if paths:
                 fast = paths["fast path/first"]
                 text += (f"A first run's two statements cost {fast.cpu_us:.0f} µs of client CPU on the "
-                         f"psycopg fast path ({fast.median_us:.0f} µs wall, the CTE upsert's server time "
-                         "included), plus delay()'s read on the producer; PostgreSQL's own CPU per "
-                         "statement runs on the same 2 CPUs.")
+                         f"psycopg fast path but {fast.median_us:.0f} µs of wall time: each is its own "
+                         "transaction and waits for a durable commit (WAL flush)")
+                nd = paths.get(f"{micro.NOT_DURABLE}/first")
+                if nd is not None:
+                    text += f" ({nd.median_us:.0f} µs with synchronous_commit=off, measured only to show it)"
+                text += (", and `-P prefork -c 2` has two children to overlap those waits. The worker CPU "
+                         "figure grows with the wait too (the pool's parent loops more per task when "
+                         "tasks are slower); PostgreSQL's own CPU per statement runs on the same 2 CPUs. "
+                         "The Redis result backend's GET + SET cannot ride on a PostgreSQL record.")
         return text
     if target.startswith("faster than powertools") and "like for like" in target:
         return ("both make 2 store round trips in the worker; Powertools' are plain SET/GET (no script), "

@@ -94,7 +94,9 @@ _STATUSES = {status.value.encode(): status for status in ClaimStatus}
 
 
 def _load(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+    """The script ``<name>.lua`` as registered: the shared record parsing (``_record.lua``) first."""
+    lua = resources.files(__package__).joinpath("lua")
+    return lua.joinpath("_record.lua").read_text("utf-8") + lua.joinpath(f"{name}.lua").read_text("utf-8")
 
 
 def _refuse_nul(**fields: str) -> None:

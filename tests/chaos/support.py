@@ -29,13 +29,13 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import redis
 
 import celery_idem.task as idem_task
+from celery_idem.stores.redis import _load as _load_script
 from tests.integration import app as app_module
 from tests.integration.harness import Worker, free_port, wait_for
 
@@ -48,7 +48,7 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
 def _lua(name: str) -> str:
-    return resources.files("celery_idem.stores").joinpath("lua", f"{name}.lua").read_text("utf-8")
+    return _load_script(name)  # what the store registers (the shared prelude included)
 
 
 def lua_sha(name: str) -> str:

@@ -3,23 +3,7 @@
 -- KEYS[1] the record    ARGV[1] token
 -- Returns 'ok', 'fenced:<state code>:<token>' / 'missing', or 'corrupt' (not a record).
 
--- The record format (celery_idem/stores/redis.py documents it): one string
---   '\193' <state> <token> \0 <updated ms> \0 <task id> \0 <payload hash> \0 <tail>
--- state: i in_progress, d done, f failed, r released. Each script carries these few lines:
--- the store sends the file as it is (its SHA1 is the file's).
-
--- state, token, updated, task id, payload hash, position of the tail; nil when v is not a record.
-local function parse(v)
-  return string.match(v, '^\193([idfr])(%d+)%z(%d+)%z([^%z]*)%z([^%z]*)%z()')
-end
-
--- What follows the header of an in_progress record: owner, attempt, lease expiry.
-local IN_PROGRESS_TAIL = '^[^%z]*%z%d+%z%d+$'
-
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+-- (parse, IN_PROGRESS_TAIL and now_ms come from _record.lua, prepended by the store)
 
 local v = redis.call('GET', KEYS[1])
 if not v then return 'missing' end

@@ -333,8 +333,11 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "the broker: the body, then the result written to the Redis backend. A plain task's result "
         "costs two round trips (the backend's `GET` of the old meta, then `SET` + `PUBLISH` in one "
         "pipeline). An `IdempotentTask` claims, then records with a script that also writes that meta "
-        "(celery_idem/results.py): two round trips as well. *result not folded* is the same task with "
-        "`idempotency_fold_results = False`: the record, then Celery's own two. Timed in turn; every "
+        "(celery_idem/results.py): two round trips as well. *store elsewhere* has its store on another "
+        "database of the server, so the record cannot carry the meta: the record, then the task's own "
+        "`SET` + `PUBLISH` of the meta without the `GET`, three round trips. *result not folded* is the "
+        "same task with `idempotency_fold_results = False`: the record, then Celery's own two. Timed "
+        "in turn; every "
         "request the backend and the store send is counted (a pipeline is one).")
 
     log("record size ...")
@@ -748,6 +751,13 @@ def _findings(r: dict[str, Any]) -> list[str]:
             f"{fo.round_trips:g} round trips: claim, and the record that writes the result), and "
             f"{un.median_us:.0f} µs ({un.cpu_us:.0f} µs CPU, {un.round_trips:g} round trips) when the "
             f"result is not folded into the record.")
+        di = tr.get(tracer.DIRECT)
+        if di:
+            f.append(
+                f"**With the store elsewhere** (another database, as with a PostgreSQL store) the task "
+                f"writes the result meta itself without the backend's `GET`: {di.median_us:.0f} µs "
+                f"({di.cpu_us:.0f} µs CPU, {di.round_trips:g} round trips) against "
+                f"{un.median_us:.0f} µs ({un.round_trips:g}) with Celery's own write.")
     if "postgres" in r["gate"]:
         s = r["gate"]["postgres"]["first"]
         f.append("**PostgreSQL: waiting for the server dominates now.** Each verb is one statement in "

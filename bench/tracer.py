@@ -2,9 +2,11 @@
 child runs for each message) on a plain task and on an ``IdempotentTask``, Redis result backend
 and store, no broker.
 
-Three systems, timed in turn (``micro.time_interleaved``): ``plain``; ``idem`` with the result
-written by the record's script (the default, see celery_idem/results.py); ``idem, result not
-folded`` (``idempotency_fold_results = False``: the record, then Celery's GET + SET). Every Redis
+Four systems, timed in turn (``micro.time_interleaved``): ``plain``; ``idem`` with the result
+written by the record's script (the default, see celery_idem/results.py); ``idem, store
+elsewhere`` (the store on another database of the server, so nothing is folded: the record, then
+the task's own SET + PUBLISH of the meta, no GET); ``idem, result not folded``
+(``idempotency_fold_results = False``: the record, then Celery's GET + SET). Every Redis
 request sent by the backend and the store is counted (a pipeline is one), so the table shows the
 round trips per task.
 """
@@ -21,6 +23,7 @@ from bench import micro
 from bench.app import Settings, build_app
 
 PLAIN, FOLDED, UNFOLDED = "plain task", "IdempotentTask", "IdempotentTask, result not folded"
+DIRECT = "IdempotentTask, store elsewhere"
 
 
 class Sends:
@@ -35,8 +38,10 @@ class SendCounting(micro.CountingConnection):
         super().send_packed_command(*args, **kwargs)  # type: ignore[no-untyped-call]
 
 
-def _tracer(settings: Settings, fold: bool) -> tuple[Any, Any, Any]:
+def _tracer(settings: Settings, fold: bool, elsewhere: str | None = None) -> tuple[Any, Any, Any]:
     app = build_app(settings)
+    if elsewhere:
+        app.conf.idempotency_store = elsewhere
     if not fold:
         app.conf.idempotency_fold_results = False
     # Count the backend's and the store's replies: same connection class on both (the fold
@@ -60,23 +65,29 @@ def tracer_timings(redis_url: str, prefix: str, n: int, tag: str) -> dict[str, m
     """Per-task wall, CPU and round trips of the worker's tracer; every key deleted after."""
     runs = {}
     apps = []
-    for name, fold in ((FOLDED, True), (UNFOLDED, False)):
-        s = Settings(prefix=f"{prefix}{tag}{int(fold)}:", queue=f"{prefix}{tag}{int(fold)}",
-                     redis_url=redis_url)
-        app, plain, idem = _tracer(s, fold)
-        apps.append((app, s.prefix))
-        if fold:
+    base, _, db = redis_url.rpartition("/")
+    other = f"{base}/{int(db or 0) + 1}" if db.isdigit() or not db else None
+    systems = [(FOLDED, True, None), (DIRECT, True, other), (UNFOLDED, False, None)]
+    for name, fold, elsewhere in systems:
+        if name == DIRECT and other is None:
+            continue  # a URL without a database number: no second database to put the store in
+        t = f"{tag}{int(fold)}{'e' if elsewhere else ''}"
+        s = Settings(prefix=f"{prefix}{t}:", queue=f"{prefix}{t}", redis_url=redis_url)
+        app, plain, idem = _tracer(s, fold, elsewhere)
+        apps.append((app, s.prefix, elsewhere))
+        if name == FOLDED:
             runs[PLAIN] = _runner(plain, "bench.plain", None, tag + "p")
-        runs[name] = _runner(idem, "bench.idem", app.tasks["bench.idem"], f"{tag}{int(fold)}")
+        runs[name] = _runner(idem, "bench.idem", app.tasks["bench.idem"], t)
     try:
         return micro.time_interleaved(runs, n, warm=50, count=lambda: Sends.count)
     finally:
-        client = redis.Redis.from_url(redis_url)
-        for app, pfx in apps:
-            for key in client.scan_iter(match=f"{pfx}*", count=1000):
-                client.delete(key)
+        for app, pfx, elsewhere in apps:
+            for url in {redis_url, elsewhere or redis_url}:
+                client = redis.Redis.from_url(url)
+                for key in client.scan_iter(match=f"{pfx}*", count=1000):
+                    client.delete(key)
+                client.close()
             app.backend.client.close()
-        client.close()
 
 
 def _runner(trace: Any, name: str, task: Any, tag: str) -> Any:

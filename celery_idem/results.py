@@ -1,51 +1,122 @@
-"""Celery's result write, folded into the record's round trip when both live on one Redis.
+"""Celery's result write, made in fewer round trips when the result backend is Redis.
 
 After a body, a plain Celery worker stores the result with two round trips (the Redis
 backend first ``GET``\\ s the old meta so a late duplicate cannot overwrite a success, then
 ``SET``\\ s the meta and ``PUBLISH``\\ es it); an ``IdempotentTask`` adds its own record before
-that. When the result backend and the idempotency store are the same Redis server and database
-(the default: the store is derived from ``result_backend``), the record script writes the
-backend's meta too, and the tracer's own write is skipped (``request.ignore_result``, which
-Celery checks in ``mark_as_done``): one round trip instead of three.
+that. Two shortcuts, both with the meta built by the backend's own methods (``encode_result``,
+``_get_result_meta``, ``encode``, ``get_key_for_task``), so it is byte for byte what Celery
+would store:
 
-The meta is built by the backend's own methods (``encode_result``, ``_get_result_meta``,
-``encode``, ``get_key_for_task``), so it is byte for byte what Celery would store. The fence
-that guards the record guards it too, which is what the backend's ``GET`` was for: only the
-current holder of the key writes a result. Folded only when nothing else needs Celery's own
-path: not eager, results not ignored, no callbacks, chain or chord (Celery stores those after
-it has sent the next tasks, so the meta can list them as children).
+* **Folded**: when the result backend and the idempotency store are the same Redis server and
+  database (the default: the store is derived from ``result_backend``), the record script
+  writes the backend's meta too. One round trip instead of three.
+* **Direct**: otherwise (a PostgreSQL store, a Redis store elsewhere, a duplicate answered from
+  its record), the task writes the meta with the backend's own ``set`` (``SET`` + ``PUBLISH``
+  in one pipeline, the backend's retry policy) and skips the ``GET``. One round trip instead
+  of two.
 
-Set ``idempotency_fold_results = False`` in the app's configuration to turn it off.
+Either way the tracer's own write is then skipped (``request.ignore_result``, which Celery
+checks in ``mark_as_done``). The ``GET`` is not needed: it keeps a late duplicate from
+overwriting a success, and here only the holder whose fenced record was accepted writes, or a
+duplicate that was answered with that same recorded result. When the direct write fails, Celery
+writes the result itself as usual (its ``result_backend_always_retry`` included). Neither
+shortcut is taken where Celery's own path is needed: eager runs, ignored results, callbacks,
+chains and chords (Celery stores those after it has sent the next tasks, so the meta can list
+them as children), or a backend class that overrides how results are stored.
+
+Set ``idempotency_fold_results = False`` in the app's configuration to turn both off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from typing import Any
 
 from celery.states import SUCCESS
 
 from .stores.base import BackendWrite, Store
 
-__all__ = ["result_writer"]
+__all__ = ["ResultWriter", "result_writer"]
+
+logger = logging.getLogger("celery_idem")
 
 #: Connection settings that must be equal for the backend and the store to be one server,
 #: one database, one user (a script runs with the store's connection's permissions).
 _SAME_SERVER = ("host", "port", "db", "path", "username", "password")
 
-Writer = Callable[[Any, Any], BackendWrite | None]
+#: The backend methods between the tracer and the Redis write. A subclass that overrides one of
+#: them stores results its own way, so its results are left to Celery.
+_STORE_PATH = ("mark_as_done", "store_result", "_store_result", "_set_with_state", "set",
+               "_get_result_meta", "encode_result", "get_key_for_task")
 
 
-def result_writer(task: Any, store: Store) -> Writer | None:
-    """A builder of ``task``'s result writes for ``store``, or None when they cannot be folded.
+class ResultWriter:
+    """Builds a task's result writes and makes the direct one.
+
+    Attributes:
+        folds: True when the store can write the meta in the record's round trip.
+    """
+
+    def __init__(self, task: Any, backend: Any, folds: bool) -> None:
+        from celery.app.task import get_actual_ignore_result
+
+        self._task = task
+        self._backend = backend
+        self._ignored = get_actual_ignore_result
+        self.folds = folds
+        self._expires = int(backend.expires or 0)
+        self._limit = getattr(backend, "_MAX_STR_VALUE_SIZE", None)
+
+    def build(self, request: Any, result: Any) -> BackendWrite | None:
+        """The backend's write of ``result`` for ``request``, or None: leave it to Celery."""
+        if (
+            request.is_eager or request.called_directly or not request.id
+            or request.callbacks or request.chain or request.chord
+            or self._ignored(self._task, request)
+        ):
+            return None
+        backend = self._backend
+        meta = backend._get_result_meta(
+            result=backend.encode_result(result, SUCCESS), state=SUCCESS, traceback=None,
+            request=request,
+        )
+        meta["task_id"] = request.id
+        value = backend.encode(meta)
+        if self._limit is not None and isinstance(value, str) and len(value) > self._limit:
+            return None  # the backend refuses it with its own error
+        key = backend.get_key_for_task(request.id)
+        return BackendWrite(key=key.decode() if isinstance(key, bytes) else key, value=value,
+                            expires=self._expires)
+
+    def write(self, write: BackendWrite) -> bool:
+        """Make ``write`` with the backend's own ``set`` (no ``GET`` first).
+
+        Returns:
+            True when it is written; False when it failed (logged at DEBUG) and Celery's own
+            write should follow.
+        """
+        try:
+            self._backend._set_with_state(write.key, write.value, SUCCESS)
+        except Exception as exc:  # Celery's own write follows, with its own retries and errors
+            logger.debug("celery_idem direct result write of %s failed, left to Celery: %r",
+                         write.key, exc)
+            return False
+        write.written = True
+        return True
+
+
+def result_writer(task: Any, store: Store) -> ResultWriter | None:
+    """``task``'s result writer for ``store``, or None when results are left to Celery.
 
     Args:
         task: The Celery task (its ``backend`` and ``app`` are read).
         store: The task's idempotency store.
 
     Returns:
-        ``writer(request, result) -> BackendWrite | None``; None from it means "leave this
-        result to Celery".
+        A :class:`ResultWriter` when the result backend is Celery's Redis backend (or a subclass
+        that stores results the same way); its ``folds`` says whether ``store`` can write the
+        result in the record's round trip. None otherwise, or when
+        ``idempotency_fold_results`` is False.
     """
     if task.app.conf.get("idempotency_fold_results") is False:
         return None
@@ -53,41 +124,19 @@ def result_writer(task: Any, store: Store) -> Writer | None:
         from celery.backends.redis import RedisBackend
 
         from .stores.redis import RedisStore
-    except ImportError:  # no redis-py: neither side is Redis
+    except ImportError:  # no redis-py: the backend is not Redis
         return None
     backend = task.backend
-    # Exact types: a subclass (Sentinel's backend, a cluster store, a user's backend with its
-    # own _set) may write elsewhere or otherwise.
-    if type(backend) is not RedisBackend or type(store) is not RedisStore:
+    cls = type(backend)
+    if not isinstance(backend, RedisBackend) or any(
+        getattr(cls, name, None) is not getattr(RedisBackend, name) for name in _STORE_PATH
+    ):
         return None
-    if not _same_server(backend.client, store.client):
-        return None
-
-    from celery.app.task import get_actual_ignore_result
-
-    expires = int(backend.expires or 0)
-    limit = getattr(backend, "_MAX_STR_VALUE_SIZE", None)
-
-    def writer(request: Any, result: Any) -> BackendWrite | None:
-        if (
-            request.is_eager or request.called_directly or not request.id
-            or request.callbacks or request.chain or request.chord
-            or get_actual_ignore_result(task, request)
-        ):
-            return None
-        meta = backend._get_result_meta(
-            result=backend.encode_result(result, SUCCESS), state=SUCCESS, traceback=None,
-            request=request,
-        )
-        meta["task_id"] = request.id
-        value = backend.encode(meta)
-        if limit is not None and isinstance(value, str) and len(value) > limit:
-            return None  # the backend refuses it with its own error
-        key = backend.get_key_for_task(request.id)
-        return BackendWrite(key=key.decode() if isinstance(key, bytes) else key, value=value,
-                            expires=expires)
-
-    return writer
+    # Exact types for the fold: a subclass (Sentinel's backend, a cluster store) may write
+    # elsewhere than the store's script can reach.
+    folds = (cls is RedisBackend and type(store) is RedisStore
+             and _same_server(backend.client, store.client))
+    return ResultWriter(task, backend, folds)
 
 
 def _same_server(backend_client: Any, store_client: Any) -> bool:

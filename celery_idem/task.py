@@ -36,7 +36,7 @@ from .gate import Attempt, Gate, Requeue
 from .keys import bind_arguments, key_from_fields, payload_hash, select_fields
 from .lease import current_lease
 from .records import Record, State
-from .results import Writer, result_writer
+from .results import ResultWriter, result_writer
 from .stores import store_from_url
 from .stores.base import BackendWrite, Store
 
@@ -187,7 +187,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return _signature_of(self.run)
 
     @cached_property
-    def _result_writer(self) -> Writer | None:
+    def _result_writer(self) -> ResultWriter | None:
         return result_writer(self, self._gate.store)
 
     @cached_property
@@ -447,13 +447,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         req.idempotency_key_ = key
         call_body = super().__call__
         writer = self._result_writer
-        folded: list[BackendWrite] = []
+        built: list[BackendWrite] = []
 
         def also(result: Any) -> BackendWrite | None:
             assert writer is not None  # passed to the gate only when there is one
-            write = writer(req, result)
+            write = writer.build(req, result)
             if write is not None:
-                folded.append(write)
+                built.append(write)
             return write
 
         def body(token: int) -> Any:
@@ -467,7 +467,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         while True:
             try:
-                result = self._gate.run(attempt, body, also if writer is not None else None)
+                result = self._gate.run(attempt, body,
+                                        also if writer is not None and writer.folds else None)
             except Requeue as busy:
                 if req.is_eager or req.called_directly:
                     continue  # no broker to re-queue to: wait another round in place
@@ -479,11 +480,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
                 self._requeue(countdown=min(2.0 ** n, 30.0), reason=str(down), exc=down)
             else:
-                if folded and folded[-1].written:
-                    # The record's script stored the result meta: Celery must not write it again
-                    # (mark_as_done skips the store when the request ignores results).
-                    req.ignore_result = True
+                if writer is not None:
+                    self._write_result(writer, req, result, built[-1] if built else None)
                 return result
+
+    @staticmethod
+    def _write_result(
+        writer: ResultWriter, req: Any, result: Any, folded: BackendWrite | None
+    ) -> None:
+        """Store the result in one round trip (celery_idem/results.py), or leave it to Celery."""
+        if folded is None or not folded.written:
+            # Not folded (another server, a duplicate answered from its record, an ACL that
+            # refused the script's write): SET + PUBLISH without the backend's GET.
+            write = folded or writer.build(req, result)
+            if write is None or not writer.write(write):
+                return
+        # Stored: Celery must not write it again (mark_as_done skips the store when the
+        # request ignores results).
+        req.ignore_result = True
 
     def _requeue(self, countdown: float, reason: str, exc: BaseException | None = None) -> None:
         """Publish this message again (same task id, same ``retries``) and end this attempt."""

@@ -1,10 +1,12 @@
 """Celery's result write folded into the record's round trip (celery_idem/results.py).
 
 When the result backend and the store are one Redis server and database, the record script
-writes the backend's meta (SET + PUBLISH) and the tracer skips its own GET and SET. These tests
-check that the folded meta is the one Celery writes, that Celery writes it itself whenever it
-must (callbacks, ignored results, another database, the setting off, a refused write), that a
-stale holder writes none, and, with real workers, the round trips on the server.
+writes the backend's meta (SET + PUBLISH) and the tracer skips its own GET and SET. Otherwise
+(another server or database, a SQL store, a duplicate answered from its record) the task writes
+the meta with the backend's own SET + PUBLISH and skips the GET. These tests check that both
+metas are the ones Celery writes, that Celery writes it itself whenever it must (callbacks,
+ignored results, the setting off, a failed direct write, a backend that stores results its own
+way), that a stale holder writes none, and, with real workers, the round trips on the server.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from celery.backends.redis import RedisBackend
 from celery_idem import IdempotentTask
 from celery_idem.exceptions import LeaseLost
 from celery_idem.records import State
+from celery_idem.results import result_writer
 from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore
+from tests.conftest import PG_URL, require
 from tests.integration import app as app_module
 from tests.integration.conftest import Cluster
 from tests.integration.harness import RedisServer, wait_for
+from tests.stores.support import drop_table
 
 
 class _Spy:
@@ -125,17 +130,12 @@ def test_the_folded_meta_is_the_one_celery_writes_and_the_backend_writes_nothing
     assert app.tasks["fold.charge"]._gate.store.get(key).state is State.DONE
 
 
-@pytest.mark.parametrize("case", ["link", "ignore_result", "other_db", "setting_off"])
-def test_celery_writes_the_result_itself_when_it_cannot_be_folded(
-    make_app: Any, monkeypatch: pytest.MonkeyPatch, case: str, redis_url: str
+@pytest.mark.parametrize("case", ["link", "ignore_result", "setting_off"])
+def test_celery_writes_the_result_itself_when_it_must(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     extra: dict[str, Any] = {}
-    if case == "other_db":
-        app = make_app(store_db=int(redis_url.rsplit("/", 1)[1] or 0) + 1)
-    elif case == "setting_off":
-        app = make_app(idempotency_fold_results=False)
-    else:
-        app = make_app()
+    app = make_app(idempotency_fold_results=False) if case == "setting_off" else make_app()
     if case == "link":
         extra["callbacks"] = [app.tasks["fold.plain"].s(7).set(queue="fold-unused-" + uuid.uuid4().hex)]
     if case == "ignore_result":
@@ -150,12 +150,110 @@ def test_celery_writes_the_result_itself_when_it_cannot_be_folded(
         if case == "ignore_result":
             assert spy.sets == [] and app.backend.client.get(app.backend.get_key_for_task(task_id)) is None
         else:
-            assert len(spy.sets) == 1, f"{case}: Celery did not write the result"
+            # Celery's own path: the GET of the old meta, then SET + PUBLISH.
+            assert len(spy.gets) == 1 and len(spy.sets) == 1, (case, spy.gets, spy.sets)
             assert _meta(app, task_id)["result"] == value
     finally:
         store.client.delete(store.prefix + key)
         if case == "link":
             app.connection_for_write().default_channel.queue_purge(extra["callbacks"][0].options["queue"])
+
+
+def test_a_store_elsewhere_gets_the_result_written_without_the_backends_get(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """Store on another database: not folded; one SET + PUBLISH, the same meta as Celery's."""
+    app = make_app(store_db=int(redis_url.rsplit("/", 1)[1] or 0) + 1, result_extended=True)
+    writer = app.tasks["fold.charge"]._result_writer
+    assert writer is not None and not writer.folds
+    spy = _Spy(app.backend, monkeypatch)
+    plain_id, _ = _run(app, "fold.plain", ("o-d", 5))
+    assert len(spy.gets) == 1 and len(spy.sets) == 1
+    idem_id, value = _run(app, "fold.charge", ("o-d", 5))
+    assert len(spy.gets) == 1, "the direct write read the old meta"
+    assert len(spy.sets) == 2, "the result was not written once"
+    direct, reference = _meta(app, idem_id), _meta(app, plain_id)
+    assert sorted(direct) == sorted(reference)
+    assert direct["status"] == "SUCCESS" and direct["result"] == value
+    assert direct["task_id"] == idem_id and direct["args"] == ["o-d", 5]
+    assert 0 < app.backend.client.ttl(app.backend.get_key_for_task(idem_id)) <= 600
+    assert app.AsyncResult(idem_id).get(timeout=10) == value
+    store = app.tasks["fold.charge"]._gate.store
+    key = app.tasks["fold.charge"].idempotency_key_for(("o-d", 5), {})
+    store.client.delete(store.prefix + key)
+
+
+def test_a_duplicate_answered_from_its_record_writes_that_result_without_a_get(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app()
+    assert app.tasks["fold.charge"]._result_writer.folds
+    first_id, first = _run(app, "fold.charge", ("o-dup", 9))
+    spy = _Spy(app.backend, monkeypatch)
+    dup_id, again = _run(app, "fold.charge", ("o-dup", 9))  # another message, the same action
+    assert again == first and dup_id != first_id
+    assert spy.gets == [] and len(spy.sets) == 1
+    assert _meta(app, dup_id)["result"] == first and _meta(app, dup_id)["task_id"] == dup_id
+    store = app.tasks["fold.charge"]._gate.store
+    store.client.delete(store.prefix + app.tasks["fold.charge"].idempotency_key_for(("o-dup", 9), {}))
+
+
+def test_a_failed_direct_write_leaves_the_result_to_celery(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    app = make_app(store_db=int(redis_url.rsplit("/", 1)[1] or 0) + 1)
+    real = app.backend._set_with_state
+    calls: list[str] = []
+
+    def flaky(key: Any, value: Any, state: Any) -> Any:
+        calls.append(key)
+        if len(calls) == 1:
+            raise redis.ConnectionError("the backend blinked")
+        return real(key, value, state)
+
+    monkeypatch.setattr(app.backend, "_set_with_state", flaky)
+    spy = _Spy(app.backend, monkeypatch)
+    task_id, value = _run(app, "fold.charge", ("o-flaky", 3))
+    # Our write failed; Celery's own path followed: its GET, then its SET + PUBLISH.
+    assert len(calls) == 2 and len(spy.gets) == 1
+    assert _meta(app, task_id)["result"] == value
+    store = app.tasks["fold.charge"]._gate.store
+    store.client.delete(store.prefix + app.tasks["fold.charge"].idempotency_key_for(("o-flaky", 3), {}))
+
+
+def test_a_backend_that_stores_results_its_own_way_is_left_alone(make_app: Any) -> None:
+    app = make_app()
+
+    class Audited(RedisBackend):
+        def _store_result(self, *args: Any, **kwargs: Any) -> Any:
+            return super()._store_result(*args, **kwargs)
+
+    task = app.tasks["fold.charge"]
+    assert result_writer(task, task._gate.store) is not None
+    own = Audited(app=app, url=app.conf.result_backend)
+    task.backend = own
+    try:
+        assert result_writer(task, task._gate.store) is None
+    finally:
+        task.backend = app.backend
+        own.client.close()
+
+
+def test_a_sql_store_gets_the_result_written_without_the_backends_get(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require(PG_URL, 5432, "PostgreSQL")
+    table = f"fold_{uuid.uuid4().hex[:8]}"
+    app = make_app(idempotency_store="db+" + PG_URL, idempotency_store_options={"table_name": table})
+    store = app.tasks["fold.charge"]._gate.store
+    try:
+        spy = _Spy(app.backend, monkeypatch)
+        task_id, value = _run(app, "fold.charge", ("o-sql", 4))
+        assert spy.gets == [] and len(spy.sets) == 1
+        assert _meta(app, task_id)["result"] == value
+    finally:
+        drop_table(store)
+        store.close()
 
 
 def test_a_holder_that_lost_its_claim_writes_no_result(redis_url: str, prefix: str,
@@ -211,36 +309,44 @@ def _stats(client: redis.Redis) -> dict[str, int]:
 
 
 @pytest.mark.worker
-@pytest.mark.parametrize("fold", [True, False])
-def test_a_real_worker_stores_each_result_with_the_record(make_cluster: Any, fold: bool) -> None:
-    """Backend and store on a private server: count what the worker sends it per task."""
+@pytest.mark.parametrize("mode", ["folded", "direct", "off"])
+def test_a_real_worker_stores_each_result_in_one_round_trip(make_cluster: Any, mode: str) -> None:
+    """Backend on a private server (the store too, or on a second one): count what it is sent."""
     server = RedisServer()
+    elsewhere = RedisServer() if mode == "direct" else None
     try:
-        cluster: Cluster = make_cluster(IDEM_BACKEND=server.url, IDEM_FOLD="1" if fold else "0")
+        env = {"IDEM_BACKEND": server.url, "IDEM_FOLD": "0" if mode == "off" else "1"}
+        if elsewhere is not None:
+            env["IDEM_STORE"] = elsewhere.url
+        cluster: Cluster = make_cluster(**env)
         cluster.worker(pool="solo")
         client = redis.Redis.from_url(server.url)
         before = _stats(client)
-        results = [app_module.charge.delay(f"fold-{fold}-{i}", 100) for i in range(20)]
+        results = [app_module.charge.delay(f"fold-{mode}-{i}", 100) for i in range(20)]
         values = [r.get(timeout=30) for r in results]
-        assert [v["order_id"] for v in values] == [f"fold-{fold}-{i}" for i in range(20)]
+        assert [v["order_id"] for v in values] == [f"fold-{mode}-{i}" for i in range(20)]
         after = _stats(client)
         calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-        # Producer: 20 enqueue checks (GET of the record). Worker: claim + record per task
-        # (EVALSHA); unfolded, the backend adds a GET and a SETEX per task.
-        assert calls.get("cmdstat_evalsha", 0) == 40, calls
-        # Commands a script runs count too: the claim and the record scripts each GET and SET the
-        # record (one string), and the folded meta shows as one more SET and a PUBLISH.
-        scripts, producer = 2 * 20, 20
+        # With the store on this server: 20 enqueue checks (GET of the record) from the
+        # producer, claim + record per task (EVALSHA) from the worker. Commands a script runs
+        # count too: the claim and the record scripts each GET and SET the record (one string),
+        # and the folded meta shows as one more SET and a PUBLISH.
+        scripts, producer = (0, 0) if mode == "direct" else (2 * 20, 20)
+        assert calls.get("cmdstat_evalsha", 0) == scripts, calls
         # The client's AsyncResult.get reads each result at most once (GET) after subscribing;
-        # the worker's backend adds a GET and a SETEX per task when nothing is folded.
+        # Celery's own write adds a GET (the old meta) and a SETEX per task.
         gets = calls.get("cmdstat_get", 0) - scripts - producer
-        if fold:
+        if mode == "folded":
             assert calls.get("cmdstat_setex", 0) == 0 and gets <= 20, calls
             assert calls.get("cmdstat_set", 0) == scripts + 20, calls
+        elif mode == "direct":
+            assert calls.get("cmdstat_setex", 0) == 20 and gets <= 20, calls
         else:
             assert calls.get("cmdstat_setex", 0) == 20 and gets >= 20, calls
             assert calls.get("cmdstat_set", 0) == scripts, calls
-        assert all(len(cluster.effects(f"charge:fold-{fold}-{i}")) == 1 for i in range(20))
+        assert all(len(cluster.effects(f"charge:fold-{mode}-{i}")) == 1 for i in range(20))
         client.close()
     finally:
         server.cleanup()
+        if elsewhere is not None:
+            elsewhere.cleanup()

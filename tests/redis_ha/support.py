@@ -208,7 +208,7 @@ class LocalCluster:
         self.replica_of_dead[port] = self.replica_of(port)
         self.nodes[port].kill()
 
-    def restart(self, port: int, timeout: float = 60) -> None:
+    def restart(self, port: int, timeout: float = 120) -> None:
         """Start a killed node again; it rejoins as a replica of the master that replaced it."""
         self.nodes[port].start()
         new_master = self.replica_of_dead[port]

@@ -232,14 +232,29 @@ def commit_effect(task, action: str, *, forward_key: bool, tag: str = "",  # typ
 
 class ChaosTask(IdempotentTask):
     """Test-only base: ``kill="after_record"`` SIGKILLs the worker child once, right after the
-    gate recorded the outcome and before Celery stores the result or acknowledges the message."""
+    gate recorded the outcome and before the result meta is stored or the message acknowledged.
+
+    When the store cannot carry the result meta in the record's script, the task writes it right
+    after the record (celery_idem/results.py): the kill comes between the two. Once SUCCESS is
+    stored, Celery's main process acknowledges a lost child's message instead of redelivering it,
+    which is not the scenario these tests are after.
+    """
+
+    @staticmethod
+    def _write_result(writer, req, result, folded):  # type: ignore[no-untyped-def]
+        _kill_after_record(req.args or (), req.kwargs or {})
+        IdempotentTask._write_result(writer, req, result, folded)
 
     def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         result = super().__call__(*args, **kwargs)
-        action = args[0] if args else kwargs.get("action")
-        if kwargs.get("kill") == "after_record" and kill_once(str(action), "after_record"):
-            _die()
+        _kill_after_record(args, kwargs)  # results left to Celery: no _write_result call
         return result
+
+
+def _kill_after_record(args, kwargs):  # type: ignore[no-untyped-def]
+    action = args[0] if args else kwargs.get("action")
+    if kwargs.get("kill") == "after_record" and kill_once(str(action), "after_record"):
+        _die()
 
 
 def _chaos_body(self, action, hold, marker, forward_key, timeout, kill):  # type: ignore[no-untyped-def]

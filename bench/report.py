@@ -47,7 +47,26 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def machine(redis_client: Any, pg_version: str | None) -> dict[str, str]:
+#: What the scaled CPU figures assume: a core that runs :func:`cpu_reference_ms`'s loop in this
+#: many ms (a recent desktop or server core; the figures scale roughly with it).
+REFERENCE_MS = 150.0
+
+
+def cpu_reference_ms(reps: int = 5) -> float:
+    """This thread's CPU ms for ``sum(range(10**7))``, median of ``reps``: how fast this machine
+    runs plain Python, so absolute µs figures can be read against another machine's."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        sum(range(10**7))
+        times.append((time.thread_time() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def machine(redis_client: Any, pg_version: str | None, cpu_ref_ms: float | None = None) -> dict[str, str]:
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -70,6 +89,8 @@ def machine(redis_client: Any, pg_version: str | None) -> dict[str, str]:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "nproc": str(os.cpu_count()),
         "cpu": cpu,
+        "CPU speed: `sum(range(10**7))`, thread CPU": (
+            f"{cpu_ref_ms:.0f} ms" if cpu_ref_ms is not None else "not measured"),
         "kernel": platform.release(),
         "python": platform.python_version(),
         "celery": _version("celery"),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery.app.task import get_actual_ignore_result
 from celery.states import SUCCESS
 
 from .stores.base import BackendWrite, Store
@@ -58,11 +59,8 @@ class ResultWriter:
     """
 
     def __init__(self, task: Any, backend: Any, folds: bool) -> None:
-        from celery.app.task import get_actual_ignore_result
-
         self._task = task
         self._backend = backend
-        self._ignored = get_actual_ignore_result
         self.folds = folds
         self._expires = int(backend.expires or 0)
         self._limit = getattr(backend, "_MAX_STR_VALUE_SIZE", None)
@@ -72,7 +70,7 @@ class ResultWriter:
         if (
             request.is_eager or request.called_directly or not request.id
             or request.callbacks or request.chain or request.chord
-            or self._ignored(self._task, request)
+            or get_actual_ignore_result(self._task, request)
         ):
             return None
         backend = self._backend

@@ -6,14 +6,12 @@
 -- Returns 'ok' ('ok:nometa' when the meta write was refused), 'fenced:<state code>:<token>' /
 -- 'missing' when the caller no longer holds the key, or 'corrupt' (not a record: left alone).
 
--- (parse, IN_PROGRESS_TAIL and now_ms come from _record.lua, prepended by the store)
+-- (parse_whole and now_ms come from _record.lua, prepended by the store)
 
 local v = redis.call('GET', KEYS[1])
 if not v then return 'missing' end
-local state, t, _, task_id, hash, tail = parse(v)
-if not state or state == 'i' and not string.find(v, IN_PROGRESS_TAIL, tail) then
-  return 'corrupt'
-end
+local state, t, _, task_id, hash = parse_whole(v)
+if not state then return 'corrupt' end
 if tonumber(t) ~= tonumber(ARGV[1]) then return 'fenced:' .. state .. ':' .. t end
 
 -- The result backend's own write (SET + PUBLISH, what Celery's Redis backend does), folded into

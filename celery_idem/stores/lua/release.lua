@@ -3,14 +3,12 @@
 -- KEYS[1] the record    ARGV[1] token
 -- Returns 'ok', 'fenced:<state code>:<token>' / 'missing', or 'corrupt' (not a record).
 
--- (parse, IN_PROGRESS_TAIL and now_ms come from _record.lua, prepended by the store)
+-- (parse_whole and now_ms come from _record.lua, prepended by the store)
 
 local v = redis.call('GET', KEYS[1])
 if not v then return 'missing' end
-local state, t, _, _, _, tail = parse(v)
-if not state or state == 'i' and not string.find(v, IN_PROGRESS_TAIL, tail) then
-  return 'corrupt'
-end
+local state, t = parse_whole(v)
+if not state then return 'corrupt' end
 if tonumber(t) ~= tonumber(ARGV[1]) or state ~= 'i' then
   return 'fenced:' .. state .. ':' .. t
 end

@@ -339,8 +339,33 @@ class SentinelGroup:
         assert new is not None and new != port
         with self.servers[port].client() as c:
             c.execute_command("REPLICAOF", "127.0.0.1", str(new))
-        wait_for(lambda: self.replicas_online(new) >= 1, timeout=timeout, interval=0.2,
-                 what=f"{port} to rejoin as a replica of {new}")
+
+        def replicated() -> bool:
+            # Whichever server the sentinels name now: on a loaded machine they may fail over
+            # again (1 s down-after), and the master of the two is then the other one.
+            master = self.master_port()
+            return master is not None and self.replicas_online(master) >= 1
+
+        try:
+            wait_for(replicated, timeout=timeout, interval=0.2,
+                     what=f"{port} to rejoin as a replica (of {new} when restarted)")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; {self.describe()}") from None
+
+    def describe(self) -> str:
+        """Each server's replication role and the sentinels' view, for a failure message."""
+        parts = []
+        for p, server in self.servers.items():
+            try:
+                with server.client() as c:
+                    info = c.info("replication")
+                parts.append(f"{p}: role={info.get('role')} master_port={info.get('master_port')}"
+                             f" link={info.get('master_link_status')}"
+                             f" replicas={info.get('connected_slaves')}")
+            except redis.RedisError as e:
+                parts.append(f"{p}: {e!r}")
+        parts.append(f"sentinels name {self.master_port()}")
+        return "; ".join(parts)
 
     def cleanup(self) -> None:
         for node in self.sentinels:

@@ -216,9 +216,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ) -> str:
         """Return the key a call with these arguments gets.
 
+        The arguments are keyed as Celery sends them (``pydantic=True`` models dumped), a call
+        that does not bind is keyed by its raw arguments when the task has ``typing=False``,
+        and a new-style errback call (the failed task's ``Context`` first) by the failed task's
+        id: see ``docs/compat.md``.
+
         Raises:
-            TypeError: The arguments do not match the task's signature, or a value that is
-                part of the key has no canonical form (the message names the field).
+            TypeError: The arguments do not match the task's signature (and the task checks
+                them: ``typing``), or a value that is part of the key has no canonical form
+                (the message names the field).
         """
         cfg = self.idempotency_config
         args, kwargs = tuple(args or ()), dict(kwargs or {})

@@ -208,3 +208,19 @@ def test_an_errback_called_inside_a_running_request_leaves_that_request_alone(
         assert not outer.ignore_result
     finally:
         on_error.pop_request()
+
+
+# -- direct calls by Celery's builtins ---------------------------------------------------------
+
+def test_map_and_chunks_call_the_task_directly_and_each_item_is_an_action(app: Celery) -> None:
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False)
+    def square(x: int) -> int:
+        runs.append(x)
+        return x * x
+
+    # celery.map and celery.starmap call square(item) in-process, once per item
+    assert square.map([1, 2, 2]).apply_async().get() == [1, 4, 4]
+    assert square.chunks(zip([3, 3, 4]), 2).apply_async().get() == [[9, 9], [16]]
+    assert runs == [1, 2, 3, 4]

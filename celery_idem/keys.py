@@ -20,7 +20,16 @@ Decimal            fixed-point text of the normalized value (``Decimal("42.50")`
 UUID               lower-case hyphenated text
 Enum               the canonical form of its ``.value``
 dataclass          a JSON object of its fields (recursively)
+bytes, bytearray   ``{"$bytes": "<base64>"}``: standard base64 with padding (``b"\\x00\\xff"`` ->
+                   ``{"$bytes":"AP8="}``); bytes and a bytearray with the same content are the
+                   same action (a serializer may turn one into the other), never equal to a str
+pydantic model     the canonical form of ``model.model_dump(mode="json")`` (so a model and the
+                   dict Celery sends for it are the same action)
 =================  =============================================================================
+
+A dict whose only key is ``"$bytes"`` or ``"$dict"`` is written as ``{"$dict": {...}}``, so a
+dict never takes the form of a bytes value, and bytes never share a key with a str or a dict.
+Only such single-key dicts are escaped; every other dict is written as it is.
 
 Anything else raises ``TypeError`` naming the field, so a key is never built from ``repr()``
 (which differs between processes). The forms are pinned by golden vectors in the test suite.
@@ -28,6 +37,7 @@ Anything else raises ``TypeError`` naming the field, so a key is never built fro
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime as dt
 import decimal
@@ -35,6 +45,7 @@ import enum
 import hashlib
 import inspect
 import json
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -106,8 +117,14 @@ def _digest(text: str) -> str:
 
 _SUPPORTED = (
     "str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, datetime, "
-    "date, time, Decimal, UUID, Enum, dataclass"
+    "date, time, Decimal, UUID, Enum, dataclass, bytes, bytearray, pydantic model"
 )
+
+#: Tag of the bytes form, and the tag that escapes a user dict that would look like a tagged
+#: form. JSON has no bytes, so bytes need a tag; the escape keeps the forms one-to-one.
+BYTES_TAG = "$bytes"
+DICT_TAG = "$dict"
+_TAGS = frozenset({BYTES_TAG, DICT_TAG})
 
 
 def canonical(value: Any, path: str = "value") -> Any:
@@ -137,7 +154,12 @@ def canonical(value: Any, path: str = "value") -> Any:
                     f"{type(name).__name__}; only str keys have a canonical form"
                 )
             out[name] = canonical(item, f"{path}.{name}")
+        if len(out) == 1 and next(iter(out)) in _TAGS:
+            # {"$bytes": "AP8="} passed as a dict must not be the same action as b"\x00\xff".
+            return {DICT_TAG: out}
         return out
+    if isinstance(value, (bytes, bytearray)):
+        return {BYTES_TAG: base64.b64encode(value).decode("ascii")}
     if isinstance(value, (list, tuple)):
         return [canonical(item, f"{path}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, (set, frozenset)):
@@ -160,6 +182,18 @@ def canonical(value: Any, path: str = "value") -> Any:
         return format(value.normalize(exact), "f")
     if isinstance(value, uuid.UUID):
         return str(value)
+    if _is_pydantic_model(value):
+        try:
+            # mode="json" is Celery's own dump (pydantic=True): the worker, which gets the dict,
+            # derives the same key as the producer, which had the model.
+            dumped = value.model_dump(mode="json")
+        except Exception as exc:
+            raise TypeError(
+                f"idempotency key field {path!r}: the {type(value).__qualname__} model cannot be "
+                f"dumped to JSON ({exc}); pass idempotency_fields to leave it out of the key, or "
+                f"idempotency_key_func to build the key yourself"
+            ) from exc
+        return canonical(dumped, path)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {
             f.name: canonical(getattr(value, f.name), f"{path}.{f.name}")
@@ -170,6 +204,14 @@ def canonical(value: Any, path: str = "value") -> Any:
         f"canonical form (supported: {_SUPPORTED}); pass idempotency_fields to leave it out of "
         f"the key, or idempotency_key_func to build the key yourself"
     )
+
+
+def _is_pydantic_model(value: Any) -> bool:
+    # Look pydantic up instead of importing it: it is optional, and a program that never
+    # imported it cannot pass a model.
+    pydantic = sys.modules.get("pydantic")
+    model = getattr(pydantic, "BaseModel", None)
+    return model is not None and isinstance(value, model)
 
 
 def bind_arguments(

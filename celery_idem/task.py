@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Celery, Task
+from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.result import AsyncResult, EagerResult
 from celery.signals import worker_init
@@ -53,6 +54,11 @@ HEADER = "idempotency_key"
 REQUEUES_HEADER = "idempotency_requeues"
 #: Longest accepted key: it must fit the SQL store's key column with a prefix.
 MAX_KEY_LENGTH = 200
+#: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
+#: field that marks a new-style errback's key. Not identifiers, so no parameter has these names.
+UNBOUND_ARGS = "*args"
+UNBOUND_KWARGS = "**kwargs"
+ERRBACK_FIELD = "$errback"
 
 _stores: weakref.WeakKeyDictionary[Celery, Store] = weakref.WeakKeyDictionary()
 _events_on: weakref.WeakSet[Celery] = weakref.WeakSet()
@@ -210,9 +216,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ) -> str:
         """Return the key a call with these arguments gets.
 
+        The arguments are keyed as Celery sends them (``pydantic=True`` models dumped), a call
+        that does not bind is keyed by its raw arguments when the task has ``typing=False``,
+        and a new-style errback call (the failed task's ``Context`` first) by the failed task's
+        id: see ``docs/compat.md``.
+
         Raises:
-            TypeError: The arguments do not match the task's signature, or a value that is
-                part of the key has no canonical form (the message names the field).
+            TypeError: The arguments do not match the task's signature (and the task checks
+                them: ``typing``), or a value that is part of the key has no canonical form
+                (the message names the field).
         """
         cfg = self.idempotency_config
         args, kwargs = tuple(args or ()), dict(kwargs or {})
@@ -224,18 +236,60 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"non-empty str"
                 )
             return _check_key(self.name, key_from_fields(cfg.operation, {}, identity))
-        return _check_key(self.name, key_from_fields(cfg.operation, self._fields(args, kwargs)))
+        fields = self._fields(args, kwargs)
+        if _failed_request(args) is not None:
+            # Handling a failure is an action of its own, apart from any ordinary call.
+            fields[ERRBACK_FIELD] = True
+        return _check_key(self.name, key_from_fields(cfg.operation, fields))
 
-    def _bound(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    def _key_arguments(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> tuple[Sequence[Any], Mapping[str, Any]]:
+        """The arguments as the key sees them: as Celery sends them, whoever calls.
+
+        * A new-style errback (``errback(request, exc, traceback, *stored)``, called by Celery
+          in-process) gets the failed task's id for the request and None for the exception
+          and the traceback: neither can be put in a key, and the id names the failure.
+        * A ``pydantic=True`` task's models are dumped the way ``apply_async`` dumps them
+          (whatever the serializer, so ``apply()``, ``delay()`` and a worker that gets the
+          dict agree); a model it leaves alone is keyed by ``model_dump(mode="json")``.
+        """
+        failed = _failed_request(args)
+        if failed is not None:
+            args = (failed.id, *(None for _ in args[1:3]), *args[3:])
+        dump = getattr(self, "_dump_pydantic_arguments", None)  # Celery >= 5.7
+        if dump is not None:
+            args, kwargs = dump(args, kwargs)
+        return args, kwargs
+
+    def _bound(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], *, as_sent: bool = True
+    ) -> dict[str, Any]:
+        if as_sent:
+            args, kwargs = self._key_arguments(args, kwargs)
         if self._signature is None:
             return {"args": list(args), "kwargs": dict(kwargs)}
         try:
             return bind_arguments(self._signature, args, kwargs)
         except TypeError as exc:
+            if not self._checks_arguments:
+                # typing=False: Celery sends a call that does not bind (the worker's signature
+                # may differ from this one), so the key must not refuse it. Keyed by the
+                # arguments as passed, under names no parameter can have.
+                return {UNBOUND_ARGS: list(args), UNBOUND_KWARGS: dict(kwargs)}
             raise TypeError(f"{self.name}{self._signature}: {exc}") from None
 
+    @property
+    def _checks_arguments(self) -> bool:
+        """Whether Celery checks a call's arguments before sending it (``typing``)."""
+        typing = self.typing if self.typing is not None else self.app.strict_typing
+        return bool(typing)
+
     def _fields(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        return select_fields(self._bound(args, kwargs), self.idempotency_config.fields)
+        bound = self._bound(args, kwargs)
+        if UNBOUND_ARGS in bound:
+            return bound  # a call that does not bind has no named fields to select
+        return select_fields(bound, self.idempotency_config.fields)
 
     @property
     def idempotency_key(self) -> str | None:
@@ -390,7 +444,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Name the argument the message serializer could not encode (nothing was sent)."""
         serializer = serializer or self.serializer or self.app.conf.task_serializer
         try:
-            bound = self._bound(args or (), kwargs or {})
+            bound = self._bound(args or (), kwargs or {}, as_sent=False)
         except TypeError:
             bound = {}
         for name, value in bound.items():
@@ -434,6 +488,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # -- worker side ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _failed_request(args) is not None and not getattr(self.request, "idempotency_errback_",
+                                                             False):
+            return self._call_as_errback(args, kwargs)
         req = self.request
         key = (req.headers or {}).get(HEADER) or self.idempotency_key_for(args, kwargs)
         cfg = self.idempotency_config
@@ -483,6 +540,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 if writer is not None:
                     self._write_result(writer, req, result, built[-1] if built else None)
                 return result
+
+    def _call_as_errback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a new-style errback, ``errback(request, exc, traceback)``, that Celery called.
+
+        Celery calls it in-process from the failed task's failure handling
+        (``Backend._call_task_errbacks``), not through a message. ``self.request`` is then not
+        this errback's: it is the default request, or the failed request itself when a task is
+        its own errback (whose key and result must stay untouched). So the errback runs under a
+        request of its own, through the gate, keyed by the failed task's id
+        (:meth:`_key_arguments`): a failure handled twice (a redelivered message) runs it once.
+        """
+        key = self.idempotency_key_for(args, kwargs)
+        self.request_stack.push(Context(args=list(args), kwargs=dict(kwargs), headers={HEADER: key},
+                                        idempotency_errback_=True))
+        try:
+            return self(*args, **kwargs)
+        finally:
+            self.request_stack.pop()
 
     @staticmethod
     def _write_result(
@@ -543,6 +618,16 @@ def _signature_of(run: Any) -> inspect.Signature | None:
         # An unbound ``bind=True`` body: ``self`` is the task, not a business argument.
         sig = sig.replace(parameters=params[1:])
     return sig
+
+
+def _failed_request(args: Sequence[Any]) -> Context | None:
+    """The failed task's request when ``args`` are those of a new-style errback call, else None.
+
+    Celery passes the failed task's ``Context`` first; a message never carries one, so it is
+    never a business argument.
+    """
+    first = args[0] if args else None
+    return first if isinstance(first, Context) else None
 
 
 def _check_key(task: str, key: Any) -> str:

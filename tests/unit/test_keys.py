@@ -23,6 +23,7 @@ import uuid
 import zoneinfo
 from typing import Any
 
+import pydantic
 import pytest
 
 from celery_idem import idempotency_key
@@ -55,6 +56,12 @@ class Line:
 
 
 PLUS_ONE = dt.timezone(dt.timedelta(hours=1))
+
+
+class Order(pydantic.BaseModel):
+    order_id: str
+    amount: decimal.Decimal
+    at: dt.datetime
 
 
 def by_hand(operation: str, canonical_text: str) -> str:
@@ -178,6 +185,51 @@ GOLDEN: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str]] = [
         ("op", "ü"), {"name": "café"},
         '{"id":"\\u00fc","name":"caf\\u00e9","op":"op"}',
         "op:e410372cb424c29836d347e07fcf69ff",
+    ),
+    (
+        "bytes as base64 under the $bytes tag",
+        ("op", None), {"blob": b"\x00\xff"},
+        '{"blob":{"$bytes":"AP8="},"id":null,"op":"op"}',
+        "op:3b2dccf90dbf365784c8a0437cfb0cfe",
+    ),
+    (
+        "a bytearray is the same action as bytes with the same content",
+        ("op", None), {"blob": bytearray(b"\x00\xff")},
+        '{"blob":{"$bytes":"AP8="},"id":null,"op":"op"}',
+        "op:3b2dccf90dbf365784c8a0437cfb0cfe",
+    ),
+    (
+        "empty bytes",
+        ("op", None), {"blob": b""},
+        '{"blob":{"$bytes":""},"id":null,"op":"op"}',
+        "op:98b711c8ac8fd942f40c45209ad97828",
+    ),
+    (
+        "bytes business id",
+        ("op", b"hi"), {},
+        '{"id":{"$bytes":"aGk="},"op":"op"}',
+        "op:2eda3330017a8fc17a5ef1ac35d0efc6",
+    ),
+    (
+        "a dict that looks like bytes is escaped under $dict",
+        ("op", None), {"meta": {"$bytes": "AP8="}},
+        '{"id":null,"meta":{"$dict":{"$bytes":"AP8="}},"op":"op"}',
+        "op:f62ec8b756a80acc5391a332cc27ac1c",
+    ),
+    (
+        "a dict that looks like an escaped dict is escaped again",
+        ("op", None), {"meta": {"$dict": 1}},
+        '{"id":null,"meta":{"$dict":{"$dict":1}},"op":"op"}',
+        "op:0c4e1b1f2d84d257dff0fcf10aea0ee4",
+    ),
+    (
+        "a pydantic model is its model_dump(mode='json') (pydantic's own JSON forms)",
+        ("op", None),
+        {"order": Order(order_id="ord_1", amount=decimal.Decimal("9.90"),
+                        at=dt.datetime(2026, 12, 2, 16, 35, tzinfo=dt.timezone.utc))},
+        '{"id":null,"op":"op","order":{"amount":"9.90","at":"2026-12-02T16:35:00Z",'
+        '"order_id":"ord_1"}}',
+        "op:fa41d2d1bd73c09764bd630faebf6457",
     ),
 ]
 
@@ -323,10 +375,10 @@ def test_an_empty_or_non_str_operation_is_rejected(operation: Any) -> None:
     ("fields", "path", "type_name"),
     [
         pytest.param({"token": object()}, "token", "object", id="object"),
-        pytest.param({"blob": b"\x00\x01"}, "blob", "bytes", id="bytes"),
+        pytest.param({"view": memoryview(b"\x00\x01")}, "view", "memoryview", id="memoryview"),
         pytest.param({"items": [{"sku": "a"}, {"sku": object()}]}, "items[1].sku", "object",
                      id="nested path"),
-        pytest.param({"meta": {"inner": {"raw": bytearray(b"x")}}}, "meta.inner.raw", "bytearray",
+        pytest.param({"meta": {"inner": {"raw": 1j}}}, "meta.inner.raw", "complex",
                      id="nested dict path"),
         pytest.param({"line": Line("s", Money(1.5j, "EUR"))}, "line.price.amount", "complex",  # type: ignore[arg-type]
                      id="inside a dataclass"),
@@ -340,6 +392,38 @@ def test_a_value_without_canonical_form_raises_type_error_naming_the_field(
     message = str(info.value)
     assert repr(path) in message
     assert type_name in message
+
+
+def test_bytes_are_never_the_same_action_as_a_str_or_a_dict_with_the_same_text() -> None:
+    # Given bytes, the str of the same text, its base64 text, and a dict spelling the tagged form
+    forms = [b"abc", "abc", "YWJj", {"$bytes": "YWJj"}, ["$bytes", "YWJj"]]
+    # Then each is an action of its own
+    assert len({idempotency_key("op", blob=form) for form in forms}) == len(forms)
+
+
+def test_other_dicts_with_dollar_keys_are_not_escaped() -> None:
+    # Only a dict whose single key is a tag is escaped: every existing key stays as it was
+    assert canonical({"$bytes": "x", "other": 1}) == {"$bytes": "x", "other": 1}
+    assert canonical({"$price": 1}) == {"$price": 1}
+
+
+def test_a_pydantic_model_is_the_same_action_as_the_dict_celery_sends_for_it() -> None:
+    # Given a model and the dict Celery's pydantic=True dump sends in its place
+    order = Order(order_id="ord_1", amount=decimal.Decimal("9.90"),
+                  at=dt.datetime(2026, 12, 2, 16, 35, tzinfo=dt.timezone.utc))
+    sent = json.loads(json.dumps(order.model_dump(mode="json")))
+    # Then the producer (model) and a worker that got the dict derive the same key
+    assert idempotency_key("op", order=order) == idempotency_key("op", order=sent)
+
+
+def test_a_pydantic_model_that_cannot_be_dumped_raises_type_error_naming_the_field() -> None:
+    class Holder(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+        thing: object
+
+    with pytest.raises(TypeError) as info:
+        idempotency_key("op", holder=Holder(thing=object()))
+    assert "'holder'" in str(info.value) and "Holder" in str(info.value)
 
 
 def test_a_dict_with_int_keys_raises_type_error_naming_the_field() -> None:

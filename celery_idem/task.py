@@ -134,6 +134,36 @@ class CachedResult(EagerResult):  # type: ignore[misc]
         # EagerResult leaves both unset: a ResultSet holding it asks it for its backend.
         self.app = app
         self.backend = app.backend if app is not None else None
+        self._waited_on = False
+        cache = getattr(self.backend, "_cache", None)
+        if cache is not None:
+            # The backend's own cache of ready results: get_many (join_native) reads it first,
+            # so the outcome is found even where the backend no longer holds it (an original
+            # result that expired, or was never stored because it was ignored).
+            cache[self.id] = {"task_id": self.id, "status": state, "result": value,
+                              "traceback": None, "children": [], "date_done": None}
+
+    def then(self, callback: Any, on_error: Any = None, weak: bool = False) -> Any:
+        """Call ``callback`` when ready (it is): at once, and again from the result consumer.
+
+        A ResultSet builds a vine barrier over its results' ``then``; a result that is ready
+        while the barrier is built is counted before the barrier is finalized and never
+        completes it. An AsyncResult that is already ready completes it when the backend's
+        result consumer hands it its meta again during ``join_native``; so does this one.
+        """
+        if self.backend is not None and self.backend.is_async:
+            self._waited_on = True
+            self.backend.add_pending_result(self, weak=weak)
+        return self.on_ready.then(callback, on_error)
+
+    def _maybe_set_cache(self, meta: Any) -> Any:
+        # The result consumer found this id's meta (the same outcome: the value is known).
+        self.on_ready(self)
+        backend = self.backend
+        if self._waited_on and backend is not None:
+            self._waited_on = False
+            backend.remove_pending_result(self)
+        return meta
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _restore_cached, (self.id, self._result, self._state, self._name,
@@ -143,9 +173,10 @@ class CachedResult(EagerResult):  # type: ignore[misc]
         return f"<CachedResult: {self.id} (original {self.original_task_id})>"
 
     def __del__(self) -> None:
-        # Never registered as pending: nothing to cancel. AsyncResult's __del__ would cancel
-        # the pending wait of another handle of the same id in this process.
-        pass
+        # Cancel only a wait this handle registered itself (AsyncResult's __del__ cancels
+        # unconditionally).
+        if getattr(self, "_waited_on", False):
+            super().__del__()
 
 
 def _restore_cached(task_id: str, value: Any, state: str, name: str | None, key: str,

@@ -515,10 +515,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         options = options or {}
         conf = self.app.conf
         eager = conf.task_always_eager
-        if task_id and (not eager or conf.task_store_eager_result):
+        if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
             # Someone may be waiting on this id (the caller, a chain's result, a parent's
             # children): Celery would store the outcome under it, so store it. If that fails,
-            # publish, and the worker answers the message from the record.
+            # publish, and the worker answers the message from the record. (The original id
+            # holds the run's own result already, with its children: not overwritten.)
             request = self._answer_request(task_id, args, kwargs, options)
             if not store_answer(self, self._result_writer, request, value, state):
                 return None

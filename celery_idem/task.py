@@ -135,13 +135,6 @@ class CachedResult(EagerResult):  # type: ignore[misc]
         self.app = app
         self.backend = app.backend if app is not None else None
         self._waited_on = False
-        cache = getattr(self.backend, "_cache", None)
-        if cache is not None:
-            # The backend's own cache of ready results: get_many (join_native) reads it first,
-            # so the outcome is found even where the backend no longer holds it (an original
-            # result that expired, or was never stored because it was ignored).
-            cache[self.id] = {"task_id": self.id, "status": state, "result": value,
-                              "traceback": None, "children": [], "date_done": None}
 
     def then(self, callback: Any, on_error: Any = None, weak: bool = False) -> Any:
         """Call ``callback`` when ready (it is): at once, and again from the result consumer.
@@ -149,7 +142,8 @@ class CachedResult(EagerResult):  # type: ignore[misc]
         A ResultSet builds a vine barrier over its results' ``then``; a result that is ready
         while the barrier is built is counted before the barrier is finalized and never
         completes it. An AsyncResult that is already ready completes it when the backend's
-        result consumer hands it its meta again during ``join_native``; so does this one.
+        result consumer hands it its id's stored meta again during ``join_native``; so does
+        this one (a chosen id has its outcome stored, the original id has the run's result).
         """
         if self.backend is not None and self.backend.is_async:
             self._waited_on = True

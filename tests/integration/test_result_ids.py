@@ -107,8 +107,10 @@ def test_a_chain_whose_last_step_repeats_an_earlier_action_returns(cluster: Clus
     res = chain(tasks.echo.s("x"), tasks.echo.s()).apply_async()
     assert res.get(timeout=30) == "x"
     assert len(cluster.effects("echo:x")) == 1
-    # The step is listed among step 1's children, as Celery lists a step it published.
-    assert [c.id for c in fresh(res.parent.id).children] == [res.id]
+    # The step is listed among step 1's children, as Celery lists a step it published (step 1's
+    # own result is stored just after its chain was dispatched, so it may land after step 2's).
+    children = wait_for(lambda: fresh(res.parent.id).children, timeout=10, what="step 1's result")
+    assert [c.id for c in children] == [res.id]
 
     # A chain whose last step is an action done before: its final id resolves too.
     first = tasks.echo.delay("z")

@@ -433,8 +433,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.
-        # (A chain's last step arrives with chain=[] and a link callback without a link: both
-        # carry a task_id, which _cached answers under.)
+        # A chain's last step (chain=[]) and a link callback (no link) are answered here: under
+        # the task id they carry when frozen (a chain step always is), else under the original.
         republish = bool(options.get("retries")) or REQUEUES_HEADER in headers
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")

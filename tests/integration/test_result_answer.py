@@ -142,3 +142,23 @@ def test_an_ignored_result_is_not_stored(make_app: Any, published: list[str]) ->
     assert isinstance(ignored, CachedResult) and ignored.get() == "v"
     assert echo.backend.client.get(echo.backend.get_key_for_task(mine)) is None
     assert published == []
+
+
+def test_a_database_backend_stores_the_answer_with_its_own_store_result(tmp_path: Any) -> None:
+    app = Celery("answer-db", broker="memory://", set_as_current=False,
+                 backend=f"db+sqlite:///{tmp_path}/results.db")
+    app.conf.idempotency_store = "memory://"
+
+    @app.task(shared=False, name="answer.db_echo", base=IdempotentTask, bind=True)
+    def echo(self: Any, value: str) -> str:
+        return value
+
+    key = echo.idempotency_key_for(("v",))
+    claim = echo._gate.store.claim(key, owner="t", task_id="orig", attempt=0, lease=60, ttl=600)
+    ctype, data = echo._gate.codec.encode_result("v")
+    echo._gate.store.record(key, claim.token, state=State.DONE, content_type=ctype, data=data,
+                            ttl=600)
+    chosen = echo.apply_async(("v",), task_id="mine")
+    assert isinstance(chosen, CachedResult) and chosen.id == "mine"
+    meta = app.backend.get_task_meta("mine", cache=False)
+    assert (meta["status"], meta["result"]) == ("SUCCESS", "v")

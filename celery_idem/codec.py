@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from kombu.exceptions import ContentDisallowed, DecodeError
@@ -49,16 +49,24 @@ class KombuCodec:
     Args:
         serializer: Serializer name (``json``, ``msgpack``, ``pickle``, ...).
         accept: Content types (or serializer names) that may be decoded; None accepts all.
+        prepare: Applied to a result before it is serialized; the task passes its result
+            backend's ``prepare_value``, so a result is stored as Celery stores it (an
+            ``AsyncResult`` as its ``as_tuple()`` unless the serializer is pickle) and a
+            duplicate gets what Celery's own ``get()`` returns.
     """
 
-    def __init__(self, serializer: str = "json", accept: Collection[str] | None = None) -> None:
+    def __init__(self, serializer: str = "json", accept: Collection[str] | None = None,
+                 prepare: Callable[[Any], Any] | None = None) -> None:
         self.serializer = serializer
+        self.prepare = prepare
         # Celery settings name serializers ("json"); kombu's loads() compares content types.
         self.accept: set[str] | None = None
         if accept is not None:
             self.accept = prepare_accept_content(accept)  # type: ignore[no-untyped-call]
 
     def encode_result(self, value: Any) -> tuple[str, bytes]:
+        if self.prepare is not None:
+            value = self.prepare(value)
         content_type, encoding, data = dumps(value, serializer=self.serializer)  # type: ignore[no-untyped-call]
         if isinstance(data, str):
             data = data.encode(encoding)

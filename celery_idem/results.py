@@ -25,6 +25,11 @@ chains and chords (Celery stores those after it has sent the next tasks, so the 
 them as children), or a backend class that overrides how results are stored.
 
 Set ``idempotency_fold_results = False`` in the app's configuration to turn both off.
+
+:func:`store_answer` is the producer's write: an enqueue answered from the record under a task
+id someone chose (``task_id=``, a frozen signature, a chain's next step, a chord body) stores
+the recorded outcome under that id, so whoever waits on it hears. Direct when it can be, else
+the backend's ``store_result``.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from celery.states import SUCCESS
 
 from .stores.base import BackendWrite, Store
 
-__all__ = ["ResultWriter", "result_writer"]
+__all__ = ["ResultWriter", "result_writer", "store_answer"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -65,8 +70,14 @@ class ResultWriter:
         self._expires = int(backend.expires or 0)
         self._limit = getattr(backend, "_MAX_STR_VALUE_SIZE", None)
 
-    def build(self, request: Any, result: Any) -> BackendWrite | None:
-        """The backend's write of ``result`` for ``request``, or None: leave it to Celery."""
+    def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
+        """The backend's write of ``result`` for ``request``, or None: leave it to Celery.
+
+        Args:
+            request: The task's request (its ``id`` is the result's id).
+            result: The value, or for ``FAILURE`` the exception.
+            state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
+        """
         if (
             request.is_eager or request.called_directly or not request.id
             or request.callbacks or request.chain or request.chord
@@ -75,7 +86,7 @@ class ResultWriter:
             return None
         backend = self._backend
         meta = backend._get_result_meta(
-            result=backend.encode_result(result, SUCCESS), state=SUCCESS, traceback=None,
+            result=backend.encode_result(result, state), state=state, traceback=None,
             request=request,
         )
         meta["task_id"] = request.id
@@ -86,7 +97,7 @@ class ResultWriter:
         return BackendWrite(key=key.decode() if isinstance(key, bytes) else key, value=value,
                             expires=self._expires)
 
-    def write(self, write: BackendWrite) -> bool:
+    def write(self, write: BackendWrite, state: str = SUCCESS) -> bool:
         """Make ``write`` with the backend's own ``set`` (no ``GET`` first).
 
         Returns:
@@ -94,7 +105,7 @@ class ResultWriter:
             write should follow.
         """
         try:
-            self._backend._set_with_state(write.key, write.value, SUCCESS)
+            self._backend._set_with_state(write.key, write.value, state)
         except Exception as exc:  # Celery's own write follows, with its own retries and errors
             logger.debug("celery_idem direct result write of %s failed, left to Celery: %r",
                          write.key, exc)
@@ -135,6 +146,45 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
     folds = (cls is RedisBackend and type(store) is RedisStore
              and _same_server(backend.client, store.client))
     return ResultWriter(task, backend, folds)
+
+
+def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: Any,
+                 state: str) -> bool:
+    """Store an outcome answered from the record under ``request.id``, as Celery stores results.
+
+    One round trip on a Redis backend (the direct write: ``SET`` + ``PUBLISH``, without the
+    backend's ``GET``: the value is the record's, the same for every writer); otherwise the
+    backend's own ``store_result`` (Redis with the fold turned off: ``GET``, then ``SET`` +
+    ``PUBLISH``; a database: one transaction). Nothing is written when the request ignores
+    its result, as Celery writes nothing then.
+
+    Args:
+        task: The task (its ``backend`` stores the result).
+        writer: The task's result writer, or None.
+        request: A request context with the ``id`` to store under.
+        value: The recorded value, or for ``FAILURE`` the recorded exception.
+        state: ``SUCCESS`` or ``FAILURE``.
+
+    Returns:
+        True when the outcome is stored (or nothing needs storing); False when the write
+        failed (logged at DEBUG), so the caller should publish the message instead.
+    """
+    if get_actual_ignore_result(task, request):
+        return True
+    try:
+        write = writer.build(request, value, state) if writer is not None else None
+    except Exception as exc:  # the backend's own write below raises it again, or copes
+        logger.debug("celery_idem answer for %s not built: %r", request.id, exc)
+        write = None
+    if write is not None and writer is not None and writer.write(write, state):
+        return True
+    try:
+        task.backend.store_result(request.id, value, state, request=request)
+    except Exception as exc:
+        logger.debug("celery_idem answer for %s not stored, the message is sent instead: %r",
+                     request.id, exc)
+        return False
+    return True
 
 
 def _same_server(backend_client: Any, store_client: Any) -> bool:

@@ -37,7 +37,7 @@ from .gate import Attempt, Gate, Requeue
 from .keys import bind_arguments, key_from_fields, payload_hash, select_fields
 from .lease import current_lease
 from .records import Record, State
-from .results import ResultWriter, result_writer
+from .results import ResultWriter, result_writer, store_answer
 from .stores import store_from_url
 from .stores.base import BackendWrite, Store
 
@@ -119,15 +119,74 @@ class ReceiptFound(BaseException):
 class CachedResult(EagerResult):  # type: ignore[misc]
     """The result of an enqueue that found its key already recorded: nothing was published.
 
+    Its value is known, so ``get()`` returns it (or raises the recorded error) at once. It is
+    bound to the app's result backend, so it works in a ``ResultSet`` or ``GroupResult`` like
+    any ``AsyncResult`` (``get``, ``join``, ``join_native``, ``collect``).
+
     Attributes:
-        id: The task id of the attempt that ran the body (the original task id).
+        id: The task id the caller chose (``task_id=``, a frozen signature, a chain step, a
+            chord body), under which the outcome was also stored in the result backend; else
+            the task id of the attempt that ran the body (the original task id).
+        original_task_id: The task id of the attempt that ran the body.
         idempotency_key: The key.
     """
 
-    def __init__(self, record: Record, value: Any, state: str, name: str | None = None) -> None:
-        super().__init__(record.task_id, value, state, name=name)
+    def __init__(self, record: Record, value: Any, state: str, name: str | None = None, *,
+                 task_id: str | None = None, app: Celery | None = None) -> None:
+        super().__init__(task_id or record.task_id, value, state, name=name)
         self.idempotency_key = record.key
         self.original_task_id = record.task_id
+        # EagerResult leaves both unset: a ResultSet holding it asks it for its backend.
+        self.app = app
+        self.backend = app.backend if app is not None else None
+        self._waited_on = False
+
+    def then(self, callback: Any, on_error: Any = None, weak: bool = False) -> Any:
+        """Call ``callback`` when ready (it is): at once, and again from the result consumer.
+
+        A ResultSet builds a vine barrier over its results' ``then``; a result that is ready
+        while the barrier is built is counted before the barrier is finalized and never
+        completes it. An AsyncResult that is already ready completes it when the backend's
+        result consumer hands it its id's stored meta again during ``join_native``; so does
+        this one (a chosen id has its outcome stored, the original id has the run's result).
+        """
+        if self.backend is not None and self.backend.is_async:
+            self._waited_on = True
+            self.backend.add_pending_result(self, weak=weak)
+        return self.on_ready.then(callback, on_error)
+
+    def _maybe_set_cache(self, meta: Any) -> Any:
+        # The result consumer found this id's meta (the same outcome: the value is known).
+        self.on_ready(self)
+        backend = self.backend
+        if self._waited_on and backend is not None:
+            self._waited_on = False
+            backend.remove_pending_result(self)
+        return meta
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _restore_cached, (self.id, self._result, self._state, self._name,
+                                 self.idempotency_key, self.original_task_id)
+
+    def __repr__(self) -> str:
+        return f"<CachedResult: {self.id} (original {self.original_task_id})>"
+
+    def __del__(self) -> None:
+        # Cancel only a wait this handle registered itself (AsyncResult's __del__ cancels
+        # unconditionally).
+        if getattr(self, "_waited_on", False):
+            super().__del__()
+
+
+def _restore_cached(task_id: str, value: Any, state: str, name: str | None, key: str,
+                    original_task_id: str) -> CachedResult:
+    """Unpickle (or copy) a :class:`CachedResult`, bound to the current app."""
+    from celery import current_app
+
+    rec = Record(key=key, state=State.DONE if state == SUCCESS else State.FAILED, token=0,
+                 task_id=original_task_id)
+    return CachedResult(rec, value, state, name, task_id=task_id,
+                        app=current_app._get_current_object())
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -203,7 +262,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return Gate(
             get_store(app),
             self.idempotency_config,
-            KombuCodec(app.conf.result_serializer, accept),
+            # Through the backend's prepare_value, as Celery stores results: an AsyncResult a
+            # body returns is recorded as its as_tuple(), not refused by the serializer.
+            KombuCodec(app.conf.result_serializer, accept,
+                       prepare=lambda value: self.backend.prepare_value(value)),
             emit=self._emit,
             # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
             retry_signals=(Retry, Reject),
@@ -405,6 +467,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         sets ``idempotency_check_on_enqueue = False``). Either way the result carries the key
         as ``result.idempotency_key``.
 
+        A task id that was chosen (``task_id=``, which is how a frozen signature, a chain's
+        next step and a chord body arrive) is kept: the recorded outcome is stored under it in
+        the result backend, so anyone waiting on that id hears, and the returned
+        :class:`CachedResult` has that id. Without one, the result has the original task id.
+
         Raises:
             TypeError: The key cannot be derived from the arguments; nothing was published.
             ValueError: The per-call key is empty or too long.
@@ -419,11 +486,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.
+        # A chain's last step (chain=[]) and a link callback (no link) are answered here: under
+        # the task id they carry when frozen (a chain step always is), else under the original.
         republish = bool(options.get("retries")) or REQUEUES_HEADER in headers
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
         if not republish and not canvas and self.idempotency_config.check_on_enqueue:
-            cached = self._cached(key, args, kwargs)
+            cached = self._cached(key, args, kwargs, task_id, options)
             if cached is not None:
                 return cached
         try:
@@ -458,8 +527,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return TypeError(f"{self.name}: the message cannot be encoded: {exc}; nothing was sent")
 
     def _cached(
-        self, key: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+        self, key: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+        task_id: str | None = None, options: Mapping[str, Any] | None = None,
     ) -> CachedResult | None:
+        """The answer from the record for an enqueue of a done (or failed) key, or None: publish.
+
+        One store round trip (the record's read), plus one to store the answer under a task id
+        the caller chose (see :func:`celery_idem.results.store_answer`).
+        """
         try:
             rec = self._gate.store.get(key)
         except StoreUnavailable as exc:
@@ -479,11 +554,53 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 key=key,
             )
         codec = self._gate.codec
+        value: Any
         if rec.state is State.FAILED:
-            error = codec.decode_error(rec.key, rec.content_type or "", rec.data or b"")
-            return CachedResult(rec, error, FAILURE, name=self.name)
-        value = codec.decode_result(rec.key, rec.content_type or "", rec.data or b"")
-        return CachedResult(rec, value, SUCCESS, name=self.name)
+            state, value = FAILURE, codec.decode_error(rec.key, rec.content_type or "", rec.data or b"")
+        else:
+            state, value = SUCCESS, codec.decode_result(rec.key, rec.content_type or "", rec.data or b"")
+        options = options or {}
+        conf = self.app.conf
+        eager = conf.task_always_eager
+        if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
+            # Someone may be waiting on this id (the caller, a chain's result, a parent's
+            # children): Celery would store the outcome under it, so store it. If that fails,
+            # publish, and the worker answers the message from the record. (The original id
+            # holds the run's own result already, with its children: not overwritten.)
+            request = self._answer_request(task_id, args, kwargs, options)
+            if not store_answer(self, self._result_writer, request, value, state):
+                return None
+        result = CachedResult(rec, value, state, name=self.name, task_id=task_id, app=self.app)
+        if not eager and options.get("add_to_parent", True):
+            # As send_task does: the running task lists it among its children.
+            parent = self.app.current_worker_task
+            if parent:
+                parent.add_trail(result)
+        return result
+
+    def _answer_request(
+        self, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> Context:
+        """The request Celery's backend would store a result of ``task_id`` with."""
+        parent = self.app.current_worker_task
+        parent_id, root_id = options.get("parent_id"), options.get("root_id")
+        if parent:  # as send_task fills them in
+            parent_id = parent_id or parent.request.id
+            root_id = root_id or parent.request.root_id or parent.request.id
+        fields: dict[str, Any] = {
+            "id": task_id, "task": self.name, "args": list(args or ()),
+            "kwargs": dict(kwargs or {}), "called_directly": False, "is_eager": False,
+            "parent_id": parent_id, "root_id": root_id, "group": options.get("group_id"),
+            "group_index": options.get("group_index"),
+            # The rpc:// backend replies to the caller's queue, as send_task's reply_to does.
+            "reply_to": options.get("reply_to") or self.app.thread_oid,
+            "correlation_id": task_id,
+        }
+        ignore = options.get("ignore_result", self.ignore_result)
+        if ignore is not None:  # unset: get_actual_ignore_result falls back to the task's
+            fields["ignore_result"] = ignore
+        return Context(fields)
 
     # -- worker side ---------------------------------------------------------------------------
 

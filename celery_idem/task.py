@@ -15,19 +15,21 @@ import inspect
 import logging
 import os
 import socket
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Celery, Task
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult, EagerResult
 from celery.signals import worker_init
 from celery.states import FAILURE, SUCCESS
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
+from . import timelimits
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
 from .events import EVENT_TYPE, Outcome, log_outcome
@@ -174,6 +176,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         check_options(label, vars(cls))
         # Check the values now too, so a wrong option fails at definition, not at first call.
         resolve(label, cls, _signature_of(vars(cls).get("run")))
+        timelimits.check_definition(label, cls)
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -201,6 +204,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             emit=self._emit,
             # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
             retry_signals=(Retry, Reject),
+            # The task's own soft limit, fired while it waits for a busy key: re-queue.
+            interrupts=(SoftTimeLimitExceeded,),
         )
 
     # -- the key -------------------------------------------------------------------------------
@@ -434,6 +439,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # -- worker side ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Time limits count from the start of the request, and a wait for a busy key spends it.
+        started = time.monotonic()
         req = self.request
         key = (req.headers or {}).get(HEADER) or self.idempotency_key_for(args, kwargs)
         cfg = self.idempotency_config
@@ -465,16 +472,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # record: its result is the action's, and the gate records it as usual.
                 return found.receipt.value
 
+        local = req.is_eager or req.called_directly
+        # No pool enforces a limit in the calling process (eager mode, a direct call).
+        deadline = None if local else timelimits.request_deadline(self, req, started)
         while True:
             try:
                 result = self._gate.run(attempt, body,
-                                        also if writer is not None and writer.folds else None)
+                                        also if writer is not None and writer.folds else None,
+                                        deadline=deadline)
             except Requeue as busy:
-                if req.is_eager or req.called_directly:
+                if local:
                     continue  # no broker to re-queue to: wait another round in place
-                self._requeue(countdown=1.0, reason=str(busy))
+                # A freed key is claimed by the next delivery at once; a busy one is looked
+                # at again a second later.
+                self._requeue(countdown=0.0 if busy.freed else 1.0, reason=str(busy))
             except StoreUnavailable as down:
-                if req.is_eager or req.called_directly:
+                if local:
                     raise
                 self._emit(Outcome.REQUEUED, key, 0, req.id or "", {"reason": "store_unavailable"})
                 n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
@@ -558,16 +571,20 @@ def _check_key(task: str, key: Any) -> str:
 
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _check_worker(sender: Any = None, **_: Any) -> None:
-    """Fail the worker at start-up, not the first message, when the store is misconfigured."""
+    """Fail the worker at start-up, not the first message, when the store or a time limit is
+    misconfigured; warn once about time limits that only degrade."""
     app = getattr(sender, "app", None)
     if app is None:
         return
     if getattr(sender, "task_events", False) or app.conf.get("idempotency_events") \
             or app.conf.worker_send_task_events:
         _events_on.add(app)
-    if any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
+    tasks = [task for task in app.tasks.values() if isinstance(task, IdempotentTask)]
+    if tasks:
         try:
             get_store(app)
+            timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
+                                    getattr(sender, "soft_time_limit", None))
         except ImproperlyConfigured as exc:
             # Celery logs and swallows exceptions raised by signal handlers, and the worker would
             # start consuming messages it can only fail: stop it here, with the reason.

@@ -80,6 +80,10 @@ class Requeue(Exception):
         self.freed = freed
 
 
+#: Record states that answer a duplicate (a claim returns them without claiming).
+_OUTCOMES = frozenset({State.DONE, State.FAILED})
+
+
 def _build(also: Callable[[T], BackendWrite | None] | None, key: str, result: T) -> BackendWrite | None:
     """``also(result)``, or None if it fails: the record must be written whatever happens here."""
     if also is None:
@@ -243,7 +247,7 @@ class Gate:
                     assert found is not None
                     self.emit(Outcome.REQUEUED, attempt.key, found.token, found.task_id, {})
                     raise Requeue(attempt.key, found)
-                if deadline is None or (found is not None and found.state is not State.IN_PROGRESS):
+                if deadline is None or (found is not None and found.state in _OUTCOMES):
                     break  # done, failed, or free to take: the next claim decides atomically
                 if not live:
                     # Released, gone or expired, but this attempt spent part of its time limit

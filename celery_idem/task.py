@@ -155,7 +155,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: Store a hash of the full arguments and refuse the key with other arguments.
     idempotency_validate: ClassVar[bool] = False
     #: Seconds a duplicate waits for a key in progress before re-queueing itself (re-queues
-    #: do not count against ``max_retries``).
+    #: do not count against ``max_retries``). A time limit can cut it shorter: see
+    #: ``celery_idem.timelimits``.
     idempotency_wait: ClassVar[float] = 10
     #: Seconds the gate keeps retrying the record of a finished body while the store is down.
     idempotency_record_timeout: ClassVar[float] = 10

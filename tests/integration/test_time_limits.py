@@ -132,3 +132,21 @@ def test_a_hard_limit_in_the_body_holds_the_claim_until_its_lease_ends_then_the_
     assert f"exceeded for {tasks.limited_hard.name}[{first.id}]" in log  # the body's own kill
     assert f"exceeded for {tasks.limited_hard.name}[{dup.id}]" not in log
     assert len(marker.read_text().split()) == 2
+
+
+def test_a_worker_whose_time_limit_leaves_no_wait_refuses_to_start_naming_the_setting(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = make_cluster(IDEM_CONF=json.dumps({"task_soft_time_limit": 0.5}))
+    with pytest.raises(AssertionError, match=r"task_soft_time_limit=0\.5 \(app setting\)"):
+        cluster.worker()
+
+
+def test_a_worker_warns_once_when_a_limit_cuts_the_wait_naming_both_settings(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = make_cluster(IDEM_CONF=json.dumps({"task_time_limit": 4}))
+    log = cluster.worker().text()
+    warnings = [line for line in log.splitlines() if "idempotency_wait is longer" in line]
+    assert len(warnings) == 1
+    assert "idempotency_wait=10, task_time_limit=4 (app setting): waits at most 3.2 s" in warnings[0]

@@ -483,6 +483,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                                         deadline=deadline)
             except Requeue as busy:
                 if local:
+                    if isinstance(busy.__cause__, SoftTimeLimitExceeded):
+                        # A direct call inside another task's body: that task's own limit.
+                        raise busy.__cause__ from None
                     continue  # no broker to re-queue to: wait another round in place
                 # A freed key is claimed by the next delivery at once; a busy one is looked
                 # at again a second later.

@@ -80,9 +80,9 @@ def request_deadline(task: Any, request: Any, started: float) -> float | None:
     hard, soft = getattr(request, "timelimit", None) or (None, None)
     soft = soft or task.soft_time_limit or _worker["soft"]
     hard = hard or task.time_limit or _worker["hard"]
-    first = min(soft or hard or 0, hard or soft or 0)
-    if not first:
+    if not (soft or hard):
         return None
+    first = min(limit for limit in (soft, hard) if limit)  # the one that fires first
     return started + first - margin(first)
 
 

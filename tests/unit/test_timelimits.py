@@ -202,3 +202,23 @@ def test_a_worker_duplicate_re_queues_within_its_soft_limit(
     # Then it re-queued before its limit (and sooner when the key was freed during the wait)
     assert calls == [countdown]
     assert time.monotonic() - started < 1.0
+
+
+def test_a_soft_limit_during_the_wait_of_a_direct_call_is_the_callers_and_propagates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a task called directly (inside another task's body, say) on a key held elsewhere
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    app = make_app()
+    task = make_task(app)
+    key = task.idempotency_key_for(("ord_2",))
+    task._gate.store.claim(key, owner="other:1", task_id="t-holder", attempt=0, lease=60, ttl=600)
+
+    def sleep(seconds: float) -> None:
+        raise SoftTimeLimitExceeded()  # the calling task's soft limit fires during the wait
+
+    monkeypatch.setattr(task._gate, "sleep", sleep)
+    # When it waits, Then the limit reaches the caller (no broker to re-queue to, no endless wait)
+    with pytest.raises(SoftTimeLimitExceeded):
+        task("ord_2")

@@ -77,6 +77,7 @@ def request_deadline(task: Any, request: Any, started: float) -> float | None:
         started: ``monotonic()`` when the request started (``__call__``; Celery's clock starts a
             moment earlier, when the pool accepted the job, which the margin covers).
     """
+    # The precedence of ``_limits``, without naming the sources: this runs on every call.
     hard, soft = getattr(request, "timelimit", None) or (None, None)
     soft = soft or task.soft_time_limit or _worker["soft"]
     hard = hard or task.time_limit or _worker["hard"]
@@ -115,14 +116,15 @@ def _limits(task: Any, conf: Any, *, worker: bool = True) -> Limits:
     ``conf`` None: the task's own options only (a class being defined is not bound to an app).
     """
 
-    def one(option: str, setting: str, flag: str, worker: float | None) -> tuple[float | None, str]:
+    def one(option: str, setting: str, flag: str, fallback: float | None) -> tuple[float | None, str]:
         value = getattr(task, option, None)
         if value:
-            from_app = conf is not None and conf.get(setting) == value
-            return value, f"{setting}={value:g} (app setting)" if from_app else \
-                f"{option}={value:g} (task option)"
-        if worker:
-            return worker, f"{flag}={worker:g} (worker)"
+            # Celery copies the app setting onto a task that sets no option of its own.
+            if conf is not None and conf.get(setting) == value:
+                return value, f"{setting}={value:g} (app setting)"
+            return value, f"{option}={value:g} (task option)"
+        if fallback:
+            return fallback, f"{flag}={fallback:g} (worker)"
         return None, ""
 
     soft, soft_from = one("soft_time_limit", "task_soft_time_limit", "--soft-time-limit",

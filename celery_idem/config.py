@@ -18,7 +18,7 @@ from typing import Any
 
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
 
-__all__ = ["KNOWN_OPTIONS", "IdempotencyConfig", "check_options", "default_release_on"]
+__all__ = ["KNOWN_OPTIONS", "MIN_LEASE", "IdempotencyConfig", "check_options", "default_release_on"]
 
 #: Every ``idempotency_*`` task option. Any other attribute with that prefix is a typo and is
 #: rejected when the task class is created (Celery itself would accept it silently).
@@ -76,6 +76,11 @@ def default_release_on() -> tuple[type[BaseException], ...]:
         found.extend(getattr(module, name) for name in names if hasattr(module, name))
     return tuple(dict.fromkeys(found))
 
+
+#: The shortest lease: it is renewed every third of it, so a shorter one leaves less than a third
+#: of a second for a store round trip (or a pause of the process) before a duplicate may take
+#: over a holder that is alive.
+MIN_LEASE = 0.5
 
 DEFAULT_TERMINAL_ON: tuple[type[BaseException], ...] = (TerminalError, IdempotencyKeyMismatch)
 
@@ -186,6 +191,13 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         raise ImproperlyConfigured(f"{owner}: idempotency_operation must be a str")
     ttl = _positive("idempotency_ttl", attrs.idempotency_ttl)
     lease = _positive("idempotency_lease", attrs.idempotency_lease)
+    if lease < MIN_LEASE:
+        raise ImproperlyConfigured(
+            f"{owner}: idempotency_lease ({lease:g} s) cannot be renewed before it ends: it is "
+            f"renewed every third of it, and a store round trip or a pause longer than the "
+            f"{lease * 2 / 3:.2g} s left lets a duplicate take over a live holder. Use at least "
+            f"{MIN_LEASE:g} s"
+        )
     if ttl < lease:
         raise ImproperlyConfigured(
             f"{owner}: idempotency_ttl ({ttl:g} s) must be at least idempotency_lease "

@@ -10,7 +10,11 @@
       ├─MISMATCH───────> raise IdempotencyKeyMismatch (no body)
       └─BUSY───────────> wait (bounded) for the holder ──outcome──> as DONE/FAILED
                                     ├─ freed or lease expired ──> claim again
+                                    │    (under a deadline: raise Requeue, freed)
                                     └─ still busy ──────────────> raise Requeue
+
+A ``deadline`` (the caller's time limit, less a margin) bounds the wait too, and an interrupt
+(the caller's soft time limit) that arrives while claiming or waiting raises Requeue.
 
 The task layer (``task.py``) supplies the key, the body and a codec, and turns :class:`Requeue`
 and :class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message.
@@ -59,12 +63,25 @@ class Attempt:
 
 
 class Requeue(Exception):
-    """Raised by the gate when the key is still in progress after the bounded wait."""
+    """Raised by the gate when this attempt should go round again instead of running the body.
 
-    def __init__(self, key: str, holder: Record | None) -> None:
-        super().__init__(f"{key!r} is still in progress; re-queue and look again later")
+    Attributes:
+        key: The idempotency key.
+        holder: The record last seen (None when it is gone or unknown).
+        freed: True when the key is free now (the next attempt may claim it at once); False
+            when it is still in progress.
+    """
+
+    def __init__(self, key: str, holder: Record | None, *, freed: bool = False) -> None:
+        state = "free now" if freed else "still in progress"
+        super().__init__(f"{key!r} is {state}; re-queue and look again later")
         self.key = key
         self.holder = holder
+        self.freed = freed
+
+
+#: Record states that answer a duplicate (a claim returns them without claiming).
+_OUTCOMES = frozenset({State.DONE, State.FAILED})
 
 
 def _build(also: Callable[[T], BackendWrite | None] | None, key: str, result: T) -> BackendWrite | None:
@@ -92,6 +109,9 @@ class Gate:
         emit: Called once per decision.
         retry_signals: Exceptions that mean "the task already re-published itself" (Celery's
             ``Retry``): the claim is released so the new attempt passes the gate.
+        interrupts: Exceptions that end this attempt's turn when they arrive while it claims
+            or waits, before any body runs (the task's own soft time limit): they become
+            :class:`Requeue`. Raised by the body, they are handled like any other error.
         sleep: Injectable for tests.
         monotonic: Injectable for tests.
         lease_keeper: Renews the lease while the body runs.
@@ -109,6 +129,7 @@ class Gate:
         *,
         emit: Emit = _no_emit,
         retry_signals: tuple[type[BaseException], ...] = (),
+        interrupts: tuple[type[BaseException], ...] = (),
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
         lease_keeper: LeaseKeeper | None = None,
@@ -118,6 +139,7 @@ class Gate:
         self.codec = codec
         self.emit = emit
         self.retry_signals = retry_signals
+        self.interrupts = interrupts
         self.sleep = sleep
         self.monotonic = monotonic
         self.lease_keeper = lease_keeper
@@ -127,6 +149,8 @@ class Gate:
         attempt: Attempt,
         body: Callable[[int], T],
         also: Callable[[T], BackendWrite | None] | None = None,
+        *,
+        deadline: float | None = None,
     ) -> T:
         """Run ``body(token)`` if and only if this attempt wins the key.
 
@@ -137,20 +161,55 @@ class Gate:
                 :class:`~celery_idem.stores.base.BackendWrite` it returns goes into the same
                 store call (see :meth:`Store.record_with`), and its ``written`` tells the
                 caller whether it was made.
+            deadline: ``monotonic()`` time by which this attempt must have stopped waiting,
+                because the caller's own time limit fires soon after (None: no limit). The wait
+                for a busy key ends there at the latest; and an attempt that has waited does
+                not claim a key freed meanwhile, since its body would start with only what is
+                left of the limit. Both raise :class:`Requeue`.
 
         Returns:
             The body's result, or the recorded result of the attempt that ran it.
 
         Raises:
-            Requeue: The key is still in progress after ``config.wait`` seconds.
+            Requeue: The key is still in progress after ``config.wait`` seconds (or at
+                ``deadline``); it was freed after a wait under a ``deadline``; or one of
+                ``interrupts`` arrived while claiming or waiting.
             StoreUnavailable: The store could not be reached at claim time (the body did not run).
             IdempotencyKeyMismatch: Same key, different payload.
             LeaseLost: The body ran but another holder took over before it was recorded.
             BaseException: Whatever the body raised, or the recorded terminal error.
         """
+        try:
+            claim, waited = self._settle(attempt, deadline)
+        except self.interrupts as exc:
+            # The caller's own time limit fired before any body started here: nothing ran, so
+            # the message can go round again. (A claim that landed just before the interrupt is
+            # left to expire and is taken over, like a crashed holder's.)
+            self.emit(Outcome.REQUEUED, attempt.key, 0, "", {"reason": type(exc).__name__})
+            raise Requeue(attempt.key, None) from exc
+        if claim.status.holds:
+            return self._run_held(attempt, claim, body, also)
+        rec = claim.record
+        assert rec is not None  # a DONE or FAILED claim carries its record
+        self.emit(Outcome.WAITED if waited else Outcome.DUPLICATE, attempt.key, rec.token,
+                  rec.task_id, {"record_state": rec.state.value})
+        return self.answer(rec)  # type: ignore[no-any-return]
+
+    def _settle(self, attempt: Attempt, deadline: float | None) -> tuple[Claim, bool]:
+        """Claim the key, waiting (bounded) while someone else holds it.
+
+        Returns:
+            A claim that holds the key or carries a DONE/FAILED record, and whether this
+            attempt waited for it.
+
+        Raises:
+            Requeue: Still busy at the end of the wait, or freed after a wait under ``deadline``.
+            IdempotencyKeyMismatch: Same key, different payload.
+            StoreUnavailable: The store could not be reached.
+        """
         cfg = self.config
         waited = False
-        deadline: float | None = None
+        wait_until: float | None = None
         while True:
             claim = self.store.claim(
                 attempt.key, owner=attempt.owner, task_id=attempt.task_id,
@@ -158,8 +217,8 @@ class Gate:
                 payload_hash=attempt.payload_hash,
             )
             status = claim.status
-            if status.holds:
-                return self._run_held(attempt, claim, body, also)
+            if status.holds or status in (ClaimStatus.DONE, ClaimStatus.FAILED):
+                return claim, waited
             rec = claim.record
             assert rec is not None  # every non-holding status carries the record it found
             if status is ClaimStatus.MISMATCH:
@@ -169,26 +228,38 @@ class Gate:
                     f"(task {rec.task_id}); use a new key for a new action",
                     key=attempt.key,
                 )
-            if status in (ClaimStatus.DONE, ClaimStatus.FAILED):
-                self.emit(Outcome.WAITED if waited else Outcome.DUPLICATE, attempt.key, rec.token,
-                          rec.task_id, {"record_state": rec.state.value})
-                return self.answer(rec)  # type: ignore[no-any-return]
             # BUSY: someone else's live lease.
-            if deadline is None:
-                deadline = self.monotonic() + cfg.wait
+            if wait_until is None:
+                wait_until = self.monotonic() + cfg.wait
+                if deadline is not None:
+                    wait_until = min(wait_until, deadline)
             seen = self.monotonic()
-            found = self._wait(attempt.key, claim, seen, deadline)
-            waited = True
-            still_busy = (
-                found is not None
-                and found.state is State.IN_PROGRESS
-                and not self._expired(found, claim, seen)
-            )
-            if still_busy and self.monotonic() >= deadline:
-                holder = found or rec
-                self.emit(Outcome.REQUEUED, attempt.key, holder.token, holder.task_id, {})
-                raise Requeue(attempt.key, holder)
-            # Done, failed, released, gone or expired: the next claim decides atomically.
+            holder = rec
+            while True:
+                found = self._wait(attempt.key, holder, claim, seen, wait_until)
+                waited = True
+                live = (
+                    found is not None
+                    and found.state is State.IN_PROGRESS
+                    and not self._expired(found, claim, seen)
+                )
+                if live and self.monotonic() >= wait_until:
+                    assert found is not None
+                    self.emit(Outcome.REQUEUED, attempt.key, found.token, found.task_id, {})
+                    raise Requeue(attempt.key, found)
+                if deadline is None or (found is not None and found.state in _OUTCOMES):
+                    break  # done, failed, or free to take: the next claim decides atomically
+                if not live:
+                    # Released, gone or expired, but this attempt spent part of its time limit
+                    # waiting: a body started now could be cut off by that limit. Go round
+                    # again; the next delivery claims with the whole limit ahead of it.
+                    self.emit(Outcome.REQUEUED, attempt.key, holder.token, holder.task_id,
+                              {"reason": "freed"})
+                    raise Requeue(attempt.key, found, freed=True)
+                # Another attempt took over meanwhile: wait for it. (Claiming again could win a
+                # key freed in between, and start the body late, the same risk.)
+                assert found is not None
+                holder = found
 
     def answer(self, rec: Record) -> Any:
         """Return a DONE record's result, or raise a FAILED record's error."""
@@ -345,14 +416,16 @@ class Gate:
             return True
         return rec.lease_expires <= claim.now + (self.monotonic() - seen)
 
-    def _wait(self, key: str, claim: Claim, seen: float, deadline: float) -> Record | None:
-        """Poll until the holder's record changes, its lease runs out, or ``deadline``.
+    def _wait(
+        self, key: str, holder: Record, claim: Claim, seen: float, deadline: float
+    ) -> Record | None:
+        """Poll until ``holder``'s record changes, its lease runs out, or ``deadline``.
+
+        ``claim`` and ``seen`` translate the store's clock (``claim.now`` at ``seen``).
 
         Returns:
             The last record read (None when it is gone).
         """
-        holder = claim.record
-        assert holder is not None
         delay = self.poll_min
         rec: Record | None = holder
         while True:

@@ -15,6 +15,7 @@ import inspect
 import logging
 import os
 import socket
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -22,13 +23,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Celery, Task
 from celery.app.task import Context
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult, EagerResult
 from celery.signals import worker_init
 from celery.states import FAILURE, SUCCESS
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
+from . import timelimits
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
 from .events import EVENT_TYPE, Outcome, log_outcome
@@ -218,7 +220,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: Store a hash of the full arguments and refuse the key with other arguments.
     idempotency_validate: ClassVar[bool] = False
     #: Seconds a duplicate waits for a key in progress before re-queueing itself (re-queues
-    #: do not count against ``max_retries``).
+    #: do not count against ``max_retries``). A time limit can cut it shorter: see
+    #: ``celery_idem.timelimits``.
     idempotency_wait: ClassVar[float] = 10
     #: Seconds the gate keeps retrying the record of a finished body while the store is down.
     idempotency_record_timeout: ClassVar[float] = 10
@@ -239,6 +242,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         check_options(label, vars(cls))
         # Check the values now too, so a wrong option fails at definition, not at first call.
         resolve(label, cls, _signature_of(vars(cls).get("run")))
+        timelimits.check_definition(label, cls)
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -269,6 +273,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             emit=self._emit,
             # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
             retry_signals=(Retry, Reject),
+            # The task's own soft limit, fired while it waits for a busy key: re-queue.
+            interrupts=(SoftTimeLimitExceeded,),
         )
 
     # -- the key -------------------------------------------------------------------------------
@@ -608,6 +614,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if _failed_request(args) is not None and not getattr(self.request, "idempotency_errback_",
                                                              False):
             return self._call_as_errback(args, kwargs)
+        # Time limits count from the start of the request, and a wait for a busy key spends it.
+        started = time.monotonic()
         req = self.request
         key = (req.headers or {}).get(HEADER) or self.idempotency_key_for(args, kwargs)
         cfg = self.idempotency_config
@@ -639,16 +647,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # record: its result is the action's, and the gate records it as usual.
                 return found.receipt.value
 
+        local = req.is_eager or req.called_directly
+        # No pool enforces a limit in the calling process (eager mode, a direct call).
+        deadline = None if local else timelimits.request_deadline(self, req, started)
         while True:
             try:
                 result = self._gate.run(attempt, body,
-                                        also if writer is not None and writer.folds else None)
+                                        also if writer is not None and writer.folds else None,
+                                        deadline=deadline)
             except Requeue as busy:
-                if req.is_eager or req.called_directly:
+                if local:
+                    if isinstance(busy.__cause__, SoftTimeLimitExceeded):
+                        # A direct call inside another task's body: that task's own limit.
+                        raise busy.__cause__ from None
                     continue  # no broker to re-queue to: wait another round in place
-                self._requeue(countdown=1.0, reason=str(busy))
+                # A freed key is claimed by the next delivery at once; a busy one is looked
+                # at again a second later.
+                self._requeue(countdown=0.0 if busy.freed else 1.0, reason=str(busy))
             except StoreUnavailable as down:
-                if req.is_eager or req.called_directly:
+                if local:
                     raise
                 self._emit(Outcome.REQUEUED, key, 0, req.id or "", {"reason": "store_unavailable"})
                 n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
@@ -760,16 +777,20 @@ def _check_key(task: str, key: Any) -> str:
 
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def _check_worker(sender: Any = None, **_: Any) -> None:
-    """Fail the worker at start-up, not the first message, when the store is misconfigured."""
+    """Fail the worker at start-up, not the first message, when the store or a time limit is
+    misconfigured; warn once about time limits that only degrade."""
     app = getattr(sender, "app", None)
     if app is None:
         return
     if getattr(sender, "task_events", False) or app.conf.get("idempotency_events") \
             or app.conf.worker_send_task_events:
         _events_on.add(app)
-    if any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
+    tasks = [task for task in app.tasks.values() if isinstance(task, IdempotentTask)]
+    if tasks:
         try:
             get_store(app)
+            timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
+                                    getattr(sender, "soft_time_limit", None))
         except ImproperlyConfigured as exc:
             # Celery logs and swallows exceptions raised by signal handlers, and the worker would
             # start consuming messages it can only fail: stop it here, with the reason.

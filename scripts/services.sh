@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make sure the servers the test suite talks to answer on 127.0.0.1, and start any that do not:
-#   Redis 127.0.0.1:6379, PostgreSQL 127.0.0.1:5432, MariaDB 127.0.0.1:3306.
+#   Redis 127.0.0.1:6379, PostgreSQL 127.0.0.1:5432, MariaDB 127.0.0.1:3306, RabbitMQ 127.0.0.1:5672.
 #
 # It never stops, restarts or flushes a server: one that answers is left alone. Each wait is a
 # bounded poll (SERVICES_TIMEOUT seconds, default 60). Exit status 0 when every installed server
@@ -53,6 +53,12 @@ mariadb_answers() {
     fi
 }
 
+rabbitmq_answers() {
+    # An AMQP server answers a protocol header it does not speak with its own ("AMQP\0\0\9\1").
+    timeout 3 bash -c 'exec 3<>/dev/tcp/127.0.0.1/5672 && printf "AMQP\1\1\0\0" >&3 &&
+        head -c 4 <&3 | grep -q AMQP' >/dev/null 2>&1
+}
+
 # -- start commands (the machine's own; each is a no-op for a server that already runs) -------
 
 redis_start() {
@@ -79,6 +85,10 @@ mariadb_start() {
         install -d -m 0755 -o mysql -g mysql /run/mysqld
     fi
     start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
+}
+
+rabbitmq_start() {
+    rabbitmq-server -detached
 }
 
 # ensure NAME PORT PROBE START BINARY LOGHINT
@@ -115,4 +125,6 @@ ensure "PostgreSQL" 5432 postgres_answers postgres_start pg_ctlcluster \
     "log: /var/log/postgresql/postgresql-$(postgres_version)-main.log"
 ensure "MariaDB" 3306 mariadb_answers mariadb_start /usr/sbin/mariadbd \
     "run /usr/sbin/mariadbd in the foreground to see why"
+ensure "RabbitMQ" 5672 rabbitmq_answers rabbitmq_start rabbitmq-server \
+    "log: /var/log/rabbitmq/"
 say "all servers answer"

@@ -1,8 +1,9 @@
 """Shared fixtures: real servers, one key prefix / database table per test, never FLUSHALL.
 
 Servers: Redis at ``CELERY_IDEM_TEST_REDIS`` (default redis://127.0.0.1:6379), PostgreSQL at
-``CELERY_IDEM_TEST_PG`` (default postgresql+psycopg://root@127.0.0.1:5432/test) and MariaDB at
-``CELERY_IDEM_TEST_MYSQL``. A server that does not answer skips its tests locally and FAILS
+``CELERY_IDEM_TEST_PG`` (default postgresql+psycopg://root@127.0.0.1:5432/test), MariaDB at
+``CELERY_IDEM_TEST_MYSQL`` and RabbitMQ at ``CELERY_IDEM_TEST_AMQP`` (default
+amqp://guest:guest@127.0.0.1:5672//). A server that does not answer skips its tests locally and FAILS
 them in CI (``CI=true``), so CI can never pass by skipping.
 """
 
@@ -19,6 +20,7 @@ import pytest
 REDIS_URL = os.environ.get("CELERY_IDEM_TEST_REDIS", "redis://127.0.0.1:6379")
 PG_URL = os.environ.get("CELERY_IDEM_TEST_PG", "postgresql+psycopg://root@127.0.0.1:5432/test")
 MYSQL_URL = os.environ.get("CELERY_IDEM_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
+AMQP_URL = os.environ.get("CELERY_IDEM_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -79,3 +81,9 @@ def pg_url() -> str:
 def mysql_url() -> str:
     require(MYSQL_URL, 3306, "MariaDB")
     return MYSQL_URL
+
+
+@pytest.fixture
+def amqp_url() -> str:
+    require(AMQP_URL, 5672, "RabbitMQ")
+    return AMQP_URL

@@ -154,6 +154,56 @@ def impatient(self, order_id, hold=0.0):
     return {"order_id": order_id, "ran_in": self.request.id}
 
 
+# -- time limits (tests/integration/test_time_limits.py) ------------------------------------------
+# One action, three tasks (one operation, so one key) with a 3 s limit from their options, the app
+# settings or the call. The 5 s lease outlives a 3 s limit: a duplicate that waited it out would
+# be failed by its own limit.
+import signal as _signal  # noqa: E402
+
+_LIMITED: dict[str, object] = {
+    "base": IdempotentTask, "bind": True, "idempotency_operation": "limited",
+    "idempotency_fields": ("order_id",), "idempotency_lease": 5,
+}
+
+
+def _limited(self, order_id, marker, hold, die):  # type: ignore[no-untyped-def]
+    with open(marker, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    if die and _ledger.set(f"{PREFIX}died:{order_id}", 1, nx=True, ex=600):
+        os.kill(os.getpid(), _signal.SIGKILL)  # once, right after the claim, before the effect
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and not flag(f"release:{order_id}"):
+        time.sleep(0.02)
+    effect(f"charge:{order_id}", self.request.id)
+    return {"order_id": order_id, "token": self.idempotency_token, "pid": os.getpid()}
+
+
+@app.task(**_LIMITED)
+def limited(self, order_id, marker, hold=0.0, die=False):
+    """Limits from the app settings or the call. Writes its pid to ``marker``; ``die``
+    SIGKILLs its own process once; then holds up to ``hold`` s (until released) and charges."""
+    return _limited(self, order_id, marker, hold, die)
+
+
+@app.task(**_LIMITED, soft_time_limit=3)
+def limited_soft(self, order_id, marker, hold=0.0, die=False):
+    """``limited`` with the task option ``soft_time_limit=3``."""
+    return _limited(self, order_id, marker, hold, die)
+
+
+@app.task(**_LIMITED, time_limit=3)
+def limited_hard(self, order_id, marker, hold=0.0, die=False):
+    """``limited`` with the task option ``time_limit=3``."""
+    return _limited(self, order_id, marker, hold, die)
+
+
+@app.task(**{**_LIMITED, "idempotency_lease": 9}, soft_time_limit=3)
+def limited_soft_redelivered(self, order_id, marker, hold=0.0, die=False):
+    """``limited_soft`` with a 9 s lease: the pool notices a SIGKILLed child within about 5 s
+    and the message comes back then, to a lease still fresh for longer than the limit."""
+    return _limited(self, order_id, marker, hold, die)
+
+
 # -- chaos suite (tests/chaos) -------------------------------------------------------------------
 # Effects are committed to a PostgreSQL ledger (``IDEM_PG_URL``, tables ``<IDEM_PG_LEDGER>_*``):
 #
@@ -163,7 +213,6 @@ def impatient(self, order_id, hold=0.0):
 # * ``_kills``: which one-shot self-kills already happened (action, point).
 
 import json as _json  # noqa: E402
-import signal as _signal  # noqa: E402
 
 if os.environ.get("IDEM_STORE_OPTIONS"):
     app.conf.idempotency_store_options = _json.loads(os.environ["IDEM_STORE_OPTIONS"])

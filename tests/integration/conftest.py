@@ -44,6 +44,11 @@ class Cluster:
             task.__dict__.pop("_gate", None)
         self.app.__dict__.pop("backend", None)
         self.app._local.__dict__.pop("backend", None)
+        # Publish to the broker now configured (a test may use RabbitMQ instead of Redis).
+        amqp = self.app.__dict__.get("amqp")
+        if amqp is not None:
+            amqp._producer_pool = None
+        self.app._pool = None
 
     def worker(self, name: str = "w1", **kwargs: Any) -> Worker:
         w = Worker({**self.env}, f"{name}-{self.prefix.strip(':')}", **kwargs)
@@ -63,6 +68,12 @@ class Cluster:
     def close(self) -> None:
         for w in self.workers:
             w.stop()
+        if self.env["IDEM_BROKER"].startswith("amqp"):
+            # A RabbitMQ queue outlives its consumers: delete this test's own.
+            from kombu import Connection
+
+            with Connection(self.env["IDEM_BROKER"]) as conn:
+                conn.default_channel.queue_delete(self.env["IDEM_QUEUE"])
         for name in self.ledger.scan_iter(match=self.prefix + "*", count=1000):
             self.ledger.delete(name)
         if (self.env.get("IDEM_STORE") or "").startswith("db+"):

@@ -236,6 +236,7 @@ class World:
 
     def gate(self, **overrides: Any) -> Gate:
         retry_signals = overrides.pop("retry_signals", ())
+        interrupts = overrides.pop("interrupts", ())
         keeper = overrides.pop("lease_keeper", self.keeper)
         return Gate(
             self.store,
@@ -243,6 +244,7 @@ class World:
             self.codec,
             emit=self.emit,
             retry_signals=retry_signals,
+            interrupts=interrupts,
             sleep=self.clock.sleep,
             monotonic=self.clock,
             lease_keeper=keeper,
@@ -455,6 +457,143 @@ def test_a_duplicate_waiting_past_the_holders_lease_takes_over(world: World) -> 
     assert duplicate.tokens == [2]
     assert world.clock.now - START == pytest.approx(LEASE, abs=Gate.poll_max)
     assert world.events[0] == (Outcome.TAKEOVER, KEY, 2, "t2")
+
+
+# -- a deadline (the caller's time limit) and interrupts ------------------------------------------
+
+
+def test_a_deadline_shorter_than_the_wait_ends_the_wait_there_with_requeue(world: World) -> None:
+    # Given a holder with a long lease, and a duplicate whose time limit leaves it 2 s to wait
+    world.hold_elsewhere("t-holder")
+    duplicate = Body()
+    # When it runs through the gate (wait 10 s, deadline in 2 s)
+    with pytest.raises(Requeue) as info:
+        world.gate().run(attempt("t2"), duplicate, deadline=START + 2)
+    # Then it gave up at the deadline, not after `wait`, and did not run
+    assert world.clock.now - START == pytest.approx(2)
+    assert duplicate.runs == 0
+    assert info.value.freed is False
+    assert world.events == [(Outcome.REQUEUED, KEY, 1, "t-holder")]
+
+
+def test_a_deadline_already_past_requeues_a_busy_key_without_sleeping(world: World) -> None:
+    world.hold_elsewhere()
+    with pytest.raises(Requeue):
+        world.gate().run(attempt("t2"), Body(), deadline=START - 1)
+    assert world.clock.sleeps == []
+
+
+def test_under_a_deadline_a_key_freed_during_the_wait_is_left_for_the_next_delivery(
+    world: World,
+) -> None:
+    # Given a holder whose lease runs out 1 s into the duplicate's wait
+    world.hold_elsewhere("t-holder")
+    world.clock.advance(LEASE - 1)
+    duplicate = Body()
+    # When the duplicate, 2 s from its deadline, sees the lease run out
+    with pytest.raises(Requeue) as info:
+        world.gate().run(attempt("t2"), duplicate, deadline=world.clock.now + 2)
+    # Then it does not claim (its body would start with 1 s of its limit left): it re-queues,
+    # saying the key is free
+    assert duplicate.runs == 0
+    assert info.value.freed is True
+    assert world.events == [(Outcome.REQUEUED, KEY, 1, "t-holder")]
+    assert world.extras == [{"reason": "freed"}]
+    assert world.record().token == 1
+    # And the next delivery, with its whole limit ahead, takes over at once
+    retaken = Body(result="next")
+    assert world.gate().run(attempt("t2"), retaken, deadline=world.clock.now + 2) == "next"
+    assert retaken.tokens == [2]
+
+
+def test_under_a_deadline_a_key_done_during_the_wait_is_answered(world: World) -> None:
+    world.hold_elsewhere("t-holder")
+    gate = world.gate()
+    gate.sleep = lambda s: (world.clock.sleep(s), world.finish_elsewhere(1, "theirs"))
+    duplicate = Body()
+
+    assert gate.run(attempt("t2"), duplicate, deadline=START + 5) == "theirs"
+
+    assert duplicate.runs == 0
+    assert world.events == [(Outcome.WAITED, KEY, 1, "t-holder")]
+
+
+def test_under_a_deadline_a_takeover_during_the_wait_is_waited_on_not_claimed(world: World) -> None:
+    # Given a holder that is taken over by a third attempt while the duplicate waits
+    world.hold_elsewhere("t-holder", lease=1)
+    claims: list[str] = []
+    store = FlakyStore(world.memory)
+    world.store = store
+    gate = world.gate()
+
+    def sleep(seconds: float) -> None:
+        world.clock.sleep(seconds)
+        if world.record().token == 1 and world.clock.now - START > 1:
+            world.memory.claim(KEY, owner="third:1", task_id="t3", attempt=0, lease=LEASE, ttl=TTL)
+
+    gate.sleep = sleep
+    duplicate = Body()
+    # When the duplicate waits until its deadline
+    with pytest.raises(Requeue) as info:
+        gate.run(attempt("t2"), duplicate, deadline=START + 3)
+    claims.append(str(store.calls.get("claim")))
+    # Then it claimed once (at the start) and waited on the new holder until its deadline
+    assert claims == ["1"]
+    assert duplicate.runs == 0
+    assert info.value.holder is not None and info.value.holder.task_id == "t3"
+    assert world.clock.now - START == pytest.approx(3)
+
+
+def test_an_interrupt_while_waiting_becomes_requeue_and_leaves_the_holder_alone(
+    world: World,
+) -> None:
+    # Given a duplicate waiting for a live holder
+    world.hold_elsewhere("t-holder")
+    gate = world.gate(interrupts=(SoftTimeLimitExceeded,))
+
+    def sleep(seconds: float) -> None:
+        world.clock.sleep(seconds)
+        if world.clock.now - START > 1:
+            raise SoftTimeLimitExceeded()  # its own soft time limit fires
+
+    gate.sleep = sleep
+    duplicate = Body()
+    # When its soft time limit fires during the wait
+    with pytest.raises(Requeue) as info:
+        gate.run(attempt("t2"), duplicate)
+    # Then it re-queues instead of failing, without running, and the holder keeps its claim
+    assert isinstance(info.value.__cause__, SoftTimeLimitExceeded)
+    assert duplicate.runs == 0
+    assert world.events == [(Outcome.REQUEUED, KEY, 0, "")]
+    assert world.extras == [{"reason": "SoftTimeLimitExceeded"}]
+    assert (world.record().state, world.record().task_id) == (State.IN_PROGRESS, "t-holder")
+
+
+def test_an_interrupt_raised_by_the_body_is_the_bodys_error_not_a_requeue(world: World) -> None:
+    body = Body(raises=SoftTimeLimitExceeded())
+
+    with pytest.raises(SoftTimeLimitExceeded):
+        world.gate(interrupts=(SoftTimeLimitExceeded,)).run(attempt(), body, deadline=START + 5)
+
+    assert body.runs == 1
+    assert world.record().state is State.RELEASED  # timeout-class: given back for a retry
+    assert world.events[-1][0] is Outcome.RELEASED
+
+
+def test_under_a_deadline_a_key_released_during_the_wait_is_left_for_the_next_delivery(
+    world: World,
+) -> None:
+    world.hold_elsewhere("t-holder")
+    gate = world.gate()
+    gate.sleep = lambda s: (world.clock.sleep(s), world.memory.release(KEY, 1))
+    duplicate = Body()
+
+    with pytest.raises(Requeue) as info:
+        gate.run(attempt("t2"), duplicate, deadline=START + 5)
+
+    assert info.value.freed is True
+    assert duplicate.runs == 0
+    assert world.record().state is State.RELEASED
 
 
 # -- lease expiry and takeover ----------------------------------------------------------------

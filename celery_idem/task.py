@@ -30,6 +30,7 @@ from kombu.serialization import dumps
 
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
+from .durability import REQUIRE_DURABLE_SETTING, check_store
 from .events import EVENT_TYPE, Outcome, log_outcome
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, StoreUnavailable
 from .gate import Attempt, Gate, Requeue
@@ -567,7 +568,8 @@ def _check_worker(sender: Any = None, **_: Any) -> None:
         _events_on.add(app)
     if any(isinstance(task, IdempotentTask) for task in app.tasks.values()):
         try:
-            get_store(app)
+            store = get_store(app)
+            check_store(store, require=bool(app.conf.get(REQUIRE_DURABLE_SETTING)))
         except ImproperlyConfigured as exc:
             # Celery logs and swallows exceptions raised by signal handlers, and the worker would
             # start consuming messages it can only fail: stop it here, with the reason.

@@ -71,7 +71,9 @@ def start(servers: list[RedisServer], *settings: str) -> RedisServer:
     return server
 
 
-def worker_start(url: str, caplog: pytest.LogCaptureFixture, *, require: bool = False) -> list[logging.LogRecord]:
+def worker_start(
+    url: str, caplog: pytest.LogCaptureFixture, *, require: bool = False
+) -> list[logging.LogRecord]:
     """Run the worker-start hook for an app whose store is ``url``; its celery_idem log lines."""
     app = Celery("durability-test", set_as_current=False)
     app.conf.update(idempotency_store=url, idempotency_require_durable_store=require)

@@ -264,6 +264,8 @@ def _kill_after_record(args, kwargs):  # type: ignore[no-untyped-def]
 
 def _chaos_body(self, action, hold, marker, forward_key, timeout, kill):  # type: ignore[no-untyped-def]
     if marker:
+        with open(f"{marker}.tokens", "a") as fh:  # first: a pid in ``marker`` has its token listed
+            fh.write(f"{self.idempotency_token}\n")
         with open(marker, "a") as fh:
             fh.write(f"{os.getpid()}\n")
     deadline = time.monotonic() + hold

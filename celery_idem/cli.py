@@ -432,7 +432,11 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, as_json:
                 run.fail(EXIT_REFUSED, "not confirmed; nothing was released (pass --yes when "
                                        "not interactive)")
         try:
-            store.release(key, rec.token)
+            # Fenced by the token and the claim id shown: exactly the claim the operator saw.
+            if rec.claim_id:
+                store.release(key, rec.token, claim_id=rec.claim_id)
+            else:
+                store.release(key, rec.token)
         except LeaseLost as exc:
             run.fail(EXIT_CHANGED, f"{key!r} changed meanwhile; nothing was released ({exc})")
     doc = {"released": True, "key": key, "token": rec.token, "task_id": rec.task_id,

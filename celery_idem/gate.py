@@ -274,6 +274,10 @@ class Gate:
         also: Callable[[T], BackendWrite | None] | None,
     ) -> T:
         key, token = attempt.key, claim.token
+        # The claim id names this claim beside its token in every fenced call (a stale holder
+        # is refused even if a token number was issued again after the store lost data). A
+        # store without claim ids gives none, and is called as before.
+        fence: dict[str, Any] = {"claim_id": claim.claim_id} if claim.claim_id else {}
         if claim.status is ClaimStatus.TAKEOVER:
             prev = claim.record
             self.emit(Outcome.TAKEOVER, key, token, attempt.task_id,
@@ -281,21 +285,25 @@ class Gate:
                        "previous_owner": prev.owner if prev else ""})
         else:
             self.emit(Outcome.CLAIMED, key, token, attempt.task_id, {})
-        with (self.lease_keeper or keeper()).hold(self.store, key, token, self.config.lease):
+        with (self.lease_keeper or keeper()).hold(self.store, key, token, self.config.lease,
+                                                  claim.claim_id):
             try:
                 result = body(token)
             except BaseException as exc:
-                self._after_error(attempt, token, exc)
+                self._after_error(attempt, token, exc, fence)
                 raise
-            self._record_result(attempt, token, result, _build(also, attempt.key, result))
+            self._record_result(attempt, token, result, _build(also, attempt.key, result), fence)
         return result
 
-    def _after_error(self, attempt: Attempt, token: int, exc: BaseException) -> None:
+    def _after_error(
+        self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any] | None = None,
+    ) -> None:
+        fence = fence or {}
         cfg, key = self.config, attempt.key
         if isinstance(exc, cfg.terminal_on):
             ctype, data = self.codec.encode_error(exc)
             try:
-                written = self._write(attempt, token, State.FAILED, ctype, data)
+                written = self._write(attempt, token, State.FAILED, ctype, data, fence=fence)
             except LeaseLost:
                 return  # reported by _write; the body's own error is what the caller sees
             if written:
@@ -305,7 +313,7 @@ class Gate:
         retried = isinstance(exc, self.retry_signals)
         if retried or isinstance(exc, cfg.release_on):
             try:
-                self.store.release(key, token)
+                self.store.release(key, token, **fence)
             except LeaseLost as lost:
                 if retried:
                     # The re-published attempt (same task id, retries + 1) already took its
@@ -329,8 +337,10 @@ class Gate:
                   {"error": type(exc).__name__, "held_for": f"{cfg.lease:g}s"})
 
     def _record_result(
-        self, attempt: Attempt, token: int, result: Any, also: BackendWrite | None = None
+        self, attempt: Attempt, token: int, result: Any, also: BackendWrite | None = None,
+        fence: dict[str, Any] | None = None,
     ) -> None:
+        fence = fence or {}
         try:
             ctype, data = self.codec.encode_result(result)
         except Exception as exc:
@@ -342,11 +352,11 @@ class Gate:
                 "failed so no duplicate runs the body again", attempt.key, attempt.task_id, token, exc,
             )
             err_type, err = self.codec.encode_error(failure)
-            if self._write(attempt, token, State.FAILED, err_type, err):
+            if self._write(attempt, token, State.FAILED, err_type, err, fence=fence):
                 self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
                           {"error": "TypeError", "reason": "result_not_encodable"})
             raise
-        if self._write(attempt, token, State.DONE, ctype, data, also):
+        if self._write(attempt, token, State.DONE, ctype, data, also, fence=fence):
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
             return
         # The store kept refusing the result. If it takes a small record now, the store is up
@@ -359,7 +369,7 @@ class Gate:
         err_type, err = self.codec.encode_error(refused)
         try:
             self.store.record(attempt.key, token, state=State.FAILED, content_type=err_type,
-                              data=err, ttl=self.config.ttl)
+                              data=err, ttl=self.config.ttl, **fence)
         except (StoreUnavailable, LeaseLost):
             return  # a real outage: reported loudly by _write, the result goes to the caller
         self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
@@ -369,7 +379,7 @@ class Gate:
 
     def _write(
         self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes,
-        also: BackendWrite | None = None,
+        also: BackendWrite | None = None, *, fence: dict[str, Any] | None = None,
     ) -> bool:
         """Record with retries for ``record_timeout``; the lease keeps being renewed meanwhile.
 
@@ -380,16 +390,17 @@ class Gate:
             LeaseLost: Another holder took over.
         """
         key = attempt.key
+        fence = fence or {}
         deadline = self.monotonic() + self.config.record_timeout
         delay = 0.05
         while True:
             try:
                 if also is None:
                     self.store.record(key, token, state=state, content_type=ctype, data=data,
-                                      ttl=self.config.ttl)
+                                      ttl=self.config.ttl, **fence)
                 else:
                     self.store.record_with(key, token, state=state, content_type=ctype,
-                                           data=data, ttl=self.config.ttl, also=also)
+                                           data=data, ttl=self.config.ttl, also=also, **fence)
                 return True
             except LeaseLost:
                 self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "record"})

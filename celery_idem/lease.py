@@ -37,6 +37,8 @@ class Lease:
         lost: Set when a renewal found that another holder took over (the body may check it
             through ``task.idempotency_lease_lost`` before a write it cannot take back).
         done: Set when the holder is finished; the keeper drops it.
+        claim_id: The claim's id (:attr:`Claim.claim_id`), passed with the token to each
+            renewal; empty for a store without claim ids (fenced by the token alone).
     """
 
     store: Store
@@ -46,6 +48,7 @@ class Lease:
     lost: threading.Event = field(default_factory=threading.Event)
     done: bool = False
     renewals: int = 0
+    claim_id: str = ""
 
 
 #: The lease held by the body running in this context (thread), for ``idempotency_lease_lost``.
@@ -65,10 +68,10 @@ class LeaseKeeper:
         self._wake_at = float("inf")
 
     def hold(
-        self, store: Store, key: str, token: int, duration: float
+        self, store: Store, key: str, token: int, duration: float, claim_id: str = ""
     ) -> AbstractContextManager[Lease]:
         """Keep the lease of ``key`` alive until the block ends (``with keeper.hold(...) as lease``)."""
-        return _Held(self, Lease(store, key, token, duration))
+        return _Held(self, Lease(store, key, token, duration, claim_id=claim_id))
 
     def _schedule(self, lease: Lease, due: float) -> None:
         with self._cond:
@@ -101,7 +104,10 @@ class LeaseKeeper:
 
     def _renew(self, lease: Lease) -> None:
         try:
-            lease.store.renew(lease.key, lease.token, lease.duration)
+            if lease.claim_id:
+                lease.store.renew(lease.key, lease.token, lease.duration, claim_id=lease.claim_id)
+            else:  # a store without claim ids may not take the argument
+                lease.store.renew(lease.key, lease.token, lease.duration)
         except LeaseLost as exc:
             if lease.done:
                 # A renewal delayed (by an outage, say) past the holder's own record: the record

@@ -52,7 +52,8 @@ class Record:
     Attributes:
         key: The idempotency key (without the store's prefix).
         state: The record's state.
-        token: The fencing token of the latest claim; strictly increasing per key.
+        token: The fencing token of the latest claim; strictly increasing per key, also across
+            a loss of the record (see :mod:`celery_idem.stores.base`, "Tokens").
         owner: Who holds or held the claim (``host:pid``).
         task_id: The Celery task id of the attempt that claimed it (the original task id).
         attempt: The ``retries`` count of that attempt.
@@ -62,6 +63,10 @@ class Record:
         content_type: MIME type of ``data`` (the result serializer's, or the error codec's).
         data: The encoded result (done) or error (failed).
         updated: Server time (epoch seconds) of the last write.
+        claim_id: The random id the store gave the claim that wrote the record (empty for a
+            released tombstone, and for a record of a store or version without claim ids). The
+            holder passes it back to ``record``, ``release`` and ``renew``: with the token, it
+            names the attempt, so a stale holder is refused even if a token was ever reissued.
     """
 
     key: str
@@ -75,6 +80,7 @@ class Record:
     content_type: str | None = None
     data: bytes | None = None
     updated: float | None = None
+    claim_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,9 +94,13 @@ class Claim:
             DONE, the error for FAILED, the live holder for BUSY, the expired holder for TAKEOVER.
         now: The store's clock at the claim (epoch seconds), so lease arithmetic never mixes
             clocks of different hosts.
+        claim_id: When ``status.holds``, the random id of the caller's claim, to pass to
+            ``record``, ``release`` and ``renew`` with the token; empty otherwise, and from a
+            store that does not issue claim ids (it is then fenced by the token alone).
     """
 
     status: ClaimStatus
     token: int
     record: Record | None
     now: float
+    claim_id: str = ""

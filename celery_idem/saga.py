@@ -239,7 +239,14 @@ class Saga:
     def _check_saga_lease(self, name: str) -> None:
         """Refuse to start a step when another run has taken the saga over (fenced renew)."""
         try:
-            self._gate.store.renew(self.key, self.token, self._gate.config.lease)
+            held = current_lease.get()
+            if held is not None and held.key == self.key and held.token == self.token \
+                    and held.claim_id:
+                # The saga's own claim (the task's): named by its claim id too.
+                self._gate.store.renew(self.key, self.token, self._gate.config.lease,
+                                       claim_id=held.claim_id)
+            else:
+                self._gate.store.renew(self.key, self.token, self._gate.config.lease)
         except LeaseLost as exc:
             raise LeaseLost(
                 f"saga {self.key!r} was taken over by another run (this run's token "

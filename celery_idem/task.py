@@ -33,6 +33,7 @@ from kombu.serialization import dumps
 from . import timelimits
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
+from .durability import REQUIRE_DURABLE_SETTING, check_store
 from .events import EVENT_TYPE, Outcome, log_outcome
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, StoreUnavailable
 from .gate import Attempt, Gate, Requeue
@@ -788,9 +789,10 @@ def _check_worker(sender: Any = None, **_: Any) -> None:
     tasks = [task for task in app.tasks.values() if isinstance(task, IdempotentTask)]
     if tasks:
         try:
-            get_store(app)
+            store = get_store(app)
             timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
                                     getattr(sender, "soft_time_limit", None))
+            check_store(store, require=bool(app.conf.get(REQUIRE_DURABLE_SETTING)))
         except ImproperlyConfigured as exc:
             # Celery logs and swallows exceptions raised by signal handlers, and the worker would
             # start consuming messages it can only fail: stop it here, with the reason.

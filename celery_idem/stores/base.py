@@ -6,27 +6,89 @@ arithmetic uses the store's own clock, so workers with skewed clocks still agree
 
 Fencing: every claim that succeeds (a fresh claim or a takeover) gets a token strictly greater
 than any token the key had before, *including* tokens of released claims (a release keeps a
-tombstone with the token). ``record``, ``release`` and ``renew`` succeed only for the current
-token; a holder whose lease was taken over gets :class:`~celery_idem.exceptions.LeaseLost`.
+tombstone with the token) and tokens of a record the store has since lost (see "Tokens").
+``record``, ``release`` and ``renew`` succeed only for the current claim, named by its token
+*and* its claim id; a holder whose claim was taken over or reissued gets
+:class:`~celery_idem.exceptions.LeaseLost`.
 
-Timeline of one key::
+Timeline of one key (tokens shown as small numbers; see "Tokens" for their real values)::
 
     claim(t=1) ──run──> record(1) ─────────────> done  (duplicates get the result)
     claim(t=1) ──run──> release(1) ─> released ─> claim(t=2) ...
     claim(t=1) ──crash ... lease expires ─> claim => TAKEOVER(t=2) ──> record(2) -> done
                                      stale record(1) -> LeaseLost
+
+Tokens: a claim's token is ``max(previous token + 1, store clock in whole microseconds)``
+(:func:`next_token`), computed inside the claim's one atomic step from the store's own clock.
+While the record exists the first term keeps tokens strictly increasing whatever the clock
+does. When the store has lost the record (Redis FLUSHALL, a restart without persistence, a
+failover that dropped the last writes, an expired TTL, a deleted row), the second term still
+gives the next claim a token above the lost one, because every earlier token was at most the
+clock (plus the claims made within the same microsecond) when it was issued, and the clock has
+moved on since. Tokens are about 1.8e15 today: they fit a signed 64-bit integer, SQL
+``BIGINT`` and a Lua (double) number exactly until 2^53 microseconds, in the year 2255. What
+the clock term needs: the store's clock must not step back, across the loss, by more than the
+time since the lost claim (NTP slews; a failover to a replica with a clock behind the old
+master's can break it, and then tokens can repeat).
+
+Claim ids: a token number alone cannot tell two attempts apart if it is ever issued twice
+(after a loss with a clock that stepped back). So each taking claim also stores a random
+``claim_id`` (:func:`new_claim_id`) returned in :class:`~celery_idem.records.Claim`, and the
+holder passes it back to ``record``, ``release`` and ``renew``: a call whose ``claim_id``
+differs from the stored one is refused like a wrong token. ``claim_id=None`` (what a caller
+written before claim ids passes) checks the token alone.
 """
 
 from __future__ import annotations
 
 import abc
+import base64
+import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..records import Claim, Record, State
 
-__all__ = ["BackendWrite", "Store"]
+__all__ = ["BackendWrite", "DurabilityFinding", "Store", "new_claim_id", "next_token"]
+
+#: Tokens are the store clock in microseconds (see "Tokens" above).
+TOKEN_CLOCK_SCALE = 1_000_000
+
+
+def next_token(previous: int | None, now: float) -> int:
+    """The token of a taking claim: ``max(previous + 1, now in whole microseconds)``.
+
+    Args:
+        previous: The key's current token, or None when the store has no record of it.
+        now: The store's clock (epoch seconds) at the claim.
+    """
+    return max((previous or 0) + 1, int(now * TOKEN_CLOCK_SCALE))
+
+
+def new_claim_id() -> str:
+    """A random id for one claim: 48 bits as 8 URL-safe base64 characters (no NUL, no dot)."""
+    return base64.urlsafe_b64encode(os.urandom(6)).decode()
+
+
+@dataclass(frozen=True)
+class DurabilityFinding:
+    """One thing :meth:`Store.check_durability` found about the store's server.
+
+    Attributes:
+        setting: The server setting it is about (``appendonly``), or what could not be read.
+        value: Its value, or None when it could not be read.
+        risk: What it means for records, in a sentence an operator can act on.
+        level: ``logging.WARNING`` when records can be lost (the worker start warns, or refuses
+            with ``idempotency_require_durable_store``); ``logging.INFO`` for a note (the
+            settings could not be read, e.g. a managed Redis that refuses ``CONFIG``).
+    """
+
+    setting: str
+    value: str | None
+    risk: str
+    level: int = logging.WARNING
 
 
 @dataclass
@@ -87,12 +149,13 @@ class Store(abc.ABC):
 
         Decides, in this order, in one round trip:
 
-        1. absent or RELEASED: write IN_PROGRESS with token = previous token + 1 -> CLAIMED;
+        1. absent or RELEASED: write IN_PROGRESS with token = :func:`next_token` of the previous
+           token (if any) and the store clock, and a new claim id -> CLAIMED;
         2. ``payload_hash`` given, a hash is stored and they differ -> MISMATCH;
         3. DONE -> DONE; FAILED -> FAILED (with the record, so the caller can answer);
         4. IN_PROGRESS whose lease has expired, or whose holder is an earlier attempt of the
            same ``task_id`` (``attempt`` is higher: Celery published a retry) -> write
-           IN_PROGRESS with token + 1 -> TAKEOVER;
+           IN_PROGRESS with the next token and a new claim id -> TAKEOVER;
         5. otherwise -> BUSY with the live holder's record.
 
         Args:
@@ -105,7 +168,8 @@ class Store(abc.ABC):
             payload_hash: Hash of the full arguments, or None to skip validation.
 
         Returns:
-            The decision, the token and the record found before the claim.
+            The decision, the token (and, when the caller holds the key, its claim id) and the
+            record found before the claim.
 
         Raises:
             StoreUnavailable: The store could not be reached; nothing was written.
@@ -122,14 +186,19 @@ class Store(abc.ABC):
         content_type: str,
         data: bytes,
         ttl: float,
+        claim_id: str | None = None,
     ) -> None:
         """Atomically turn the caller's IN_PROGRESS record into DONE or FAILED. Fenced.
 
-        Idempotent for the holder: recording the same token again (a retry after a lost reply)
-        succeeds without changing anything.
+        Idempotent for the holder: recording the same token (and claim id) again (a retry after
+        a lost reply) succeeds without changing anything.
+
+        Args:
+            claim_id: The caller's :attr:`Claim.claim_id`; None checks the token alone.
 
         Raises:
-            LeaseLost: The record's token is not ``token`` (someone took over) or it is gone.
+            LeaseLost: The record's token is not ``token``, or its claim id is not ``claim_id``
+                (someone took over, or the claim was reissued after a loss), or it is gone.
             StoreUnavailable: The store could not be reached (the write may or may not have
                 happened; retrying is safe).
             ValueError: ``state`` is not DONE or FAILED.
@@ -145,6 +214,7 @@ class Store(abc.ABC):
         data: bytes,
         ttl: float,
         also: BackendWrite,
+        claim_id: str | None = None,
     ) -> None:
         """:meth:`record`, and ``also`` in the same atomic step when the store can do that.
 
@@ -152,26 +222,32 @@ class Store(abc.ABC):
         to the backend. Raises what :meth:`record` raises; ``also`` is written only when the
         record is (the same fence).
         """
-        self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
+        if claim_id is None:  # a store written before claim ids may not take the argument
+            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
+        else:
+            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
+                        claim_id=claim_id)
 
     @abc.abstractmethod
-    def release(self, key: str, token: int) -> None:
+    def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         """Atomically give the claim back (RELEASED tombstone that keeps the token). Fenced.
 
         Raises:
-            LeaseLost: The record's token is not ``token``, or the record is not in progress.
+            LeaseLost: The record's token is not ``token`` or its claim id not ``claim_id``, or
+                the record is not in progress.
             StoreUnavailable: The store could not be reached.
         """
 
     @abc.abstractmethod
-    def renew(self, key: str, token: int, lease: float) -> float:
+    def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         """Atomically extend the caller's lease to store-now + ``lease``. Fenced.
 
         Returns:
             The new lease expiry (store clock, epoch seconds).
 
         Raises:
-            LeaseLost: The record's token is not ``token``, or it is not in progress.
+            LeaseLost: The record's token is not ``token`` or its claim id not ``claim_id``, or
+                it is not in progress.
             StoreUnavailable: The store could not be reached.
         """
 
@@ -196,6 +272,19 @@ class Store(abc.ABC):
         import time
 
         return time.time()
+
+    def check_durability(self) -> list[DurabilityFinding]:
+        """What about the store's server can lose records (a restart, memory pressure).
+
+        Called once at worker start (never on the hot path); the worker logs the findings (one
+        WARNING for those at that level, one INFO for notes) and, with
+        ``idempotency_require_durable_store``, refuses to start on a WARNING. The default finds
+        nothing: a store that cannot tell says nothing.
+
+        Raises:
+            StoreUnavailable: The store could not be reached.
+        """
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores have nothing to close
         """Release connections. The store must not be used afterwards."""

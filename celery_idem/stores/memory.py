@@ -1,7 +1,9 @@
 """In-process store (``memory://``): for unit tests of the gate and eager mode.
 
 It implements every verb of the contract under one lock, with an injectable clock so tests
-can expire leases without sleeping. State lives on the instance, never on the class.
+can expire leases without sleeping. Tokens follow :func:`~celery_idem.stores.base.next_token`
+on that clock, so a record that expired (or that a test deleted) is never followed by a token
+at or below its own. State lives on the instance, never on the class.
 It is not shared between processes: never use it with real workers.
 """
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from ..exceptions import LeaseLost
 from ..records import Claim, ClaimStatus, Record, State
-from .base import Store
+from .base import Store, new_claim_id, next_token
 
 __all__ = ["MemoryStore"]
 
@@ -69,14 +71,15 @@ class MemoryStore(Store):
             rec = self._live(key, now)
 
             def take(status: ClaimStatus) -> Claim:
-                token = (rec.token if rec else 0) + 1
+                token = next_token(rec.token if rec else None, now)
+                claim_id = new_claim_id()
                 new = Record(
                     key=key, state=State.IN_PROGRESS, token=token, owner=owner, task_id=task_id,
                     attempt=attempt, lease_expires=now + lease, payload_hash=payload_hash,
-                    updated=now,
+                    updated=now, claim_id=claim_id,
                 )
                 self._records[key] = (new, now + ttl)
-                return Claim(status, token, rec, now)
+                return Claim(status, token, rec, now, claim_id)
 
             if rec is None or rec.state is State.RELEASED:
                 return take(ClaimStatus.CLAIMED)
@@ -92,7 +95,7 @@ class MemoryStore(Store):
                 return take(ClaimStatus.TAKEOVER)
             return Claim(ClaimStatus.BUSY, rec.token, rec, now)
 
-    def _fenced(self, key: str, token: int, now: float, verb: str) -> Record:
+    def _fenced(self, key: str, token: int, claim_id: str | None, now: float, verb: str) -> Record:
         rec = self._live(key, now)
         if rec is None or rec.token != token:
             raise LeaseLost(
@@ -100,16 +103,23 @@ class MemoryStore(Store):
                 + ("is gone" if rec is None else f"now has token {rec.token}"),
                 key=key, token=token,
             )
+        if claim_id is not None and rec.claim_id != claim_id:
+            # The same token number, another claim: it was reissued after a loss.
+            raise LeaseLost(
+                f"{verb} of {key!r} with token {token} refused: the record belongs to another "
+                f"claim with the same token", key=key, token=token,
+            )
         return rec
 
     def record(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+        claim_id: str | None = None,
     ) -> None:
         if state not in (State.DONE, State.FAILED):
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         with self._lock:
             now = self._clock()
-            rec = self._fenced(key, token, now, "record")
+            rec = self._fenced(key, token, claim_id, now, "record")
             if rec.state is state:
                 return  # the holder retrying a record whose reply it lost
             if rec.state is not State.IN_PROGRESS:
@@ -122,10 +132,10 @@ class MemoryStore(Store):
             )
             self._records[key] = (new, now + ttl)
 
-    def release(self, key: str, token: int) -> None:
+    def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         with self._lock:
             now = self._clock()
-            rec = self._fenced(key, token, now, "release")
+            rec = self._fenced(key, token, claim_id, now, "release")
             if rec.state is not State.IN_PROGRESS:
                 raise LeaseLost(
                     f"release of {key!r} refused: it is {rec.state.value}", key=key, token=token
@@ -134,10 +144,10 @@ class MemoryStore(Store):
             tomb = Record(key=key, state=State.RELEASED, token=rec.token, updated=now)
             self._records[key] = (tomb, expires)
 
-    def renew(self, key: str, token: int, lease: float) -> float:
+    def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         with self._lock:
             now = self._clock()
-            rec = self._fenced(key, token, now, "renew")
+            rec = self._fenced(key, token, claim_id, now, "renew")
             if rec.state is not State.IN_PROGRESS:
                 raise LeaseLost(
                     f"renew of {key!r} refused: it is {rec.state.value}", key=key, token=token

@@ -3,13 +3,16 @@
 Each record is ONE string at ``<prefix><key>`` (not a hash: a string has no per-field overhead
 and no listpack-to-hashtable cliff for results over 64 bytes), packed as::
 
-    0xC1 <state> <t> NUL <u> NUL <i> NUL <h> NUL <tail>
+    0xC1 <state> <t> [. <n>] NUL <u> NUL <i> NUL <h> NUL <tail>
 
 =====  ==========================================  ==========================================
 0xC1   format marker (version 1); a value without   it is not a celery_idem record
        it under the prefix is foreign
 state  ``i`` in_progress, ``d`` done, ``f`` failed, ``r`` released (one byte)
-t      fencing token (decimal)
+t      fencing token (decimal): max(previous + 1, server clock in µs), see
+       ``celery_idem.stores.base`` ("Tokens")
+n      claim id (8 base64url characters) after a dot; absent from a released tombstone and
+       from records written before claim ids (they still parse, with an empty claim id)
 u      last write, server ms (decimal)
 i      task id of the claiming attempt (a canonical UUID packed as 0x01 + 22 base64url chars)
 h      payload hash (idempotency_validate; empty when not validated)
@@ -24,7 +27,7 @@ naming the field, before anything is sent), so the header parses unambiguously; 
 last and is never scanned. Each script parses the header with one anchored ``string.match``
 and reads the server clock (``TIME``), so lease expiry never depends on worker clocks. Redis
 needs persistence (AOF ``appendfsync everysec`` or better) for records to survive a restart;
-see docs/stores.md.
+see docs/stores.md. :meth:`RedisStore.check_durability` reads those settings at worker start.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import itertools
+import logging
 import re
 import uuid
 from collections.abc import Iterator
@@ -50,7 +54,7 @@ from ..exceptions import (
     StoreUnavailable,
 )
 from ..records import Claim, ClaimStatus, Record, State
-from .base import BackendWrite, Store
+from .base import BackendWrite, DurabilityFinding, Store, new_claim_id
 
 __all__ = ["RedisStore"]
 
@@ -301,8 +305,9 @@ class RedisStore(Store):
     ) -> Claim:
         if "\0" in owner or "\0" in task_id or (payload_hash and "\0" in payload_hash):
             _refuse_nul(owner=owner, task_id=task_id, payload_hash=payload_hash or "")
+        claim_id = new_claim_id()
         args: list[str | int] = [owner, _pack_task_id(task_id), attempt, _ms(lease), _ms(ttl),
-                                 payload_hash or ""]
+                                 payload_hash or "", claim_id]
         try:
             try:
                 reply = self._run(self._claim, key, args)
@@ -313,7 +318,7 @@ class RedisStore(Store):
             # re-queued message can claim again at once instead of finding it busy for a lease.
             if short.reply[0] in (b"claimed", b"takeover"):
                 with contextlib.suppress(redis.RedisError):
-                    self._release(keys=[self._k(key)], args=[int(short.reply[1])])
+                    self._release(keys=[self._k(key)], args=[int(short.reply[1]), claim_id])
             raise
         raw, token, now, value = reply
         if raw == b"corrupt":
@@ -321,17 +326,20 @@ class RedisStore(Store):
             raise self._unreadable(key, value)  # pragma: no cover - the script and _decode agree
         status = _STATUSES.get(raw) or ClaimStatus(raw.decode())
         record = self._decode(key, value) if value is not None else None
-        return Claim(status, int(token), record, int(now) / 1000)
+        return Claim(status, int(token), record, int(now) / 1000,
+                     claim_id if status.holds else "")
 
     def record(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+        claim_id: str | None = None,
     ) -> None:
         code = _STATE_CODE.get(state)
         if code is None:
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         try:
             reply = self._run(
-                self._record, key, [token, code, _content_code(content_type), data, _ms(ttl)]
+                self._record, key,
+                [token, code, _content_code(content_type), data, _ms(ttl), claim_id or ""],
             )
         except _REDIS_ERRORS as exc:
             raise _translated(self, key, exc) from exc
@@ -340,7 +348,7 @@ class RedisStore(Store):
 
     def record_with(
         self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
-        also: BackendWrite,
+        also: BackendWrite, claim_id: str | None = None,
     ) -> None:
         """Record, and write ``also`` (SET + PUBLISH) in the same script, only if the fence holds.
 
@@ -351,17 +359,19 @@ class RedisStore(Store):
         if code is None:
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         if self._fold_refused:
-            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
+            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
+                        claim_id=claim_id)
             return
-        args = [token, code, _content_code(content_type), data, _ms(ttl), also.value,
-                max(0, also.expires)]
+        args = [token, code, _content_code(content_type), data, _ms(ttl), claim_id or "",
+                also.value, max(0, also.expires)]
         try:
             reply = self._run(self._record, key, args, other=also.key)
         except redis.exceptions.NoPermissionError:
             # The store's user may not touch the backend's key (an ACL): nothing was run. Record
             # alone, now and from now on; the backend writes its result itself.
             self._fold_refused = True
-            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
+            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
+                        claim_id=claim_id)
             return
         except _REDIS_ERRORS as exc:
             raise _translated(self, key, exc) from exc
@@ -370,14 +380,14 @@ class RedisStore(Store):
         elif reply != b"ok:nometa":  # recorded; the backend writes its meta itself
             self._check_fence(reply, key, token, "record")
 
-    def release(self, key: str, token: int) -> None:
+    def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         with _translate_errors(self, key):
-            reply = self._run(self._release, key, [token])
+            reply = self._run(self._release, key, [token, claim_id or ""])
         self._check_fence(reply, key, token, "release")
 
-    def renew(self, key: str, token: int, lease: float) -> float:
+    def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         with _translate_errors(self, key):
-            reply = self._run(self._renew, key, [token, _ms(lease)])
+            reply = self._run(self._renew, key, [token, _ms(lease), claim_id or ""])
         if isinstance(reply, int):
             return float(reply) / 1000
         self._check_fence(reply, key, token, "renew")
@@ -415,6 +425,38 @@ class RedisStore(Store):
             seconds, micros = self.client.time()
         return float(seconds) + float(micros) / 1e6
 
+    def check_durability(self) -> list[DurabilityFinding]:
+        """Read ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` (``CONFIG GET``).
+
+        Returns:
+            A WARNING finding per setting that can lose records; one INFO finding instead when
+            the server refuses ``CONFIG`` (a managed Redis, a renamed command, an ACL user
+            without ``+config|get``).
+
+        Raises:
+            StoreUnavailable: The server could not be reached.
+        """
+        findings: list[DurabilityFinding] = []
+        for client, where in self._config_clients():
+            try:
+                settings = _config_get(client, _DURABILITY_SETTINGS)
+            except redis.ResponseError as exc:  # NoPermissionError is one too
+                return [DurabilityFinding(
+                    "CONFIG", None,
+                    f"the Redis store at {where} does not allow CONFIG GET ({exc}), so celery_idem "
+                    f"cannot check that it keeps records; make sure it persists them (AOF, "
+                    f"appendfsync everysec) and never evicts them (maxmemory-policy noeviction)",
+                    logging.INFO,
+                )]
+            except _REDIS_ERRORS as exc:
+                raise _translated(self, None, exc) from exc
+            findings.extend(durability_findings(settings, where))
+        return findings
+
+    def _config_clients(self) -> list[tuple[Any, str]]:
+        """The servers whose settings decide durability, with their names for messages."""
+        return [(self.client, self.location)]
+
     def close(self) -> None:
         self.client.close()
 
@@ -427,11 +469,13 @@ class RedisStore(Store):
             raise self._unreadable(key, None)
         detail = reply.decode() if isinstance(reply, bytes) else repr(reply)
         if detail == "missing":
-            why = "the record is gone (expired, or removed by an operator)"
+            why = "the record is gone (expired, removed by an operator, or lost by the server)"
         else:
-            _, code, current = detail.split(":", 2)
+            verdict, code, current = detail.split(":", 2)
             state = _STATE_OF.get(ord(code[:1] or "?"))
             why = f"the record is {state.value if state else code} with token {current}"
+            if verdict == "reissued":
+                why += " of another claim (the token was issued again after the store lost data)"
         raise LeaseLost(f"{verb} of {key!r} with token {token} refused: {why}", key=key, token=token)
 
     def _unreadable(self, key: str, value: bytes | None, why: str = "") -> CorruptRecord:
@@ -458,18 +502,21 @@ class RedisStore(Store):
                 raise ValueError(f"unknown state {value[1:2]!r}")
             if state is State.DONE or state is State.FAILED:
                 head, u, i, h, c, d = value.split(b"\0", 5)
+                token, _, claim_id = head[2:].partition(b".")
                 return Record(
-                    key=key, state=state, token=int(head[2:]), task_id=_unpack_task_id(i),
+                    key=key, state=state, token=int(token), task_id=_unpack_task_id(i),
                     payload_hash=h.decode() or None,
                     content_type=_CONTENT_TYPE_OF.get(c) or c.decode() or None,
-                    data=d, updated=int(u) / 1000,
+                    data=d, updated=int(u) / 1000, claim_id=claim_id.decode(),
                 )
             if state is State.IN_PROGRESS:
                 head, u, i, h, o, a, lease = value.split(b"\0")
+                token, _, claim_id = head[2:].partition(b".")
                 return Record(
-                    key=key, state=state, token=int(head[2:]), owner=o.decode(),
+                    key=key, state=state, token=int(token), owner=o.decode(),
                     task_id=_unpack_task_id(i), attempt=int(a), lease_expires=int(lease) / 1000,
                     payload_hash=h.decode() or None, updated=int(u) / 1000,
+                    claim_id=claim_id.decode(),
                 )
             if state is State.RELEASED:
                 head, u, _, _, tail = value.split(b"\0")
@@ -478,6 +525,53 @@ class RedisStore(Store):
                 return Record(key=key, state=state, token=int(head[2:]), updated=int(u) / 1000)
         except (ValueError, IndexError, UnicodeDecodeError) as exc:
             raise self._unreadable(key, value, str(exc) or type(exc).__name__) from exc
+
+
+#: The settings :meth:`RedisStore.check_durability` reads.
+_DURABILITY_SETTINGS = ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory")
+
+
+def _config_get(client: Any, names: tuple[str, ...]) -> dict[str, str]:
+    """``CONFIG GET`` of each name, one call each (Redis before 7 takes one pattern per call).
+
+    At worker start only, never on the hot path.
+    """
+    found: dict[str, str] = {}
+    for name in names:
+        reply = client.config_get(name)
+        for k, v in dict(reply).items():
+            found[_text(k)] = _text(v)
+    return found
+
+
+def durability_findings(settings: dict[str, str], where: str) -> list[DurabilityFinding]:
+    """What Redis ``settings`` (``CONFIG GET`` values) mean for records kept at ``where``."""
+    findings: list[DurabilityFinding] = []
+    appendonly = settings.get("appendonly", "").lower()
+    if appendonly == "no":
+        findings.append(DurabilityFinding(
+            "appendonly", "no",
+            f"{where}: appendonly is no, so a restart of redis-server (a crash, an upgrade, a "
+            f"reboot) loses every record written since the last RDB snapshot: finished actions "
+            f"run again on their next duplicate, and claims held at the time are issued again",
+        ))
+    elif settings.get("appendfsync", "").lower() == "no":
+        findings.append(DurabilityFinding(
+            "appendfsync", "no",
+            f"{where}: appendfsync is no, so the kernel decides when the AOF reaches the disk and "
+            f"a host crash or power loss can lose the last ~30 s of records (everysec: ~1 s)",
+        ))
+    policy = settings.get("maxmemory-policy", "").lower()
+    if policy and policy != "noeviction":
+        unlimited = settings.get("maxmemory", "") == "0"
+        findings.append(DurabilityFinding(
+            "maxmemory-policy", policy,
+            f"{where}: maxmemory-policy is {policy}, so under memory pressure Redis evicts keys, "
+            f"records included (every record has a TTL, so volatile-* policies evict them "
+            f"too); an evicted record runs its action again"
+            + (" (maxmemory is 0 now: nothing is evicted until a limit is set)" if unlimited else ""),
+        ))
+    return findings
 
 
 class _NotReplicated(StoreUnavailable):

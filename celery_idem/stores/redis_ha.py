@@ -139,6 +139,13 @@ class RedisClusterStore(RedisStore):
         node = self.cluster.get_node_from_key(name)  # type: ignore[no-untyped-call]
         return self.cluster.get_redis_connection(node)
 
+    def _config_clients(self) -> list[tuple[Any, str]]:
+        # Every master holds a share of the records: each one's settings count.
+        return [
+            (self.cluster.get_redis_connection(node), f"cluster master {node.host}:{node.port}")
+            for node in self.cluster.get_primaries()  # type: ignore[no-untyped-call]
+        ]
+
     # A Celery result key hashes to another slot than the record: no script can write both.
     record_with = Store.record_with
 

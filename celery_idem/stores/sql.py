@@ -7,7 +7,11 @@ The verbs are the contract of :mod:`celery_idem.stores.base`, with the semantics
 * every lease and expiry computation uses the *database's* clock inside the statement that
   needs it (:class:`db_now`), so workers with skewed clocks agree on who holds a key;
 * a row whose ``expires`` has passed counts as absent everywhere, but it keeps its token until
-  :meth:`SQLStore.purge_expired` deletes it, so a claim on it still gets token + 1;
+  :meth:`SQLStore.purge_expired` deletes it, so a claim on it still gets a higher token;
+* a taking claim's token is ``max(previous + 1, database clock in µs)`` (:func:`token_for`,
+  the scheme of :func:`celery_idem.stores.base.next_token`), so even a claim on a deleted or
+  purged row gets a token above the lost one; each taking claim also stores a random
+  ``claim_id``, which ``record``, ``release`` and ``renew`` check with the token;
 * engines run in autocommit: each verb is one self-contained statement, except where a dialect
   cannot say what it needs in one (see :meth:`SQLStore.claim` and :meth:`SQLStore.renew`).
 
@@ -65,7 +69,7 @@ from sqlalchemy.sql.selectable import FromClause
 
 from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
 from ..records import Claim, ClaimStatus, Record, State
-from .base import Store
+from .base import TOKEN_CLOCK_SCALE, Store, new_claim_id, next_token
 
 __all__ = ["DEFAULT_TABLE_NAME", "SQLStore", "db_now"]
 
@@ -121,6 +125,34 @@ def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return "((julianday('now') - 2440587.5) * 86400.0)"
 
 
+class _greatest(FunctionElement[int]):
+    """The larger of two BIGINTs: ``GREATEST`` (PostgreSQL, MySQL), ``MAX`` (SQLite)."""
+
+    type = sa.BigInteger()
+    inherit_cache = True
+    name = "greatest"
+
+
+@compiles(_greatest)
+def _greatest_default(element: _greatest, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"GREATEST({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(_greatest, "sqlite")
+def _greatest_sqlite(element: _greatest, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"max({compiler.process(element.clauses, **kw)})"
+
+
+def token_for(previous: ColumnElement[Any], now: ColumnElement[float]) -> ColumnElement[int]:
+    """A taking claim's token in SQL: ``max(previous + 1, now in µs)``, ``previous`` NULL = 0.
+
+    The SQL twin of :func:`celery_idem.stores.base.next_token`, on the database clock ``now``.
+    The cast rounds (PostgreSQL, MySQL) or truncates (SQLite): either is a clock reading.
+    """
+    micros = sa.cast(now * TOKEN_CLOCK_SCALE, sa.BigInteger)
+    return _greatest(sa.func.coalesce(previous, 0) + 1, micros)
+
+
 def _text(length: int) -> sa.types.TypeEngine[str]:
     # MySQL's default collations are case- and accent-insensitive: "Refund:ab" and "refund:ab"
     # would be one primary key. The binary collation compares like every other store.
@@ -154,6 +186,9 @@ def _build_table(name: str) -> sa.Table:
         sa.Column("updated", sa.Double, nullable=False),
         # The TTL: after this (database clock) the row counts as absent.
         sa.Column("expires", sa.Double, nullable=False, index=True),
+        # The random id of the claim that wrote the row (see Record.claim_id); NULL in a released
+        # tombstone and in rows of versions before claim ids (added to such a table on first use).
+        sa.Column("claim_id", _text(64), nullable=True),
     )
 
 
@@ -235,6 +270,7 @@ class _ClaimArgs:
     lease: float
     ttl: float
     payload_hash: str | None
+    claim_id: str
 
     def predicates(self, row: FromClause, now: ColumnElement[float]) -> _ClaimPredicates:
         return _ClaimPredicates.over(
@@ -256,6 +292,7 @@ class _ClaimArgs:
             "data": sa.null(),
             "updated": now,
             "expires": now + self.ttl,
+            "claim_id": _lit(self.claim_id, sa.String),
         }
 
 
@@ -279,6 +316,7 @@ def _claim_template(validate: bool) -> _ClaimArgs:
         ttl=sa.bindparam("idem_ttl", type_=sa.Double),  # type: ignore[arg-type]
         # Validation changes the predicates' shape (a constant false without a hash).
         payload_hash=sa.bindparam("idem_payload_hash", type_=sa.String) if validate else None,  # type: ignore[arg-type]
+        claim_id=sa.bindparam("idem_claim_id", type_=sa.String),  # type: ignore[arg-type]
     )
 
 
@@ -286,7 +324,7 @@ def _claim_params(args: _ClaimArgs) -> dict[str, Any]:
     return {
         "idem_key": args.stored_key, "idem_owner": args.owner, "idem_task_id": args.task_id,
         "idem_attempt": args.attempt, "idem_lease": args.lease, "idem_ttl": args.ttl,
-        "idem_payload_hash": args.payload_hash,
+        "idem_payload_hash": args.payload_hash, "idem_claim_id": args.claim_id,
     }
 
 
@@ -538,10 +576,13 @@ class _VerbStatements:
     @classmethod
     def build(cls, t: sa.Table) -> _VerbStatements:
         key: sa.BindParameter[str] = sa.bindparam("idem_key")
-        # Only the holder's live IN_PROGRESS row: the fence of record, release and renew.
+        claim_id: sa.BindParameter[str] = sa.bindparam("idem_claim_id", type_=t.c.claim_id.type)
+        # Only the holder's live IN_PROGRESS row: the fence of record, release and renew. The
+        # claim id names the claim beside the token ('' = a caller that checks the token alone).
         fenced = sa.and_(
             t.c.key == key,
             t.c.token == sa.bindparam("idem_token"),
+            sa.or_(claim_id == "", t.c.claim_id == claim_id),
             t.c.state == State.IN_PROGRESS.value,
             t.c.expires > db_now(),
         )
@@ -572,6 +613,7 @@ class _VerbStatements:
                 content_type=None,
                 data=None,
                 updated=db_now(),
+                claim_id=None,
             ),
             renew=renew,
             renew_returning=renew.returning(t.c.lease_expires),
@@ -862,7 +904,42 @@ class SQLStore(Store):
                 # check and our CREATE. Its table is as good as ours.
                 if not sa.inspect(self._engine).has_table(self._table.name):
                     raise
+            self._add_missing_columns()
             self._table_ready = True
+
+    def _add_missing_columns(self) -> None:
+        """Add the columns a table made by an earlier version lacks (``claim_id``), once.
+
+        Each is nullable without a default: an instant change on PostgreSQL, MySQL 8 and SQLite.
+        Rows written before it have no claim id and are fenced by the token alone.
+
+        Raises:
+            ImproperlyConfigured: The column is missing and the store's user may not add it.
+        """
+        existing = {c["name"] for c in sa.inspect(self._engine).get_columns(self._table.name)}
+        missing = [c for c in self._table.c if c.name not in existing]
+        if not missing:
+            return
+        preparer = self._engine.dialect.identifier_preparer
+        for column in missing:
+            ddl = (f"ALTER TABLE {preparer.format_table(self._table)} ADD COLUMN "
+                   f"{preparer.format_column(column)} "
+                   f"{column.type.compile(dialect=self._engine.dialect)}")
+            try:
+                with self._engine.begin() as conn:
+                    conn.exec_driver_sql(ddl)
+            except sa_exc.DBAPIError as exc:
+                # Another worker added it meanwhile, or this user may not alter the table.
+                now = {c["name"] for c in sa.inspect(self._engine).get_columns(self._table.name)}
+                if column.name in now:
+                    continue
+                if exc.connection_invalidated:
+                    raise  # an outage, not a refusal: StoreUnavailable from the caller's seam
+                raise ImproperlyConfigured(
+                    f"the SQL store's table {self._table.name!r} lacks the column "
+                    f"{column.name!r} (made by an earlier celery_idem) and it cannot be added: "
+                    f"{exc.orig}; run: {ddl}"
+                ) from exc
 
     # -- rows <-> records ---------------------------------------------------------------------
 
@@ -886,6 +963,7 @@ class SQLStore(Store):
                 content_type=row["content_type"],
                 data=None if data is None else bytes(data),
                 updated=float(row["updated"]),
+                claim_id=row["claim_id"] or "",
             )
         except (ValueError, TypeError) as exc:
             raise CorruptRecord(
@@ -939,7 +1017,8 @@ class SQLStore(Store):
             StoreUnavailable: The database could not be reached; nothing was written.
             CorruptRecord: The stored row cannot be read; nothing was written.
         """
-        args = _ClaimArgs(self._stored(key), owner, task_id, attempt, lease, ttl, payload_hash)
+        args = _ClaimArgs(self._stored(key), owner, task_id, attempt, lease, ttl, payload_hash,
+                          new_claim_id())
         for _ in range(_CLAIM_RUNS):
             try:
                 if self._dialect == "postgresql":
@@ -1001,7 +1080,7 @@ class SQLStore(Store):
         assert row is not None  # the statement always returns its one "decide" row
         if row["status"] in _HOLDS and row["taken_token"] is None:
             raise _ClaimRaced
-        return self._claim_result(row, taken_token=row["taken_token"])
+        return self._claim_result(row, taken_token=row["taken_token"], claim_id=args.claim_id)
 
     def _build_pg_claim(self, args: _ClaimArgs) -> sa.Select[Any]:
         t = self._table
@@ -1049,7 +1128,7 @@ class SQLStore(Store):
             .cte("decide")
             .prefix_with("MATERIALIZED")
         )
-        values = args.values(now=decide.c.now, token=sa.func.coalesce(decide.c.token, 0) + 1)
+        values = args.values(now=decide.c.now, token=token_for(decide.c.token, decide.c.now))
         insert = pg_insert(t).from_select(
             # Not IN (...): SQLAlchemy expands an IN list at execution time, which the
             # compile-once fast path does not do.
@@ -1060,7 +1139,9 @@ class SQLStore(Store):
             insert.on_conflict_do_update(
                 index_elements=[t.c.key],
                 set_={name: insert.excluded[name] for name in values if name != "key"},
-                where=t.c.token == insert.excluded.token - 1,
+                # The row met must be the row decided on: its token (0: none, the key was
+                # absent and a concurrent first claim inserted it; nothing is written).
+                where=t.c.token == sa.select(sa.func.coalesce(decide.c.token, 0)).scalar_subquery(),
             )
             .returning(t.c.token)
             .cte("up")
@@ -1088,7 +1169,8 @@ class SQLStore(Store):
             if row["status"] not in _HOLDS:
                 return self._claim_result(row, taken_token=None)
             now = float(row["now"])
-            token = (0 if row["key"] is None else int(row["token"])) + 1
+            # next_token on the database's clock, read in the decision's statement.
+            token = next_token(None if row["key"] is None else int(row["token"]), now)
             values = args.values(now=sa.literal(now, sa.Double), token=token)
             if row["key"] is None:
                 try:
@@ -1109,7 +1191,7 @@ class SQLStore(Store):
                 )
                 if conn.execute(update).rowcount != 1:
                     raise _ClaimRaced
-        return self._claim_result(row, taken_token=token)
+        return self._claim_result(row, taken_token=token, claim_id=args.claim_id)
 
     @contextlib.contextmanager
     def _sqlite_write_transaction(self, conn: Connection) -> Iterator[None]:
@@ -1129,7 +1211,7 @@ class SQLStore(Store):
             raise
         conn.exec_driver_sql("COMMIT")
 
-    def _claim_result(self, row: _Row, *, taken_token: int | None) -> Claim:
+    def _claim_result(self, row: _Row, *, taken_token: int | None, claim_id: str = "") -> Claim:
         now = float(row["now"])
         live = row["key"] is not None and float(row["expires"]) > now
         # A live row in a state we do not know raises CorruptRecord here, before its NULL
@@ -1137,14 +1219,22 @@ class SQLStore(Store):
         before = self._record(row) if live else None
         status = ClaimStatus(row["status"])
         if taken_token is not None:
-            return Claim(status, int(taken_token), before, now)
+            return Claim(status, int(taken_token), before, now, claim_id)
         assert before is not None  # only a live row can refuse a claim
         return Claim(status, before.token, before, now)
 
     # -- fenced writes ------------------------------------------------------------------------
 
-    def _lease_lost(self, verb: str, key: str, token: int, current: Record | None) -> LeaseLost:
+    def _lease_lost(self, verb: str, key: str, token: int, current: Record | None,
+                    claim_id: str | None = None) -> LeaseLost:
         """Why a fenced write matched no row, worded like the memory store."""
+        if current is not None and current.token == token and claim_id \
+                and current.claim_id != claim_id and current.state is State.IN_PROGRESS:
+            return LeaseLost(
+                f"{verb} of {key!r} with token {token} refused: the record belongs to another "
+                f"claim with the same token (issued again after the store lost the row)",
+                key=key, token=token,
+            )
         if current is None or current.token != token:
             return LeaseLost(
                 f"{verb} of {key!r} with token {token} refused: the record "
@@ -1163,6 +1253,7 @@ class SQLStore(Store):
         content_type: str,
         data: bytes,
         ttl: float,
+        claim_id: str | None = None,
     ) -> None:
         """Turn the caller's IN_PROGRESS row into DONE or FAILED: one fenced UPDATE.
 
@@ -1180,16 +1271,18 @@ class SQLStore(Store):
         params = {
             "idem_key": self._stored(key), "idem_token": token, "idem_state": state.value,
             "idem_content_type": content_type, "idem_data": data, "idem_ttl": ttl,
+            "idem_claim_id": claim_id or "",
         }
         if self._execute(self._verbs.record, params)[0] == 1:
             return
         # Not the hot path: read the row once more to tell a retry from a lost lease.
         current = self.get(key)
-        if current is not None and current.token == token and current.state is state:
+        if (current is not None and current.token == token and current.state is state
+                and (not claim_id or current.claim_id == claim_id)):
             return  # the holder retrying a record whose reply it lost
-        raise self._lease_lost("record", key, token, current)
+        raise self._lease_lost("record", key, token, current, claim_id)
 
-    def release(self, key: str, token: int) -> None:
+    def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         """Give the claim back: one fenced UPDATE to a RELEASED tombstone that keeps the token.
 
         The tombstone keeps the row's TTL and clears everything that described the holder.
@@ -1198,11 +1291,12 @@ class SQLStore(Store):
             LeaseLost: The row has another token, is not in progress, or is gone.
             StoreUnavailable: The database could not be reached.
         """
-        params = {"idem_key": self._stored(key), "idem_token": token}
+        params = {"idem_key": self._stored(key), "idem_token": token,
+                  "idem_claim_id": claim_id or ""}
         if self._execute(self._verbs.release, params)[0] != 1:
-            raise self._lease_lost("release", key, token, self.get(key))
+            raise self._lease_lost("release", key, token, self.get(key), claim_id)
 
-    def renew(self, key: str, token: int, lease: float) -> float:
+    def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         """Extend the caller's lease to database-now + ``lease``: one fenced UPDATE.
 
         MySQL/MariaDB have no ``UPDATE ... RETURNING``: the new expiry is read back by a second
@@ -1215,7 +1309,8 @@ class SQLStore(Store):
             LeaseLost: The row has another token, is not in progress, or is gone.
             StoreUnavailable: The database could not be reached.
         """
-        params = {"idem_key": self._stored(key), "idem_token": token, "idem_lease": lease}
+        params = {"idem_key": self._stored(key), "idem_token": token, "idem_lease": lease,
+                  "idem_claim_id": claim_id or ""}
         row: _Row | None = None
         if self._engine.dialect.update_returning:
             _, row = self._execute(self._verbs.renew_returning, params)
@@ -1224,7 +1319,7 @@ class SQLStore(Store):
                 if session.execute(self._verbs.renew, params)[0] == 1:
                     _, row = session.execute(self._verbs.renew_read, params)
         if row is None:
-            raise self._lease_lost("renew", key, token, self.get(key))
+            raise self._lease_lost("renew", key, token, self.get(key), claim_id)
         return float(row["lease_expires"])
 
     # -- reads --------------------------------------------------------------------------------
@@ -1289,9 +1384,9 @@ class SQLStore(Store):
     def purge_expired(self, limit: int = 1000) -> int:
         """Delete up to ``limit`` of this prefix's rows whose TTL has passed.
 
-        They already count as absent; deleting them only reclaims space (and restarts their
-        tokens at 1). Run it from a periodic task or by hand; call again while it returns
-        ``limit``.
+        They already count as absent; deleting them only reclaims space. The next claim of a
+        purged key still gets a token above the purged one (the database clock term). Run it
+        from a periodic task or by hand; call again while it returns ``limit``.
 
         Returns:
             How many rows were deleted.

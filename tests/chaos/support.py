@@ -382,13 +382,13 @@ class Ledger:
         now = "extract(epoch from clock_timestamp())"
         for ddl in (
             f"CREATE TABLE {b}_ledger (id bigserial PRIMARY KEY, action text NOT NULL, "
-            f"idem_key text, token int, task_id text, retries int, pid int, "
+            f"idem_key text, token bigint, task_id text, retries int, pid int, "
             f"at double precision NOT NULL DEFAULT {now})",
             f"CREATE INDEX ON {b}_ledger (action)",
             f"CREATE TABLE {b}_remote (idem_key text PRIMARY KEY, action text NOT NULL, "
             f"at double precision NOT NULL DEFAULT {now})",
             f"CREATE TABLE {b}_calls (id bigserial PRIMARY KEY, action text NOT NULL, "
-            f"idem_key text, token int, task_id text, retries int, pid int, applied bool, "
+            f"idem_key text, token bigint, task_id text, retries int, pid int, applied bool, "
             f"tag text, at double precision NOT NULL DEFAULT {now})",
             f"CREATE INDEX ON {b}_calls (action)",
             f"CREATE TABLE {b}_kills (action text, point text, PRIMARY KEY (action, point))",

@@ -27,7 +27,7 @@ CHARGE = "tests.integration.app.charge"
 
 def test_show_prints_an_in_progress_claim_with_its_token_owner_lease_and_task_id(idem: Idem) -> None:
     # Given a live claim
-    idem.claim("op:k1", task_id="t-111", owner="host-a:42")
+    token = idem.claim("op:k1", task_id="t-111", owner="host-a:42")
     # When an operator shows it
     out = idem.run("show", "op:k1")
     # Then every part of the record is on screen
@@ -35,13 +35,13 @@ def test_show_prints_an_in_progress_claim_with_its_token_owner_lease_and_task_id
     lines = {line[:13].strip(): line[13:] for line in out.stdout.splitlines()}
     assert lines["key"] == "op:k1"
     assert lines["state"] == "in_progress"
-    assert lines["token"] == "1"
+    assert lines["token"] == str(token)
     assert lines["owner"] == "host-a:42"
     assert lines["task id"] == "t-111"
     assert lines["lease"].startswith("live, ")
     # And --json has the same, for scripts
     doc = idem.json("show", "op:k1")
-    assert doc["state"] == "in_progress" and doc["token"] == 1 and doc["task_id"] == "t-111"
+    assert doc["state"] == "in_progress" and doc["token"] == token and doc["task_id"] == "t-111"
     assert doc["owner"] == "host-a:42" and doc["lease_expired"] is False
     assert 500 < doc["lease_remaining"] <= 600
 
@@ -150,20 +150,20 @@ def test_list_and_stats_page_through_more_records_than_one_batch(idem: Idem) -> 
 
 def test_release_frees_a_stuck_claim_and_the_next_claim_gets_the_next_token(idem: Idem) -> None:
     # Given a claim whose holder died (its lease ran out)
-    idem.claim("op:stuck", lease=0.05, task_id="t-dead")
+    stuck = idem.claim("op:stuck", lease=0.05, task_id="t-dead")
     # When an operator releases it
     out = idem.run("release", "op:stuck", "--yes")
     # Then it is released, fenced by the token it showed
     assert out.returncode == 0, out.stderr
-    assert "released op:stuck (token 1, task t-dead)" in out.stdout
+    assert f"released op:stuck (token {stuck}, task t-dead)" in out.stdout
     rec = idem.store.get("op:stuck")
     assert rec is not None and rec.state is State.RELEASED
     again = idem.store.claim("op:stuck", owner="h", task_id="t-new", attempt=0, lease=60, ttl=60)
-    assert again.status is ClaimStatus.CLAIMED and again.token == 2
+    assert again.status is ClaimStatus.CLAIMED and again.token > stuck
 
 
 def test_release_asks_first_and_does_nothing_unless_confirmed(idem: Idem) -> None:
-    idem.claim("op:live", task_id="t-live")
+    live = idem.claim("op:live", task_id="t-live")
     declined = idem.run("release", "op:live", input="n\n")
     assert declined.returncode == EXIT_REFUSED
     assert "The lease is LIVE" in declined.stderr and "not confirmed" in declined.stderr
@@ -174,7 +174,7 @@ def test_release_asks_first_and_does_nothing_unless_confirmed(idem: Idem) -> Non
     confirmed = idem.run("release", "op:live", "--json", input="y\n")
     assert confirmed.returncode == 0, confirmed.stderr
     doc = json.loads(confirmed.stdout)
-    assert doc == {"released": True, "key": "op:live", "token": 1, "task_id": "t-live",
+    assert doc == {"released": True, "key": "op:live", "token": live, "task_id": "t-live",
                    "owner": "host-a:1", "lease_was_live": True}
     assert idem.store.get("op:live").state is State.RELEASED  # type: ignore[union-attr]
 
@@ -189,18 +189,19 @@ def test_release_refuses_a_recorded_outcome_and_an_unknown_key(idem: Idem) -> No
 
 
 def test_release_with_an_expected_token_refuses_a_newer_claim(idem: Idem) -> None:
-    idem.claim("op:t", lease=0.05)
-    wait_for(lambda: idem.store.claim("op:t", owner="b", task_id="t-b", attempt=0, lease=600,
-                                      ttl=600).status is ClaimStatus.TAKEOVER,
-             timeout=10, what="the takeover")
-    out = idem.run("release", "op:t", "--token", "1", "--yes")
-    assert out.returncode == EXIT_CHANGED and "now has token 2" in out.stderr
-    assert idem.store.get("op:t").token == 2  # type: ignore[union-attr]
+    first = idem.claim("op:t", lease=0.05)
+    taken = wait_for(lambda: (c := idem.store.claim("op:t", owner="b", task_id="t-b", attempt=0,
+                                                    lease=600, ttl=600)).status
+                     is ClaimStatus.TAKEOVER and c, timeout=10, what="the takeover")
+    assert taken.token > first
+    out = idem.run("release", "op:t", "--token", str(first), "--yes")
+    assert out.returncode == EXIT_CHANGED and f"now has token {taken.token}" in out.stderr
+    assert idem.store.get("op:t").token == taken.token  # type: ignore[union-attr]
 
 
 def test_release_is_fenced_when_the_claim_changes_while_the_operator_confirms(idem: Idem) -> None:
     # Given an operator looking at the confirmation prompt for token 1
-    idem.claim("op:race", lease=0.05, task_id="t-old")
+    old = idem.claim("op:race", lease=0.05, task_id="t-old")
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "tests.integration.app", "idem", "release", "op:race"],
         cwd=ROOT, env={**os.environ, **idem.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -219,7 +220,7 @@ def test_release_is_fenced_when_the_claim_changes_while_the_operator_confirms(id
                 seen += chunk
         # When a redelivered attempt takes the key over meanwhile (token 2)
         taken = idem.store.claim("op:race", owner="b", task_id="t-new", attempt=0, lease=600, ttl=600)
-        assert taken.status is ClaimStatus.TAKEOVER and taken.token == 2
+        assert taken.status is ClaimStatus.TAKEOVER and taken.token > old
         # And the operator says yes
         _, err = proc.communicate("y\n", timeout=30)
     finally:
@@ -230,7 +231,7 @@ def test_release_is_fenced_when_the_claim_changes_while_the_operator_confirms(id
     assert proc.returncode == EXIT_CHANGED, err
     assert "changed meanwhile" in err
     rec = idem.store.get("op:race")
-    assert rec is not None and rec.state is State.IN_PROGRESS and rec.token == 2
+    assert rec is not None and rec.state is State.IN_PROGRESS and rec.token == taken.token
     assert rec.task_id == "t-new"
 
 
@@ -307,7 +308,8 @@ def test_show_list_and_stats_see_what_a_real_worker_recorded(
     # The key command computes the same key the worker used
     assert idem.run("key", CHARGE, '"cli_w1"', "990").stdout.strip() == key
     shown = idem.json("show", key)
-    assert shown["state"] == "done" and shown["task_id"] == result.id and shown["token"] == 1
+    assert shown["state"] == "done" and shown["task_id"] == result.id
+    assert shown["token"] == result.get(timeout=30)["token"]
     assert shown["result"]["order_id"] == "cli_w1" and shown["result"]["key"] == key
     listed = idem.json("list", "--task", CHARGE, "--state", "done")
     assert [r["key"] for r in listed["records"]] == [key]

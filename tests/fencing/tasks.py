@@ -1,6 +1,8 @@
 """Tasks for the fencing tests, loaded into the integration app's workers with ``-I``.
 
-The body claims, announces its token in a file, waits for the test's ``go`` file, then makes
+The body claims, announces its token in a file (``claimed-<token>``, holding its pid) and on a
+line of ``claims`` (the tokens in the order of the claims), waits for the test's ``go`` file,
+then makes
 its one remote write to the example payments provider (a separate HTTP process, URL in
 ``FENCE_PROVIDER_URL``), forwarding the idempotency key and the fencing token.
 """
@@ -25,6 +27,8 @@ def fenced_charge(self: IdempotentTask, order_id: str, amount_cents: int, gate_d
     token = self.idempotency_token
     d = Path(gate_dir)
     (d / f"claimed-{token}").write_text(str(os.getpid()))
+    with (d / "claims").open("a") as claims:  # after the pid file: a listed token has one
+        claims.write(f"{token}\n")
     deadline = time.monotonic() + 120  # bounded: a test that never says go fails, not hangs
     while not (d / "go").exists() and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -68,6 +68,7 @@ def charge(self, order_id, amount_cents, note="", hold=0.0):
 def flaky(self, order_id, fail_times=2):
     """Times out ``fail_times`` times before the effect (nothing committed), then succeeds."""
     attempts = effect(f"attempt:{order_id}")
+    effect(f"token:{order_id}", self.idempotency_token)
     if attempts <= fail_times:
         raise TimeoutError(f"provider timed out (attempt {attempts})")
     effect(f"charge:{order_id}")
@@ -103,7 +104,10 @@ def plain(order_id):
 @app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=2,
           idempotency_wait=15)
 def slow_charge(self, order_id, marker, hold):
-    """Writes its pid to ``marker``, then runs up to ``hold`` s (or until released), then charges."""
+    """Writes its pid to ``marker`` (its token to ``marker.tokens``), then runs up to ``hold`` s
+    (or until released), then charges."""
+    with open(f"{marker}.tokens", "a") as fh:  # first: a pid in ``marker`` has its token listed
+        fh.write(f"{self.idempotency_token}\n")
     with open(marker, "a") as fh:
         fh.write(f"{os.getpid()}\n")
     deadline = time.monotonic() + hold
@@ -125,6 +129,7 @@ def summarize(self, results):
 def manual_retry(self, order_id):
     """Calls ``self.retry()`` itself once; the retry must carry the same key."""
     effect(f"attempt:{order_id}", self.idempotency_key)
+    effect(f"token:{order_id}", self.idempotency_token)
     if self.request.retries == 0:
         raise self.retry(countdown=0)
     effect(f"charge:{order_id}")
@@ -135,7 +140,7 @@ def manual_retry(self, order_id):
           idempotency_record_timeout=2)
 def hold_then_charge(self, order_id, hold=30.0):
     """Holds until released (so a test can break the store), then charges."""
-    effect(f"started:{order_id}")
+    effect(f"started:{order_id}", self.idempotency_token)
     deadline = time.monotonic() + hold
     while time.monotonic() < deadline and not flag(f"release:{order_id}"):
         time.sleep(0.02)
@@ -308,6 +313,8 @@ def _kill_after_record(args, kwargs):  # type: ignore[no-untyped-def]
 
 def _chaos_body(self, action, hold, marker, forward_key, timeout, kill):  # type: ignore[no-untyped-def]
     if marker:
+        with open(f"{marker}.tokens", "a") as fh:  # first: a pid in ``marker`` has its token listed
+            fh.write(f"{self.idempotency_token}\n")
         with open(marker, "a") as fh:
             fh.write(f"{os.getpid()}\n")
     deadline = time.monotonic() + hold

@@ -69,11 +69,12 @@ def make_app(redis_url: str, prefix: str, redis_cleanup: None) -> Iterator[Any]:
         @app.task(shared=False, name="fold.charge", base=IdempotentTask, bind=True,
                   idempotency_fields=("order_id",))
         def charge(self: Any, order_id: str, cents: int) -> dict[str, Any]:
-            return {"order_id": order_id, "cents": cents, "token": self.idempotency_token}
+            return {"order_id": order_id, "cents": cents,
+                    "fenced": self.idempotency_token is not None}
 
         @app.task(shared=False, name="fold.plain")
         def plain(order_id: str, cents: int) -> dict[str, Any]:
-            return {"order_id": order_id, "cents": cents, "token": 1}
+            return {"order_id": order_id, "cents": cents, "fenced": True}
 
         made.append(app)
         return app
@@ -114,7 +115,7 @@ def test_the_folded_meta_is_the_one_celery_writes_and_the_backend_writes_nothing
     plain_id, _ = _run(app, "fold.plain", ("o-1", 500))
     assert len(spy.sets) == 1 and len(spy.gets) == 1  # Celery's own path: GET, then SET+PUBLISH
     idem_id, value = _run(app, "fold.charge", ("o-1", 500))
-    assert value == {"order_id": "o-1", "cents": 500, "token": 1}
+    assert value == {"order_id": "o-1", "cents": 500, "fenced": True}
     assert len(spy.sets) == 1 and len(spy.gets) == 1, "the tracer wrote the folded result again"
 
     folded, reference = _meta(app, idem_id), _meta(app, plain_id)
@@ -262,8 +263,10 @@ def test_a_holder_that_lost_its_claim_writes_no_result(redis_url: str, prefix: s
     meta_key = prefix + "meta-stale"
     try:
         first = store.claim("k", owner="a", task_id="t1", attempt=0, lease=0.05, ttl=60)
-        wait_for(lambda: store.claim("k", owner="b", task_id="t2", attempt=0, lease=60,
-                                     ttl=60).token == 2, timeout=5)
+        taken = wait_for(lambda: (c := store.claim("k", owner="b", task_id="t2", attempt=0,
+                                                   lease=60, ttl=60)).status.holds and c,
+                         timeout=5)
+        assert taken.token > first.token
         stale = BackendWrite(key=meta_key, value=b'{"status": "SUCCESS"}', expires=60)
         with pytest.raises(LeaseLost):
             store.record_with("k", first.token, state=State.DONE, content_type="c", data=b"a",
@@ -272,8 +275,8 @@ def test_a_holder_that_lost_its_claim_writes_no_result(redis_url: str, prefix: s
         # The current holder writes it; a retry of the same record (a lost reply) still says ok.
         fresh = BackendWrite(key=meta_key, value=b"m2", expires=60)
         for _ in range(2):
-            store.record_with("k", 2, state=State.DONE, content_type="c", data=b"b", ttl=60,
-                              also=fresh)
+            store.record_with("k", taken.token, state=State.DONE, content_type="c", data=b"b",
+                              ttl=60, also=fresh, claim_id=taken.claim_id)
             assert fresh.written
         assert store.client.get(meta_key) == b"m2"
     finally:
@@ -290,10 +293,10 @@ def test_a_refused_meta_write_leaves_the_record_written_and_the_result_to_celery
                           channels=["*"], commands=["+@all"])
         host, port = server.url.split("//")[1].split("/")[0].split(":")
         store = RedisStore.from_url(f"redis://idem:pw@{host}:{port}/0", prefix="rec:")
-        store.claim("k", owner="a", task_id="t", attempt=0, lease=60, ttl=60)
+        held = store.claim("k", owner="a", task_id="t", attempt=0, lease=60, ttl=60)
         write = BackendWrite(key="celery-task-meta-t", value=b"m", expires=60)
-        store.record_with("k", 1, state=State.DONE, content_type="c", data=b"v", ttl=60,
-                          also=write)
+        store.record_with("k", held.token, state=State.DONE, content_type="c", data=b"v", ttl=60,
+                          also=write, claim_id=held.claim_id)
         assert not write.written  # the caller leaves the result to the backend
         assert store.get("k").state is State.DONE and admin.get("celery-task-meta-t") is None
         store.close()

@@ -38,3 +38,15 @@ def make_store(request: pytest.FixtureRequest, prefix: str) -> Iterator[MakeStor
     yield make
     for store in stores:
         store.close()
+
+
+def test_the_durability_check_reads_every_master(make_store: MakeStore) -> None:
+    """Cluster: each master holds a share of the records, so each one's settings are read;
+    Sentinel: the current master's. The test servers run without AOF: one finding per master."""
+    store = make_store()
+    findings = store.check_durability()
+    assert findings and {f.setting for f in findings} == {"appendonly"}
+    masters = {f.risk.split(": ", 1)[0] for f in findings}
+    assert len(masters) == len(findings)
+    if "cluster" in repr(store.__class__).lower():
+        assert len(masters) == 3 and all(m.startswith("cluster master ") for m in masters)

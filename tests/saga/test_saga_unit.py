@@ -53,14 +53,16 @@ def test_each_step_runs_once_under_its_own_key(app: Celery) -> None:
     checkout = make_saga(app, world)
     out = checkout.apply(("o1",)).get()
     assert world.log == ["a", "b", "nocomp", "c"]
-    assert out["a"] == {"what": "a", "args": ["o1"], "token": 1}
+    assert out["a"] == {"what": "a", "args": ["o1"], "token": world.steps[0].idempotency_token}
     assert out["results"] == ["a", "b", "nocomp", "c"]
     saga_key = checkout.idempotency_key_for(("o1",))
     assert [s.idempotency_key for s in world.steps] == [
         step_key(saga_key, n) for n in ("a", "b", "nocomp", "c")]
     assert step_key(saga_key, "a") == idempotency_key("saga.a", saga_key)
     assert step_key(saga_key, "a", compensate=True) == idempotency_key("saga.a.compensate", saga_key)
-    assert all(s.saga_key == saga_key and s.idempotency_token == 1 for s in world.steps)
+    assert all(s.saga_key == saga_key for s in world.steps)
+    # Each step's first claim of its own key: a clock token, exact in a double
+    assert all(1_000_000_000_000_000 < s.idempotency_token < 2**53 for s in world.steps)
     store = get_store(app)
     assert store.get(step_key(saga_key, "c")).state is State.DONE  # type: ignore[union-attr]
 
@@ -76,9 +78,11 @@ def test_a_resumed_saga_replays_recorded_steps_and_runs_the_rest(app: Celery) ->
     # The resumed run: a answers from its record, b runs (its claim was released), then the rest
     out = checkout.apply(("o2",)).get()
     assert world.log == ["a", "b", "nocomp", "c"]
-    assert out["a"] == {"what": "a", "args": ["o2"], "token": 1}  # the recorded result
+    # the recorded result
+    assert out["a"] == {"what": "a", "args": ["o2"], "token": world.steps[0].idempotency_token}
     assert [s.name for s in world.steps] == ["a", "b", "b", "nocomp", "c"]
-    assert world.steps[2].idempotency_token == 2  # b's second claim has a higher token
+    # b's second claim has a higher token than its first
+    assert world.steps[2].idempotency_token > world.steps[1].idempotency_token
 
 
 def test_a_terminal_step_compensates_completed_steps_newest_first_then_fails_the_saga(

@@ -59,3 +59,53 @@ def drop_table(store: Any) -> None:
     import sqlalchemy as sa
 
     sa.Table(store._table.name, sa.MetaData()).drop(store._engine, checkfirst=True)
+
+
+def lose(store: Any, key: str) -> None:
+    """Make the store lose ``key``'s record behind the gate's back, as a FLUSHALL, a restart
+    without persistence, a failover that dropped the last writes, or a deleted row would."""
+    from celery_idem.stores.memory import MemoryStore
+    from celery_idem.stores.redis import RedisStore
+
+    if isinstance(store, MemoryStore):
+        with store._lock:
+            store._records.pop(key, None)
+    elif isinstance(store, RedisStore):
+        store.client.delete(store._k(key))
+    else:
+        import sqlalchemy as sa
+
+        t = store._table
+        with store._engine.begin() as conn:
+            conn.execute(sa.delete(t).where(t.c.key == store._stored(key)))
+
+
+def set_token(store: Any, key: str, token: int) -> None:
+    """Rewrite the token of ``key``'s record, keeping the rest (its claim id too).
+
+    Simulates a token issued twice: a loss followed by a store clock that stepped back, the one
+    case where the clock term of the token cannot keep it above the lost one.
+    """
+    import dataclasses
+
+    from celery_idem.stores.memory import MemoryStore
+    from celery_idem.stores.redis import RedisStore
+
+    if isinstance(store, MemoryStore):
+        with store._lock:
+            rec, expires = store._records[key]
+            store._records[key] = (dataclasses.replace(rec, token=token), expires)
+    elif isinstance(store, RedisStore):
+        name = store._k(key)
+        value = store.client.get(name)
+        assert value is not None
+        head, sep, rest = value.partition(b"\0")
+        digits = head[2:].partition(b".")
+        head = head[:2] + str(token).encode() + digits[1] + digits[2]
+        store.client.set(name, head + sep + rest, keepttl=True)
+    else:
+        import sqlalchemy as sa
+
+        t = store._table
+        with store._engine.begin() as conn:
+            conn.execute(sa.update(t).where(t.c.key == store._stored(key)).values(token=token))

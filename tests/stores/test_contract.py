@@ -7,6 +7,8 @@ answer skips its tests locally and fails them in CI, through tests/conftest.py's
 
 Only what the contract promises is asserted: statuses, tokens, records, the exception types and
 their ``key``/``token``. Wording of messages and the order of ``scan`` are the stores' own.
+Tokens are asserted as promised: strictly increasing per key (a lost record included), at least
+the store clock in microseconds, exact in a double; never as the numbers 1, 2, 3.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from celery_idem.records import Claim, ClaimStatus, State
 from celery_idem.stores import store_from_url
 from celery_idem.stores.base import Store
 
-from .support import LONG, claim, drop_table, poll
+from .support import LONG, claim, drop_table, lose, poll, set_token
 
 STORES = ["memory", "redis", "postgresql", "mysql", "sqlite"]
 
@@ -79,30 +81,43 @@ def done(store: Store, key: str, token: int, data: bytes = b"[42]", ttl: float =
 # -- claim ------------------------------------------------------------------------------------
 
 
-def test_a_first_claim_gets_token_1_and_writes_an_in_progress_record(store: Store) -> None:
+def assert_clock_token(result: Claim) -> None:
+    """A taking claim's token: at least the store clock in µs at the claim, exact in a double."""
+    assert isinstance(result.token, int)
+    # The claim's ``now`` may be rounded to the millisecond (Redis), the token is not.
+    assert result.token >= int(result.now * 1_000_000) - 1000
+    assert result.token < 2**53
+
+
+def test_a_first_claim_gets_a_clock_token_and_a_claim_id_and_writes_an_in_progress_record(
+    store: Store,
+) -> None:
     result = claim(store, who="a", attempt=2, lease=LONG)
     assert result.status is ClaimStatus.CLAIMED
-    assert result.token == 1
+    assert_clock_token(result)
+    assert isinstance(result.claim_id, str) and result.claim_id
     assert result.record is None
     rec = store.get("k")
     assert rec is not None
-    assert (rec.key, rec.state, rec.token, rec.owner, rec.task_id, rec.attempt) == (
+    assert (rec.key, rec.state, rec.token, rec.owner, rec.task_id, rec.attempt, rec.claim_id) == (
         "k",
         State.IN_PROGRESS,
-        1,
+        result.token,
         "host:a",
         "task-a",
         2,
+        result.claim_id,
     )
     assert rec.lease_expires == pytest.approx(result.now + LONG, abs=1e-3)
     assert rec.data is None
 
 
 def test_a_second_claim_is_busy_and_describes_the_live_holder(store: Store) -> None:
-    claim(store, who="a")
+    first = claim(store, who="a")
     result = claim(store, who="b")
     assert result.status is ClaimStatus.BUSY
-    assert result.token == 1
+    assert result.token == first.token
+    assert result.claim_id == ""  # only a holder gets one
     assert result.record is not None
     assert (result.record.owner, result.record.task_id) == ("host:a", "task-a")
     assert store.get("k") == result.record  # nothing was written
@@ -138,9 +153,10 @@ def test_a_failed_key_answers_every_later_claim_with_its_error(store: Store) -> 
     )
 
 
-def test_a_release_keeps_a_tombstone_and_the_next_claim_gets_token_2(store: Store) -> None:
-    claim(store, payload_hash="h1")
-    store.release("k", 1)
+def test_a_release_keeps_a_tombstone_and_the_next_claim_gets_a_higher_token(store: Store) -> None:
+    first = claim(store, payload_hash="h1")
+    t1 = first.token
+    store.release("k", t1, claim_id=first.claim_id)
     tomb = store.get("k")
     assert tomb is not None
     assert (
@@ -151,12 +167,13 @@ def test_a_release_keeps_a_tombstone_and_the_next_claim_gets_token_2(store: Stor
         tomb.lease_expires,
         tomb.payload_hash,
         tomb.data,
-    ) == (State.RELEASED, 1, "", "", None, None, None)
+    ) == (State.RELEASED, t1, "", "", None, None, None)
     # The released holder can neither release, renew nor record again.
     for stale in (
-        lambda: store.release("k", 1),
-        lambda: store.renew("k", 1, LONG),
-        lambda: done(store, "k", 1),
+        lambda: store.release("k", t1),
+        lambda: store.renew("k", t1, LONG),
+        lambda: done(store, "k", t1),
+        lambda: store.release("k", t1, claim_id=first.claim_id),
     ):
         with pytest.raises(LeaseLost):
             stale()
@@ -164,12 +181,14 @@ def test_a_release_keeps_a_tombstone_and_the_next_claim_gets_token_2(store: Stor
     # A released key is free, whatever hash the next claim brings.
     result = claim(store, who="b", payload_hash="h2")
     assert result.status is ClaimStatus.CLAIMED
-    assert result.token == 2
+    assert result.token > t1
+    assert_clock_token(result)
+    assert result.claim_id != first.claim_id
     assert result.record == tomb
 
 
 def test_an_expired_lease_is_taken_over_with_the_next_token(store: Store) -> None:
-    claim(store, who="a", lease=0.3)
+    first = claim(store, who="a", lease=0.3)
 
     def takeover() -> Claim | None:
         result = claim(store, who="b")
@@ -177,29 +196,31 @@ def test_an_expired_lease_is_taken_over_with_the_next_token(store: Store) -> Non
         return result if result.status is ClaimStatus.TAKEOVER else None
 
     result = poll(store, takeover, "the lease to expire")
-    assert result.token == 2
+    assert result.token > first.token
+    assert_clock_token(result)
     assert result.record is not None
-    assert (result.record.owner, result.record.token) == ("host:a", 1)
+    assert (result.record.owner, result.record.token) == ("host:a", first.token)
     rec = store.get("k")
     assert rec is not None
-    assert (rec.state, rec.owner, rec.token) == (State.IN_PROGRESS, "host:b", 2)
+    assert (rec.state, rec.owner, rec.token, rec.claim_id) == (
+        State.IN_PROGRESS, "host:b", result.token, result.claim_id)
 
 
 def test_a_retry_of_the_same_task_takes_over_at_once(store: Store) -> None:
-    claim(store, who="a", attempt=1)
+    first = claim(store, who="a", attempt=1)
     assert claim(store, who="a", attempt=1).status is ClaimStatus.BUSY  # same attempt
     assert claim(store, who="a", attempt=0).status is ClaimStatus.BUSY  # an earlier attempt
     assert claim(store, who="b", attempt=5).status is ClaimStatus.BUSY  # another task
     result = claim(store, who="a", attempt=2)
     assert result.status is ClaimStatus.TAKEOVER
-    assert result.token == 2
+    assert result.token > first.token
     assert result.record is not None and result.record.attempt == 1
     rec = store.get("k")
-    assert rec is not None and (rec.token, rec.attempt) == (2, 2)
+    assert rec is not None and (rec.token, rec.attempt) == (result.token, 2)
 
 
 def test_a_payload_hash_mismatch_is_reported_before_done(store: Store) -> None:
-    claim(store, payload_hash="aaa")
+    first = claim(store, payload_hash="aaa")
     result = claim(store, who="b", payload_hash="bbb")
     assert result.status is ClaimStatus.MISMATCH
     assert result.record is not None and result.record.payload_hash == "aaa"
@@ -207,7 +228,7 @@ def test_a_payload_hash_mismatch_is_reported_before_done(store: Store) -> None:
     assert claim(store, who="b").status is ClaimStatus.BUSY
     assert claim(store, who="b", payload_hash="aaa").status is ClaimStatus.BUSY
     # The mismatch is checked before DONE.
-    done(store, "k", 1)
+    done(store, "k", first.token)
     assert claim(store, who="b", payload_hash="bbb").status is ClaimStatus.MISMATCH
     assert claim(store, who="b", payload_hash="aaa").status is ClaimStatus.DONE
 
@@ -226,19 +247,26 @@ def test_keys_differing_only_in_case_are_different_keys(store: Store) -> None:
 
 
 def test_a_stale_holder_loses_record_release_and_renew(store: Store) -> None:
-    claim(store, who="a", attempt=0)
-    assert claim(store, who="a", attempt=1).token == 2  # the retry took over
+    first = claim(store, who="a", attempt=0)
+    t1, c1 = first.token, first.claim_id
+    retry = claim(store, who="a", attempt=1)
+    assert retry.status is ClaimStatus.TAKEOVER and retry.token > t1  # the retry took over
     for verb, stale in (
-        ("record", lambda: done(store, "k", 1, b"stale")),
-        ("release", lambda: store.release("k", 1)),
-        ("renew", lambda: store.renew("k", 1, LONG)),
+        ("record", lambda: done(store, "k", t1, b"stale")),
+        ("release", lambda: store.release("k", t1)),
+        ("renew", lambda: store.renew("k", t1, LONG)),
+        ("record with its claim id", lambda: store.record(
+            "k", t1, state=State.DONE, content_type="c", data=b"stale", ttl=LONG, claim_id=c1)),
+        ("release with its claim id", lambda: store.release("k", t1, claim_id=c1)),
+        ("renew with its claim id", lambda: store.renew("k", t1, LONG, claim_id=c1)),
     ):
         with pytest.raises(LeaseLost) as info:
             stale()
-        assert (info.value.key, info.value.token) == ("k", 1), verb
+        assert (info.value.key, info.value.token) == ("k", t1), verb
     rec = store.get("k")
-    assert rec is not None and (rec.state, rec.token, rec.data) == (State.IN_PROGRESS, 2, None)
-    done(store, "k", 2, b"fresh")  # the current holder still can
+    assert rec is not None
+    assert (rec.state, rec.token, rec.data) == (State.IN_PROGRESS, retry.token, None)
+    done(store, "k", retry.token, b"fresh")  # the current holder still can
     rec = store.get("k")
     assert rec is not None and (rec.state, rec.data) == (State.DONE, b"fresh")
 
@@ -249,6 +277,7 @@ def test_fenced_writes_on_a_missing_key_lose_the_lease(store: Store) -> None:
         lambda: done(store, "nope", 1),
         lambda: store.release("nope", 1),
         lambda: store.renew("nope", 1, LONG),
+        lambda: store.release("nope", 1, claim_id="abc"),
     ):
         with pytest.raises(LeaseLost) as info:
             stale()
@@ -323,11 +352,94 @@ def test_renew_never_shortens_the_records_ttl(store: Store) -> None:
     assert claim(store, who="b").status is ClaimStatus.TAKEOVER
 
 
+# -- claim ids and lost records ---------------------------------------------------------------
+
+
+def test_fenced_writes_check_the_claim_id_as_well_as_the_token(store: Store) -> None:
+    held = claim(store)
+    token, other = held.token, held.claim_id[::-1] + "x"
+    for verb, wrong in (
+        ("record", lambda: store.record("k", token, state=State.DONE, content_type="c",
+                                        data=b"wrong", ttl=LONG, claim_id=other)),
+        ("release", lambda: store.release("k", token, claim_id=other)),
+        ("renew", lambda: store.renew("k", token, LONG, claim_id=other)),
+    ):
+        with pytest.raises(LeaseLost) as info:
+            wrong()
+        assert (info.value.key, info.value.token) == ("k", token), verb
+    still = store.get("k")
+    assert still is not None and (still.state, still.data) == (State.IN_PROGRESS, None)
+    # The holder's own claim id passes; no claim id (a caller from before claim ids) checks the
+    # token alone.
+    store.renew("k", token, LONG, claim_id=held.claim_id)
+    store.renew("k", token, LONG)
+    done(store, "k", token, b"mine")
+    store.record("k", token, state=State.DONE, content_type="application/json", data=b"mine",
+                 ttl=LONG, claim_id=held.claim_id)  # a retry after a lost reply
+    with pytest.raises(LeaseLost):  # but not a retry by another claim with the same token
+        store.record("k", token, state=State.DONE, content_type="application/json",
+                     data=b"theirs", ttl=LONG, claim_id=other)
+    rec = store.get("k")
+    assert rec is not None and (rec.state, rec.data, rec.claim_id) == (
+        State.DONE, b"mine", held.claim_id)
+
+
+def test_after_the_store_loses_a_held_record_the_next_token_is_higher_and_the_stale_holder_is_refused(
+    store: Store,
+) -> None:
+    stale = claim(store, who="a")
+    lose(store, "k")  # FLUSHALL, a restart without persistence, a deleted row
+    fresh = claim(store, who="b")
+    assert fresh.status is ClaimStatus.CLAIMED and fresh.record is None
+    assert fresh.token > stale.token
+    for verb, refused in (
+        ("renew", lambda: store.renew("k", stale.token, LONG, claim_id=stale.claim_id)),
+        ("record", lambda: store.record("k", stale.token, state=State.DONE, content_type="c",
+                                        data=b"stale", ttl=LONG, claim_id=stale.claim_id)),
+        ("release", lambda: store.release("k", stale.token, claim_id=stale.claim_id)),
+    ):
+        with pytest.raises(LeaseLost):
+            refused()
+        assert store.get("k") is not None, verb
+    store.record("k", fresh.token, state=State.DONE, content_type="c", data=b"fresh", ttl=LONG,
+                 claim_id=fresh.claim_id)
+    rec = store.get("k")
+    assert rec is not None and (rec.state, rec.token, rec.data) == (State.DONE, fresh.token, b"fresh")
+
+
+def test_a_token_issued_twice_is_still_refused_to_the_stale_claim(store: Store) -> None:
+    """The one case the clock cannot cover: a loss, then a store clock that stepped back."""
+    stale = claim(store, who="a")
+    lose(store, "k")
+    fresh = claim(store, who="b")
+    set_token(store, "k", stale.token)  # the new claim got the stale claim's token number
+    for verb, refused in (
+        ("renew", lambda: store.renew("k", stale.token, LONG, claim_id=stale.claim_id)),
+        ("record", lambda: store.record("k", stale.token, state=State.DONE, content_type="c",
+                                        data=b"stale", ttl=LONG, claim_id=stale.claim_id)),
+        ("release", lambda: store.release("k", stale.token, claim_id=stale.claim_id)),
+    ):
+        with pytest.raises(LeaseLost) as info:
+            refused()
+        assert (info.value.key, info.value.token) == ("k", stale.token), verb
+    rec = store.get("k")
+    assert rec is not None and (rec.state, rec.owner, rec.claim_id) == (
+        State.IN_PROGRESS, "host:b", fresh.claim_id)
+    store.record("k", stale.token, state=State.DONE, content_type="c", data=b"fresh", ttl=LONG,
+                 claim_id=fresh.claim_id)
+    with pytest.raises(LeaseLost):  # nor may the stale claim pass off its record as a retry
+        store.record("k", stale.token, state=State.DONE, content_type="c", data=b"stale",
+                     ttl=LONG, claim_id=stale.claim_id)
+    rec = store.get("k")
+    assert rec is not None and (rec.state, rec.data) == (State.DONE, b"fresh")
+
+
 # -- TTL --------------------------------------------------------------------------------------
 
 
 def test_a_record_past_its_ttl_counts_as_absent(store: Store) -> None:
     claim(store, ttl=0.3)
+    first = store.now()
     poll(store, lambda: store.get("k") is None, "the TTL to pass")
     assert list(store.scan()) == []
     with pytest.raises(LeaseLost) as info:
@@ -336,6 +448,7 @@ def test_a_record_past_its_ttl_counts_as_absent(store: Store) -> None:
     result = claim(store, who="b")
     assert result.status is ClaimStatus.CLAIMED
     assert result.record is None
+    assert result.token > int(first * 1_000_000)  # the expired token is not issued again
 
 
 def test_record_sets_the_ttl_of_the_result(store: Store) -> None:
@@ -360,9 +473,10 @@ def test_record_keeps_a_result_for_its_ttl_even_when_the_claim_ttl_was_short(sto
 def test_concurrent_claims_from_threads_have_exactly_one_winner(
     store: Store, released_first: bool
 ) -> None:
+    setup = None
     if released_first:
-        claim(store, who="setup")
-        store.release("k", 1)
+        setup = claim(store, who="setup")
+        store.release("k", setup.token, claim_id=setup.claim_id)
     threads = 8
     barrier = threading.Barrier(threads)
 
@@ -375,9 +489,11 @@ def test_concurrent_claims_from_threads_have_exactly_one_winner(
     winners = [r for r in results if r.status.holds]
     assert [w.status for w in winners] == [ClaimStatus.CLAIMED]
     winner = winners[0]
-    assert winner.token == (2 if released_first else 1)
+    assert_clock_token(winner)
+    if setup is not None:
+        assert winner.token > setup.token
     holder = store.get("k")
-    assert holder is not None and holder.token == winner.token
+    assert holder is not None and (holder.token, holder.claim_id) == (winner.token, winner.claim_id)
     for loser in results:
         if loser is winner:
             continue
@@ -393,11 +509,10 @@ def test_scan_lists_this_prefixs_live_records_filtered_by_state(
     make_store: MakeStore, prefix: str
 ) -> None:
     store, other = make_store(prefix + "one:"), make_store(prefix + "two:")
-    for key in ["e", "a", "d", "c", "b", "f"]:
-        claim(store, key)
-    done(store, "b", 1)
-    store.record("d", 1, state=State.FAILED, content_type="x-error", data=b"boom", ttl=LONG)
-    store.release("f", 1)
+    tokens = {key: claim(store, key).token for key in ["e", "a", "d", "c", "b", "f"]}
+    done(store, "b", tokens["b"])
+    store.record("d", tokens["d"], state=State.FAILED, content_type="x-error", data=b"boom", ttl=LONG)
+    store.release("f", tokens["f"])
     claim(other, "a")  # another app's record on the same server
     claim(other, "z")
     claim(store, "expired", ttl=0.2)
@@ -434,17 +549,19 @@ def test_a_large_binary_result_comes_back_byte_for_byte(store: Store) -> None:
 
 def test_two_prefixes_on_one_server_do_not_see_each_other(make_store: MakeStore, prefix: str) -> None:
     one, two = make_store(prefix + "one:"), make_store(prefix + "two:")
-    assert claim(one, "k", who="a").status is ClaimStatus.CLAIMED
+    first = claim(one, "k", who="a")
+    assert first.status is ClaimStatus.CLAIMED
     assert two.get("k") is None
-    assert claim(two, "k", who="b").status is ClaimStatus.CLAIMED
-    done(one, "k", 1, b"one")
+    second = claim(two, "k", who="b")
+    assert second.status is ClaimStatus.CLAIMED
+    done(one, "k", first.token, b"one")
     busy = claim(two, "k", who="c")
     assert busy.status is ClaimStatus.BUSY
     assert busy.record is not None and busy.record.owner == "host:b"
-    two.release("k", 1)
-    first, second = one.get("k"), two.get("k")
-    assert first is not None and (first.state, first.data) == (State.DONE, b"one")
-    assert second is not None and second.state is State.RELEASED
+    two.release("k", second.token)
+    rec_one, rec_two = one.get("k"), two.get("k")
+    assert rec_one is not None and (rec_one.state, rec_one.data) == (State.DONE, b"one")
+    assert rec_two is not None and rec_two.state is State.RELEASED
     assert [(r.key, r.state) for r in one.scan()] == [("k", State.DONE)]
     assert [(r.key, r.state) for r in two.scan()] == [("k", State.RELEASED)]
 

@@ -24,7 +24,7 @@ from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore, _translate_errors
 from tests.integration.harness import RedisServer
 
-from .support import LONG, claim
+from .support import LONG, claim, poll
 
 
 @pytest.fixture
@@ -61,15 +61,18 @@ def _every_verb(store: RedisStore, key: str) -> dict[str, Any]:
 def test_every_script_survives_a_script_flush(private_server: RedisServer) -> None:
     store = RedisStore.from_url(private_server.url, prefix="p:")
     try:
+        held = {}
         for key in ("a", "b"):
             store.client.script_flush()
-            assert claim(store, key).status is ClaimStatus.CLAIMED
+            held[key] = claim(store, key)
+            assert held[key].status is ClaimStatus.CLAIMED
             store.client.script_flush()
-            assert store.renew(key, 1, LONG) > store.now()
+            assert store.renew(key, held[key].token, LONG, claim_id=held[key].claim_id) > store.now()
         store.client.script_flush()
-        store.record("a", 1, state=State.DONE, content_type="c", data=b"[1]", ttl=LONG)
+        store.record("a", held["a"].token, state=State.DONE, content_type="c", data=b"[1]",
+                     ttl=LONG, claim_id=held["a"].claim_id)
         store.client.script_flush()
-        store.release("b", 1)
+        store.release("b", held["b"].token, claim_id=held["b"].claim_id)
         a, b = store.get("a"), store.get("b")
         assert a is not None and (a.state, a.data) == (State.DONE, b"[1]")
         assert b is not None and b.state is State.RELEASED
@@ -147,17 +150,20 @@ def test_a_foreign_string_is_skipped_by_scan(
 def test_a_done_record_is_one_string_in_the_documented_layout(
     store: RedisStore, redis_client: Any, prefix: str
 ) -> None:
-    claim(store, "k", payload_hash="h1")
-    store.record("k", 1, state=State.DONE, content_type="application/json;utf-8", data=b"[1]",
-                 ttl=LONG)
+    first = claim(store, "k", payload_hash="h1")
+    store.record("k", first.token, state=State.DONE, content_type="application/json;utf-8",
+                 data=b"[1]", ttl=LONG, claim_id=first.claim_id)
     value = redis_client.get(prefix + "k")
     rec = store.get("k")
     assert rec is not None and rec.updated is not None
-    # marker, state, token, updated ms, task id, payload hash, content type code, data
-    assert value == b"\xc1d1\x00%d\x00task-a\x00h1\x00\x01\x00[1]" % round(rec.updated * 1000)
-    assert (rec.state, rec.token, rec.task_id, rec.payload_hash, rec.content_type, rec.data,
-            rec.owner, rec.attempt, rec.lease_expires) == (
-        State.DONE, 1, "task-a", "h1", "application/json;utf-8", b"[1]", "", 0, None)
+    # marker, state, token (all its digits: no Lua number formatting), claim id, updated ms,
+    # task id, payload hash, content type code, data
+    assert value == b"\xc1d%d.%s\x00%d\x00task-a\x00h1\x00\x01\x00[1]" % (
+        first.token, first.claim_id.encode(), round(rec.updated * 1000))
+    assert (rec.state, rec.token, rec.claim_id, rec.task_id, rec.payload_hash, rec.content_type,
+            rec.data, rec.owner, rec.attempt, rec.lease_expires) == (
+        State.DONE, first.token, first.claim_id, "task-a", "h1", "application/json;utf-8",
+        b"[1]", "", 0, None)
 
 
 def test_an_in_progress_record_holds_owner_attempt_and_lease(
@@ -165,16 +171,17 @@ def test_an_in_progress_record_holds_owner_attempt_and_lease(
 ) -> None:
     first = claim(store, "k", who="a", attempt=3, lease=30.0)
     value = redis_client.get(prefix + "k")
-    assert value.startswith(b"\xc1i1\x00") and value.count(b"\x00") == 6
+    assert value.startswith(b"\xc1i%d.%s\x00" % (first.token, first.claim_id.encode()))
+    assert value.count(b"\x00") == 6
     rec = store.get("k")
     assert rec is not None
-    assert (rec.state, rec.token, rec.owner, rec.task_id, rec.attempt, rec.payload_hash,
-            rec.content_type, rec.data) == (
-        State.IN_PROGRESS, 1, "host:a", "task-a", 3, None, None, None)
+    assert (rec.state, rec.token, rec.claim_id, rec.owner, rec.task_id, rec.attempt,
+            rec.payload_hash, rec.content_type, rec.data) == (
+        State.IN_PROGRESS, first.token, first.claim_id, "host:a", "task-a", 3, None, None, None)
     assert rec.lease_expires == pytest.approx(first.now + 30.0, abs=0.002)
     assert rec.updated == pytest.approx(first.now, abs=0.002)
     # A renewal rewrites the lease only
-    expires = store.renew("k", 1, 45.0)
+    expires = store.renew("k", first.token, 45.0, claim_id=first.claim_id)
     renewed = store.get("k")
     assert renewed is not None and renewed.lease_expires == expires
     assert (renewed.owner, renewed.task_id, renewed.attempt, renewed.updated) == (
@@ -189,8 +196,8 @@ def test_an_in_progress_record_holds_owner_attempt_and_lease(
 def test_common_content_types_take_one_byte_and_read_back_in_full(
     store: RedisStore, redis_client: Any, prefix: str, content_type: str
 ) -> None:
-    claim(store, "k")
-    store.record("k", 1, state=State.FAILED, content_type=content_type, data=b"\x00x", ttl=LONG)
+    token = claim(store, "k").token
+    store.record("k", token, state=State.FAILED, content_type=content_type, data=b"\x00x", ttl=LONG)
     value = redis_client.get(prefix + "k")
     assert value.endswith(b"\x00\x00x") and value.split(b"\x00")[4] in {bytes([n]) for n in range(1, 7)}
     rec = store.get("k")
@@ -201,8 +208,8 @@ def test_common_content_types_take_one_byte_and_read_back_in_full(
 def test_other_content_types_are_stored_verbatim(
     store: RedisStore, redis_client: Any, prefix: str, content_type: str
 ) -> None:
-    claim(store, "k")
-    store.record("k", 1, state=State.DONE, content_type=content_type, data=b"d", ttl=LONG)
+    token = claim(store, "k").token
+    store.record("k", token, state=State.DONE, content_type=content_type, data=b"d", ttl=LONG)
     assert redis_client.get(prefix + "k").split(b"\x00")[4] == content_type.encode()
     rec = store.get("k")
     assert rec is not None and rec.content_type == (content_type or None)
@@ -248,7 +255,7 @@ def test_task_ids_read_back_exactly_and_celerys_uuids_take_23_characters(
     assert store.get("k").task_id == task_id
     # The same task id with a higher attempt takes its own claim over: the packed ids compare.
     again = store.claim("k", owner="o", task_id=task_id, attempt=1, lease=LONG, ttl=LONG)
-    assert again.status is ClaimStatus.TAKEOVER and again.token == first.token + 1
+    assert again.status is ClaimStatus.TAKEOVER and again.token > first.token
     store.record("k", again.token, state=State.DONE, content_type="c", data=b"v", ttl=LONG)
     assert store.get("k").task_id == task_id
 
@@ -270,14 +277,14 @@ def test_a_control_character_in_a_content_type_is_a_value_error(store: RedisStor
 def test_release_keeps_the_ttl_and_renew_extends_it_past_the_lease(
     store: RedisStore, redis_client: Any, prefix: str
 ) -> None:
-    claim(store, "r", ttl=LONG)
-    store.release("r", 1)
+    r = claim(store, "r", ttl=LONG)
+    store.release("r", r.token, claim_id=r.claim_id)
     assert 0 < redis_client.pttl(prefix + "r") <= LONG * 1000
-    assert redis_client.get(prefix + "r").startswith(b"\xc1r1\x00")
-    claim(store, "n", ttl=5.0)
-    store.renew("n", 1, 1000.0)  # a lease longer than the record's TTL: the record outlives it
+    assert redis_client.get(prefix + "r").startswith(b"\xc1r%d\x00" % r.token)  # no claim id
+    n = claim(store, "n", ttl=5.0)
+    store.renew("n", n.token, 1000.0)  # a lease longer than the record's TTL: the record outlives it
     assert redis_client.pttl(prefix + "n") > 900_000
-    store.renew("n", 1, 1.0)  # a short renewal never shortens the record
+    store.renew("n", n.token, 1.0)  # a short renewal never shortens the record
     assert redis_client.pttl(prefix + "n") > 900_000
 
 
@@ -422,10 +429,10 @@ def test_a_killed_redis_is_store_unavailable_and_a_restarted_one_works_again(
         assert store.renew("after", first.token, LONG) > first.now
         assert claim(store, "after", who="b").status is ClaimStatus.BUSY
         store.record("after", first.token, state=State.DONE, content_type="c", data=b"[1]", ttl=LONG)
-        claim(store, "released")
-        store.release("released", 1)
+        gone = claim(store, "released")
+        store.release("released", gone.token)
         with pytest.raises(LeaseLost):
-            store.renew("released", 1, LONG)
+            store.renew("released", gone.token, LONG)
         rec = store.get("after")
         assert rec is not None and (rec.state, rec.data) == (State.DONE, b"[1]")
         assert sorted(r.key for r in store.scan()) == ["after", "released"]
@@ -459,3 +466,34 @@ def test_with_wait_replicas_a_non_record_is_still_corrupt_record_for_every_verb(
     finally:
         store.close()
     assert redis_client.get(prefix + "k") == value
+
+
+# -- records of versions before claim ids -----------------------------------------------------
+
+
+def test_a_record_written_before_claim_ids_still_reads_fences_and_is_taken_over_higher(
+    store: RedisStore, redis_client: Any, prefix: str
+) -> None:
+    now_ms = round(store.now() * 1000)
+    # An in-progress record of an earlier version (token 1, no claim id), its lease expired
+    legacy = b"\xc1i1\x00%d\x00task-a\x00\x00host:a\x000\x00%d" % (now_ms, now_ms - 1)
+    redis_client.set(prefix + "old", legacy, px=60_000)
+    rec = store.get("old")
+    assert rec is not None and (rec.state, rec.token, rec.claim_id) == (State.IN_PROGRESS, 1, "")
+    # Its holder (which has no claim id) is fenced by the token alone, as before
+    store.renew("old", 1, 0.001)
+    with pytest.raises(LeaseLost):  # a caller naming a claim id is not that holder
+        store.renew("old", 1, LONG, claim_id="someone")
+    # A new claim takes it over with a clock token, far above 1
+    taken = poll(store, lambda: (c := claim(store, "old", who="b")).status.holds and c,
+                 "the renewed 1 ms lease to run out")
+    assert taken.status is ClaimStatus.TAKEOVER and taken.token > 1_000_000_000_000_000
+    assert taken.record is not None and taken.record.token == 1
+    with pytest.raises(LeaseLost):
+        store.record("old", 1, state=State.DONE, content_type="c", data=b"stale", ttl=LONG)
+    # A done record of an earlier version answers claims as before
+    redis_client.set(prefix + "done", b"\xc1d7\x00%d\x00task-a\x00\x00\x01\x00[1]" % now_ms,
+                     px=60_000)
+    answer = claim(store, "done")
+    assert answer.status is ClaimStatus.DONE and answer.token == 7
+    assert answer.record is not None and (answer.record.data, answer.record.claim_id) == (b"[1]", "")

@@ -136,9 +136,9 @@ def test_each_verb_is_one_prepared_round_trip_outside_sqlalchemy(make_store: Cal
         store.record(f"{tag}-a", first.token, state=State.DONE, content_type="application/json",
                      data=b'{"ok": true}', ttl=LONG)
         claim(store, f"{tag}-a")
-        claim(store, f"{tag}-v", payload_hash="h1")
-        store.renew(f"{tag}-v", 1, LONG)
-        store.release(f"{tag}-v", 1)
+        held = claim(store, f"{tag}-v", payload_hash="h1")
+        store.renew(f"{tag}-v", held.token, LONG, claim_id=held.claim_id)
+        store.release(f"{tag}-v", held.token, claim_id=held.claim_id)
         store.get(f"{tag}-a")
 
     every_verb("warm")
@@ -155,10 +155,11 @@ def test_each_verb_is_one_prepared_round_trip_outside_sqlalchemy(make_store: Cal
 
     taken, n = trips(lambda: claim(store, "b"))
     assert (taken.status, n) == (ClaimStatus.CLAIMED, 1)
-    _, n = trips(lambda: store.renew("b", taken.token, LONG))
+    _, n = trips(lambda: store.renew("b", taken.token, LONG, claim_id=taken.claim_id))
     assert n == 1
     _, n = trips(lambda: store.record("b", taken.token, state=State.DONE,
-                                      content_type="application/json", data=b"{}", ttl=LONG))
+                                      content_type="application/json", data=b"{}", ttl=LONG,
+                                      claim_id=taken.claim_id))
     assert n == 1
     dup, n = trips(lambda: claim(store, "b"))
     assert (dup.status, dup.record and dup.record.data, n) == (ClaimStatus.DONE, b"{}", 1)
@@ -166,15 +167,18 @@ def test_each_verb_is_one_prepared_round_trip_outside_sqlalchemy(make_store: Cal
     assert (rec and rec.state, n) == (State.DONE, 1)
     validated, n = trips(lambda: claim(store, "c", payload_hash="h2"))
     assert (validated.status, n) == (ClaimStatus.CLAIMED, 1)
-    _, n = trips(lambda: store.release("c", validated.token))
+    _, n = trips(lambda: store.release("c", validated.token, claim_id=validated.claim_id))
     assert n == 1
     # A refused fenced write reads the row once more to say why: two round trips, off the hot path
-    with pytest.raises(LeaseLost, match="now has token 1"):
-        trips(lambda: store.record("b", 99, state=State.DONE, content_type="x", data=b"", ttl=LONG))
+    with pytest.raises(LeaseLost, match=f"now has token {taken.token}"):
+        trips(lambda: store.record("b", taken.token + 99, state=State.DONE, content_type="x",
+                                   data=b"", ttl=LONG))
 
     def refused_release() -> None:
         with pytest.raises(LeaseLost):
-            store.release("b", 99)
+            # A wrong token of the same width as real ones (psycopg sends a small int as int2,
+            # which would need a statement of its own)
+            store.release("b", taken.token + 99)
 
     _, lines = wire.messages(refused_release)
     assert round_trips(lines) == 2
@@ -196,9 +200,11 @@ def test_the_gate_takes_two_round_trips_on_a_first_run_and_one_on_a_duplicate(
     run("warm")
     sa_statements = wire.statements  # creating the table
     result, lines = wire.messages(lambda: run("first"))
-    assert (result, round_trips(lines)) == ({"action": "first", "token": 1}, 2)
+    token = result["token"]
+    assert isinstance(token, int) and token > 1_000_000_000_000_000  # a clock token
+    assert (result, round_trips(lines)) == ({"action": "first", "token": token}, 2)
     result, lines = wire.messages(lambda: run("first"))
-    assert (result, round_trips(lines)) == ({"action": "first", "token": 1}, 1)
+    assert (result, round_trips(lines)) == ({"action": "first", "token": token}, 1)
     assert wire.statements == sa_statements
 
 
@@ -254,7 +260,7 @@ def test_connections_the_server_dropped_cost_one_verb_then_the_pool_recovers(
 ) -> None:
     # Given two idle pooled connections, both terminated by the server (a restart)
     store = _on(path, make_store(pool_size=2, max_overflow=0))
-    claim(store, "k")
+    held = claim(store, "k")
     with store._engine.connect() as c1, store._engine.connect() as c2:
         pids = [c.exec_driver_sql("SELECT pg_backend_pid()").scalar() for c in (c1, c2)]
     admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT")  # fresh statistics each poll
@@ -268,7 +274,8 @@ def test_connections_the_server_dropped_cost_one_verb_then_the_pool_recovers(
     # When verbs run, Then the first is StoreUnavailable caused by SQLAlchemy's
     # OperationalError, and every later one works: the pool dropped both dead connections
     with pytest.raises(StoreUnavailable, match="could not reach the SQL store") as info:
-        store.record("k", 1, state=State.DONE, content_type="application/json", data=b"1", ttl=LONG)
+        store.record("k", held.token, state=State.DONE, content_type="application/json", data=b"1",
+                     ttl=LONG, claim_id=held.claim_id)
     assert isinstance(info.value.__cause__, sa.exc.OperationalError)
     assert info.value.__cause__.connection_invalidated
     for _ in range(3):
@@ -297,7 +304,7 @@ def test_a_verb_interrupted_mid_query_does_not_return_its_busy_connection(
     # Given a row locked by another session, so a claim of it blocks inside the database
     store = make_store(pool_size=1, max_overflow=0)
     wire = Wire(store)
-    claim(store, "k", lease=LONG)
+    held = claim(store, "k", lease=LONG)
     holder = sa.create_engine(pg_url)
     conn = holder.connect()
     trans = conn.begin()
@@ -328,7 +335,7 @@ def test_a_verb_interrupted_mid_query_does_not_return_its_busy_connection(
     assert claim(store, "k", who="b").status is ClaimStatus.BUSY
     assert len(wire.connections) == 2
     rec = store.get("k")
-    assert rec is not None and (rec.token, rec.owner) == (1, "host:a")
+    assert rec is not None and (rec.token, rec.owner) == (held.token, "host:a")
 
 
 # -- a duplicate claim of a finished key locks and writes nothing -------------------------------
@@ -353,7 +360,8 @@ def _claim_in_a_transaction(store: SQLStore, key: str, payload_hash: str | None)
     transaction id at its first write (a row lock included), so None means nothing was
     written, and the commit would have had no WAL to flush. The transaction is rolled back.
     """
-    args = _ClaimArgs(store._stored(key), "host:b", "task-b", 0, LONG, LONG, payload_hash)
+    args = _ClaimArgs(store._stored(key), "host:b", "task-b", 0, LONG, LONG, payload_hash,
+                      "claim-b")
     with store._engine.connect() as conn:
         fairy = conn.connection
         driver = fairy.driver_connection
@@ -432,7 +440,7 @@ def test_constants_are_written_into_the_sql_and_each_call_sends_only_its_values(
             super().__init__(*args, **kwargs)
 
     numbered, named = make_store(), make_store(connect_args={"cursor_factory": OwnCursor})
-    claim(numbered, "k")
+    token = claim(numbered, "k").token
     t = numbered._table
     statement = sa.select(t.c.owner, sa.literal("it's 100%").label("note")).where(
         t.c.key == sa.bindparam("idem_key"), t.c.task_id != "x'%",
@@ -444,7 +452,7 @@ def test_constants_are_written_into_the_sql_and_each_call_sends_only_its_values(
     assert (b"'it''s 100%'" in raw.numbered, b"'x''%'" in raw.numbered) == (True, True)
     assert ("'it''s 100%%'" in raw.sql, "'x''%%'" in raw.sql) == (True, True)  # %% for psycopg's parser
     # When both run it, Then both get the constants back as they were written
-    params = {"idem_key": "fast:k", "idem_token": 1}
+    params = {"idem_key": "fast:k", "idem_token": token}
     expected = (1, {"owner": "host:a", "note": "it's 100%"})
     assert numbered._execute(statement, params) == expected
     assert opened == []
@@ -473,20 +481,21 @@ def test_every_verb_works_on_connections_with_their_own_cursor_class(
     opened.clear()
     # When every verb runs, Then each answers as on the numbered SQL (the contract's answers)
     taken = claim(store, "k", payload_hash="h1")
-    assert (taken.status, taken.token) == (ClaimStatus.CLAIMED, 1)
+    assert taken.status is ClaimStatus.CLAIMED and taken.claim_id
     assert claim(store, "k", who="b", payload_hash="h1").status is ClaimStatus.BUSY
     assert claim(store, "k", who="b", payload_hash="h2").status is ClaimStatus.MISMATCH
-    assert store.renew("k", 1, LONG) > taken.now
-    store.record("k", 1, state=State.DONE, content_type="application/json", data=b"[1]", ttl=LONG)
+    assert store.renew("k", taken.token, LONG, claim_id=taken.claim_id) > taken.now
+    store.record("k", taken.token, state=State.DONE, content_type="application/json", data=b"[1]",
+                 ttl=LONG, claim_id=taken.claim_id)
     dup = claim(store, "k", who="b", payload_hash="h1")
     assert (dup.status, dup.record and dup.record.data) == (ClaimStatus.DONE, b"[1]")
     rec = store.get("k")
     assert rec is not None and rec.state is State.DONE
-    claim(store, "r")
-    store.release("r", 1)
-    assert claim(store, "r", who="b").token == 2
+    released = claim(store, "r")
+    store.release("r", released.token, claim_id=released.claim_id)
+    assert claim(store, "r", who="b").token > released.token
     with pytest.raises(LeaseLost):
-        store.release("r", 1)
+        store.release("r", released.token, claim_id=released.claim_id)
     assert len(opened) == 12  # one cursor per statement, the refused release's second read included
 
 

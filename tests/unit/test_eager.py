@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -131,7 +132,9 @@ def test_inside_the_body_the_task_exposes_its_key_and_token(app: Celery, ledger:
     # The key is the documented one: task name as operation, bound arguments as fields
     expected = idempotency_key(charge.name, order_id="ord_1", amount_cents=100, note="")
     assert ledger.runs[0]["key"] == expected
-    assert ledger.runs[0]["token"] == 1
+    # The fencing token: the store clock in µs at the claim (see celery_idem.stores.base)
+    token = ledger.runs[0]["token"]
+    assert isinstance(token, int) and time.time() * 1e6 - 60e6 < token < 2**53
     assert charge.idempotency_key_for(("ord_1", 100)) == expected
 
 
@@ -402,7 +405,8 @@ def test_a_timeout_class_error_releases_so_the_next_delay_runs_again(
 
     assert first.state == "FAILURE" and isinstance(first.result, TimeoutError)
     assert second.get() == "charged"
-    assert [run["token"] for run in ledger.runs] == [1, 2]
+    t1, t2 = (run["token"] for run in ledger.runs)
+    assert t2 > t1  # the released claim's token is never issued again
 
 
 def test_autoretry_runs_each_retry_through_the_gate_with_a_higher_token(
@@ -421,8 +425,10 @@ def test_autoretry_runs_each_retry_through_the_gate_with_a_higher_token(
     again = pay.delay("ord_1")
 
     assert first.get() == "paid"
-    assert [(run["retries"], run["token"]) for run in ledger.runs] == [(0, 1), (1, 2), (2, 3)]
+    assert [run["retries"] for run in ledger.runs] == [0, 1, 2]
+    tokens = [run["token"] for run in ledger.runs]
+    assert tokens == sorted(set(tokens))  # strictly increasing: each retry takes over anew
     assert len({run["key"] for run in ledger.runs}) == 1  # the key is identical through retries
     assert isinstance(again, CachedResult) and again.id == first.id and again.get() == "paid"
     (rec,) = get_store(app).scan()
-    assert (rec.state, rec.token, rec.attempt) == (State.DONE, 3, 2)
+    assert (rec.state, rec.token, rec.attempt) == (State.DONE, tokens[-1], 2)

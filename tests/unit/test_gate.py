@@ -104,8 +104,9 @@ class NoRenewals(LeaseKeeper):
         self.held: list[Lease] = []
 
     @contextmanager
-    def hold(self, store: Store, key: str, token: int, duration: float) -> Iterator[Lease]:
-        lease = Lease(store, key, token, duration)
+    def hold(self, store: Store, key: str, token: int, duration: float,
+             claim_id: str = "") -> Iterator[Lease]:
+        lease = Lease(store, key, token, duration, claim_id=claim_id)
         self.held.append(lease)
         try:
             yield lease
@@ -121,8 +122,9 @@ class SpyKeeper(LeaseKeeper):
         self.held: list[Lease] = []
 
     @contextmanager
-    def hold(self, store: Store, key: str, token: int, duration: float) -> Iterator[Lease]:
-        with super().hold(store, key, token, duration) as lease:
+    def hold(self, store: Store, key: str, token: int, duration: float,
+             claim_id: str = "") -> Iterator[Lease]:
+        with super().hold(store, key, token, duration, claim_id) as lease:
             self.held.append(lease)
             yield lease
 
@@ -168,13 +170,13 @@ class FlakyStore(Store):
             self.lose_reply["record"] -= 1
             raise StoreUnavailable("record: reply lost")
 
-    def release(self, key: str, token: int) -> None:
+    def release(self, key: str, token: int, **kwargs: Any) -> None:
         self._gate("release")
-        self.inner.release(key, token)
+        self.inner.release(key, token, **kwargs)
 
-    def renew(self, key: str, token: int, lease: float) -> float:
+    def renew(self, key: str, token: int, lease: float, **kwargs: Any) -> float:
         self._gate("renew")
-        return self.inner.renew(key, token, lease)
+        return self.inner.renew(key, token, lease, **kwargs)
 
     def get(self, key: str) -> Record | None:
         self._gate("get")
@@ -217,21 +219,56 @@ class Body:
 Event = tuple[Outcome, str, int, str]
 
 
+class IssuingMemory(MemoryStore):
+    """The memory store, keeping every token its taking claims issued, in order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.issued: list[int] = []
+        self.clock_stepped_back = False  # a test that makes the store repeat a token says so
+
+    def claim(self, key: str, **kwargs: Any) -> Claim:
+        result = super().claim(key, **kwargs)
+        if result.status.holds:
+            # The contract: each token of a key is above every earlier one.
+            assert not self.issued or result.token > self.issued[-1] or self.clock_stepped_back, (
+                self.issued, result.token)
+            self.issued.append(result.token)
+        return result
+
+
 class World:
-    """One fake clock, one store, one event log, and gates that share them."""
+    """One fake clock, one store, one event log, and gates that share them.
+
+    Tokens are the store clock in µs, or the previous token + 1 (see celery_idem.stores.base):
+    the tests name them by the order of the claims that took them, ``T(1)`` for the first
+    taking claim's token, ``T(2)`` for the second, and so on (``ordinal`` is the inverse). The
+    events hold those ordinals; ``IssuingMemory`` checks that each one is above the previous.
+    """
 
     def __init__(self) -> None:
         self.clock = FakeClock()
-        self.memory = MemoryStore(prefix="unit:", clock=self.clock)
+        self.memory = IssuingMemory(prefix="unit:", clock=self.clock)
         self.store: Store = self.memory
         self.codec = KombuCodec("json", ["json"])
         self.events: list[Event] = []
         self.extras: list[dict[str, Any]] = []
         self.keeper = NoRenewals()
 
+    def T(self, n: int) -> int:
+        """The token of the ``n``-th taking claim (1-based)."""
+        return self.memory.issued[n - 1]
+
+    def ordinal(self, token: int) -> int:
+        """Which taking claim issued ``token`` (1-based); the token itself if none did."""
+        return self.memory.issued.index(token) + 1 if token in self.memory.issued else token
+
+    def ordinals(self, tokens: list[int]) -> list[int]:
+        return [self.ordinal(token) for token in tokens]
+
     def emit(self, outcome: Outcome, key: str, token: int, original: str,
              extra: dict[str, Any]) -> None:
-        self.events.append((outcome, key, token, original))
+        self.events.append((outcome, key, self.ordinal(token), original))
         self.extras.append(dict(extra))
 
     def gate(self, **overrides: Any) -> Gate:
@@ -295,10 +332,10 @@ def test_a_first_attempt_claims_runs_the_body_once_and_records_its_result(world:
     result = world.gate().run(attempt("t1"), body)
 
     assert result == {"charge": "ch_1", "amount": 4200}
-    assert body.tokens == [1]
+    assert world.ordinals(body.tokens) == [1]
     assert world.events == [(Outcome.CLAIMED, KEY, 1, "t1"), (Outcome.RECORDED, KEY, 1, "t1")]
     rec = world.record()
-    assert (rec.state, rec.token, rec.task_id, rec.owner) == (State.DONE, 1, "t1", "me:1")
+    assert (rec.state, world.ordinal(rec.token), rec.task_id, rec.owner) == (State.DONE, 1, "t1", "me:1")
     assert rec.lease_expires is None
     assert world.result_of(rec) == result
 
@@ -311,7 +348,7 @@ def test_the_lease_is_held_for_exactly_the_body_and_the_record(world: World) -> 
 
     assert seen == [False]  # held while the body runs
     assert [(lease.key, lease.token, lease.duration, lease.done)
-            for lease in world.keeper.held] == [(KEY, 1, LEASE, True)]
+            for lease in world.keeper.held] == [(KEY, world.T(1), LEASE, True)]
 
 
 # -- duplicates of a done key -----------------------------------------------------------------
@@ -338,13 +375,13 @@ def test_a_duplicate_of_a_done_key_returns_the_cached_result_without_running(
     assert result == [1, "two"]
     assert duplicate.runs == 0
     assert world.events == [(Outcome.DUPLICATE, KEY, 1, "t1")]
-    assert world.record().token == 1
+    assert world.ordinal(world.record().token) == 1
 
 
 def test_a_duplicate_of_a_record_in_a_refused_format_raises_corrupt_record(world: World) -> None:
     # Given a record written with pickle, and an app that accepts only json
     world.hold_elsewhere()
-    world.memory.record(KEY, 1, state=State.DONE, content_type="application/x-python-serialize",
+    world.memory.record(KEY, world.T(1), state=State.DONE, content_type="application/x-python-serialize",
                         data=b"\x80\x04K\x01.", ttl=TTL)
     duplicate = Body()
     # Then it is refused, never unpickled, and the body does not run either
@@ -369,7 +406,7 @@ def test_a_duplicate_of_a_key_in_progress_waits_and_gets_the_holders_result(
         polls += 1
         world.clock.sleep(seconds)
         if polls == 3:
-            world.finish_elsewhere(1, {"charge": "ch_holder"})
+            world.finish_elsewhere(world.T(1), {"charge": "ch_holder"})
 
     gate = world.gate()
     gate.sleep = sleep
@@ -386,7 +423,7 @@ def test_a_duplicate_of_a_key_in_progress_waits_and_gets_the_holders_result(
 def test_a_waiting_duplicate_re_raises_the_holders_terminal_error(world: World) -> None:
     world.hold_elsewhere("t-holder")
     gate = world.gate()
-    gate.sleep = lambda s: (world.clock.sleep(s), world.fail_elsewhere(1, CardDeclined("no")))
+    gate.sleep = lambda s: (world.clock.sleep(s), world.fail_elsewhere(world.T(1), CardDeclined("no")))
     duplicate = Body()
 
     with pytest.raises(CardDeclined, match=r"^no$"):
@@ -399,12 +436,12 @@ def test_a_waiting_duplicate_re_raises_the_holders_terminal_error(world: World) 
 def test_a_waiting_duplicate_claims_and_runs_when_the_holder_releases(world: World) -> None:
     world.hold_elsewhere("t-holder")
     gate = world.gate()
-    gate.sleep = lambda s: (world.clock.sleep(s), world.memory.release(KEY, 1))
+    gate.sleep = lambda s: (world.clock.sleep(s), world.memory.release(KEY, world.T(1)))
     duplicate = Body(result="mine")
 
     assert gate.run(attempt("t2"), duplicate) == "mine"
 
-    assert duplicate.tokens == [2]
+    assert world.ordinals(duplicate.tokens) == [2]
     assert world.events == [(Outcome.CLAIMED, KEY, 2, "t2"), (Outcome.RECORDED, KEY, 2, "t2")]
 
 
@@ -425,7 +462,7 @@ def test_a_duplicate_still_busy_after_the_wait_raises_requeue_without_running(
     assert world.events == [(Outcome.REQUEUED, KEY, 1, "t-holder")]
     # And the holder's claim is untouched
     rec = world.record()
-    assert (rec.state, rec.token, rec.task_id) == (State.IN_PROGRESS, 1, "t-holder")
+    assert (rec.state, world.ordinal(rec.token), rec.task_id) == (State.IN_PROGRESS, 1, "t-holder")
 
 
 def test_a_duplicate_with_zero_wait_requeues_at_once(world: World) -> None:
@@ -454,7 +491,7 @@ def test_a_duplicate_waiting_past_the_holders_lease_takes_over(world: World) -> 
     # When the duplicate waits
     assert world.gate().run(attempt("t2"), duplicate) == "taken over"
     # Then it took over with token + 1 as soon as the lease expired
-    assert duplicate.tokens == [2]
+    assert world.ordinals(duplicate.tokens) == [2]
     assert world.clock.now - START == pytest.approx(LEASE, abs=Gate.poll_max)
     assert world.events[0] == (Outcome.TAKEOVER, KEY, 2, "t2")
 
@@ -499,17 +536,17 @@ def test_under_a_deadline_a_key_freed_during_the_wait_is_left_for_the_next_deliv
     assert info.value.freed is True
     assert world.events == [(Outcome.REQUEUED, KEY, 1, "t-holder")]
     assert world.extras == [{"reason": "freed"}]
-    assert world.record().token == 1
+    assert world.ordinal(world.record().token) == 1
     # And the next delivery, with its whole limit ahead, takes over at once
     retaken = Body(result="next")
     assert world.gate().run(attempt("t2"), retaken, deadline=world.clock.now + 2) == "next"
-    assert retaken.tokens == [2]
+    assert world.ordinals(retaken.tokens) == [2]
 
 
 def test_under_a_deadline_a_key_done_during_the_wait_is_answered(world: World) -> None:
-    world.hold_elsewhere("t-holder")
+    held = world.hold_elsewhere("t-holder")
     gate = world.gate()
-    gate.sleep = lambda s: (world.clock.sleep(s), world.finish_elsewhere(1, "theirs"))
+    gate.sleep = lambda s: (world.clock.sleep(s), world.finish_elsewhere(held.token, "theirs"))
     duplicate = Body()
 
     assert gate.run(attempt("t2"), duplicate, deadline=START + 5) == "theirs"
@@ -520,7 +557,7 @@ def test_under_a_deadline_a_key_done_during_the_wait_is_answered(world: World) -
 
 def test_under_a_deadline_a_takeover_during_the_wait_is_waited_on_not_claimed(world: World) -> None:
     # Given a holder that is taken over by a third attempt while the duplicate waits
-    world.hold_elsewhere("t-holder", lease=1)
+    held = world.hold_elsewhere("t-holder", lease=1)
     claims: list[str] = []
     store = FlakyStore(world.memory)
     world.store = store
@@ -528,7 +565,7 @@ def test_under_a_deadline_a_takeover_during_the_wait_is_waited_on_not_claimed(wo
 
     def sleep(seconds: float) -> None:
         world.clock.sleep(seconds)
-        if world.record().token == 1 and world.clock.now - START > 1:
+        if world.record().token == held.token and world.clock.now - START > 1:
             world.memory.claim(KEY, owner="third:1", task_id="t3", attempt=0, lease=LEASE, ttl=TTL)
 
     gate.sleep = sleep
@@ -583,9 +620,9 @@ def test_an_interrupt_raised_by_the_body_is_the_bodys_error_not_a_requeue(world:
 def test_under_a_deadline_a_key_released_during_the_wait_is_left_for_the_next_delivery(
     world: World,
 ) -> None:
-    world.hold_elsewhere("t-holder")
+    held = world.hold_elsewhere("t-holder")
     gate = world.gate()
-    gate.sleep = lambda s: (world.clock.sleep(s), world.memory.release(KEY, 1))
+    gate.sleep = lambda s: (world.clock.sleep(s), world.memory.release(KEY, held.token))
     duplicate = Body()
 
     with pytest.raises(Requeue) as info:
@@ -606,7 +643,7 @@ def test_an_expired_lease_is_taken_over_at_once_with_token_plus_one(world: World
 
     assert world.gate().run(attempt("t2"), survivor) == "second"
 
-    assert survivor.tokens == [2]
+    assert world.ordinals(survivor.tokens) == [2]
     assert world.clock.sleeps == []
     assert world.events == [(Outcome.TAKEOVER, KEY, 2, "t2"), (Outcome.RECORDED, KEY, 2, "t2")]
     assert world.extras[0]["previous_task_id"] == "t-crashed"
@@ -635,8 +672,8 @@ def test_the_stale_holders_record_is_refused_with_lease_lost(world: World) -> No
     with pytest.raises(LeaseLost) as info:
         world.gate().run(attempt("t1"), stale)
     # Then its record is refused and the new holder's result stands
-    assert (info.value.key, info.value.token) == (KEY, 1)
-    assert (stale.tokens, takeover.tokens) == ([1], [2])
+    assert (info.value.key, world.ordinal(info.value.token or 0)) == (KEY, 1)
+    assert (world.ordinals(stale.tokens), world.ordinals(takeover.tokens)) == ([1], [2])
     assert world.events == [
         (Outcome.CLAIMED, KEY, 1, "t1"),
         (Outcome.TAKEOVER, KEY, 2, "t2"),
@@ -644,7 +681,7 @@ def test_the_stale_holders_record_is_refused_with_lease_lost(world: World) -> No
         (Outcome.LEASE_LOST, KEY, 1, "t1"),
     ]
     rec = world.record()
-    assert (rec.token, world.result_of(rec)) == (2, "from t2")
+    assert (world.ordinal(rec.token), world.result_of(rec)) == (2, "from t2")
 
 
 def test_a_stale_holders_release_is_refused_and_reported(world: World) -> None:
@@ -683,7 +720,7 @@ def test_a_retry_of_the_same_task_id_takes_its_claim_over_at_once(world: World) 
     # When attempt 1 of the same task id arrives
     assert world.gate().run(attempt("t1", retries=1), retry) == "retried"
     # Then it took over without waiting
-    assert retry.tokens == [2]
+    assert world.ordinals(retry.tokens) == [2]
     assert world.clock.sleeps == []
     assert world.events[0] == (Outcome.TAKEOVER, KEY, 2, "t1")
 
@@ -718,7 +755,7 @@ def test_a_retry_signal_releases_the_claim_for_the_published_retry(world: World)
     assert world.extras[-1]["error"] == "TimeoutError"
     retry = Body(result="second try")
     assert world.gate().run(attempt("t1", retries=1), retry) == "second try"
-    assert retry.tokens == [2]
+    assert world.ordinals(retry.tokens) == [2]
 
 
 def test_a_retry_signal_after_the_retry_took_over_is_a_hand_over_not_a_lost_lease(
@@ -736,7 +773,7 @@ def test_a_retry_signal_after_the_retry_took_over_is_a_hand_over_not_a_lost_leas
         world.gate(retry_signals=(FakeRetry,)).run(attempt("t1"), first)
     # Then the refused release is not reported as a lost lease, and the retry's result stands
     assert Outcome.LEASE_LOST not in [event[0] for event in world.events]
-    assert (first.tokens, retry.tokens) == ([1], [2])
+    assert (world.ordinals(first.tokens), world.ordinals(retry.tokens)) == ([1], [2])
     assert world.result_of(world.record()) == "from the retry"
 
 
@@ -764,11 +801,11 @@ def test_a_timeout_class_error_releases_the_claim_and_the_next_attempt_runs(
     assert info.value is error
     assert world.events == [(Outcome.CLAIMED, KEY, 1, "t1"), (Outcome.RELEASED, KEY, 1, "t1")]
     rec = world.record()
-    assert (rec.state, rec.token) == (State.RELEASED, 1)
+    assert (rec.state, world.ordinal(rec.token)) == (State.RELEASED, 1)
     # And the next attempt claims with token + 1 and runs at once
     retry = Body(result="second")
     assert world.gate().run(attempt("t1", retries=1), retry) == "second"
-    assert retry.tokens == [2]
+    assert world.ordinals(retry.tokens) == [2]
     assert world.clock.sleeps == []
     assert world.events[-2:] == [(Outcome.CLAIMED, KEY, 2, "t1"), (Outcome.RECORDED, KEY, 2, "t1")]
 
@@ -786,7 +823,7 @@ def test_a_release_that_cannot_reach_the_store_leaves_the_lease_to_expire(world:
     world.clock.advance(LEASE)
     retry = Body(result="after expiry")
     assert world.gate().run(attempt("t1", retries=1), retry) == "after expiry"
-    assert retry.tokens == [2]
+    assert world.ordinals(retry.tokens) == [2]
 
 
 @pytest.mark.parametrize(
@@ -837,7 +874,7 @@ def test_an_unclassified_error_holds_the_claim_until_its_lease_expires(
     # Then the claim is kept (the effect may have happened)
     assert world.events == [(Outcome.CLAIMED, KEY, 1, "t1"), (Outcome.HELD, KEY, 1, "t1")]
     rec = world.record()
-    assert (rec.state, rec.token, rec.lease_expires) == (State.IN_PROGRESS, 1, START + LEASE)
+    assert (rec.state, world.ordinal(rec.token), rec.lease_expires) == (State.IN_PROGRESS, 1, START + LEASE)
     # And a duplicate before expiry finds it busy and does not run
     early = Body()
     world.clock.advance(LEASE - 1)
@@ -848,7 +885,7 @@ def test_an_unclassified_error_holds_the_claim_until_its_lease_expires(
     world.clock.advance(1)
     late = Body(result="after the hold")
     assert world.gate().run(attempt("t2"), late) == "after the hold"
-    assert late.tokens == [2]
+    assert world.ordinals(late.tokens) == [2]
     assert (Outcome.TAKEOVER, KEY, 2, "t2") in world.events
 
 
@@ -945,7 +982,7 @@ def test_a_record_that_keeps_failing_returns_the_result_and_keeps_the_claim(
     ]
     # And the claim is NOT released: a duplicate cannot run until the lease expires
     rec = world.record()
-    assert (rec.state, rec.token) == (State.IN_PROGRESS, 1)
+    assert (rec.state, world.ordinal(rec.token)) == (State.IN_PROGRESS, 1)
     duplicate = Body()
     with pytest.raises(Requeue):
         world.gate(wait=0).run(attempt("t2"), duplicate)
@@ -1008,16 +1045,50 @@ def test_the_token_strictly_increases_across_claim_release_claim_and_takeover(
     # takeover (3) -> recorded
     world.gate().run(attempt("t2"), Body(result="done", during=tokens.append))
 
-    assert tokens == [1, 2, 3]
+    assert world.ordinals(tokens) == [1, 2, 3]
     assert [(event[0], event[2]) for event in world.events] == [
         (Outcome.CLAIMED, 1), (Outcome.RELEASED, 1),
         (Outcome.CLAIMED, 2), (Outcome.HELD, 2),
         (Outcome.TAKEOVER, 3), (Outcome.RECORDED, 3),
     ]
     # And no earlier token can write any more
-    for stale in (1, 2):
+    for stale in (world.T(1), world.T(2)):
         with pytest.raises(LeaseLost):
             world.memory.record(KEY, stale, state=State.DONE, content_type="x", data=b"", ttl=TTL)
+
+
+@pytest.mark.parametrize("same_token", [False, True], ids=["clock moved on", "token reissued"])
+def test_a_holder_whose_record_the_store_lost_cannot_record_over_the_next_claim(
+    world: World, same_token: bool
+) -> None:
+    # Given a holder running its body when the store loses its record (FLUSHALL, a restart
+    # without persistence), and a duplicate that claims the key afresh meanwhile
+    second = Body(result="from t2")
+
+    def lose_and_reclaim(token: int) -> None:
+        with world.memory._lock:
+            world.memory._records.clear()
+        if same_token:
+            # The store clock stepped back to the stale claim's instant: the token repeats.
+            world.clock.now = START
+            world.memory.clock_stepped_back = True
+        else:
+            world.clock.advance(0.5)
+        world.gate().run(attempt("t2"), second)
+
+    stale = Body(result="from t1", during=lose_and_reclaim)
+    # When the stale holder's body returns, its record is refused
+    with pytest.raises(LeaseLost):
+        world.gate().run(attempt("t1"), stale)
+    # Then the second claim's token is above the stale one (or, when the clock stepped back,
+    # equal: the claim id still tells the two claims apart), and the record is the second's
+    (t1,), (t2,) = stale.tokens, second.tokens
+    assert t2 == t1 if same_token else t2 > t1
+    rec = world.record()
+    assert (rec.state, rec.token, rec.task_id, world.result_of(rec)) == (
+        State.DONE, t2, "t2", "from t2")
+    assert [e[0] for e in world.events] == [
+        Outcome.CLAIMED, Outcome.CLAIMED, Outcome.RECORDED, Outcome.LEASE_LOST]
 
 
 def test_a_claim_kept_alive_by_renewals_outlives_the_record_ttl(world: World) -> None:
@@ -1046,7 +1117,7 @@ def test_a_claim_kept_alive_by_renewals_outlives_the_record_ttl(world: World) ->
     # Then every renewal succeeded, and the duplicate found the key busy and did not run (a
     # second run would even hold the same token as the live holder)
     assert findings == ["busy"]
-    assert duplicate.tokens == []
+    assert world.ordinals(duplicate.tokens) == []
 
 
 # -- the lease heartbeat (real time, on purpose) ----------------------------------------------

@@ -2,26 +2,34 @@
 -- KEYS[1]  the record
 -- ARGV[1]  owner          ARGV[2] task id      ARGV[3] attempt (request.retries)
 -- ARGV[4]  lease (ms)     ARGV[5] ttl (ms)     ARGV[6] payload hash ('' = do not validate)
+-- ARGV[7]  the claim id to store if this claim takes the key
 -- Returns  {status, token, now_ms, the record BEFORE the claim (its stored string) or nil}.
 
--- (parse, IN_PROGRESS_TAIL and now_ms come from _record.lua, prepended by the store)
+-- (parse, IN_PROGRESS_TAIL come from _record.lua, prepended by the store)
 
 local v = redis.call('GET', KEYS[1])
-local now = now_ms()
+local clock = redis.call('TIME')
+local seconds, micros = tonumber(clock[1]), tonumber(clock[2])
+local now = seconds * 1000 + math.floor(micros / 1000)
 local token = 0
 
+-- The new token is max(previous + 1, server clock in microseconds): above every earlier token
+-- while the record exists, and above the lost one when the server lost it (a FLUSHALL, a
+-- restart without persistence, a failover), since that one was issued at an earlier clock.
+-- It stays below 2^53 (a double holds it exactly) until the year 2255. '%.0f', not '..': Lua
+-- 5.1 writes a number with 14 significant digits ('1.7970000000000e+15').
 local function take(status)
-  token = token + 1
-  redis.call('SET', KEYS[1], '\193i' .. token .. '\0' .. now .. '\0' .. ARGV[2] .. '\0' ..
-             ARGV[6] .. '\0' .. ARGV[1] .. '\0' .. ARGV[3] .. '\0' .. (now + tonumber(ARGV[4])),
-             'PX', ARGV[5])
-  return {status, token, now, v}
+  local t = string.format('%.0f', math.max(token + 1, seconds * 1000000 + micros))
+  redis.call('SET', KEYS[1], '\193i' .. t .. '.' .. ARGV[7] .. '\0' .. now .. '\0' .. ARGV[2] ..
+             '\0' .. ARGV[6] .. '\0' .. ARGV[1] .. '\0' .. ARGV[3] .. '\0' ..
+             (now + tonumber(ARGV[4])), 'PX', ARGV[5])
+  return {status, t, now, v}
 end
 
 if not v then
   return take('claimed')
 end
-local state, t, _, task_id, hash, tail = parse(v)
+local state, t, _, _, task_id, hash, tail = parse(v)
 if not state then
   return {'corrupt', 0, now, v}  -- not written by celery_idem: left alone
 end
@@ -30,13 +38,13 @@ if state == 'r' then
   return take('claimed')
 end
 if ARGV[6] ~= '' and hash ~= '' and hash ~= ARGV[6] then
-  return {'mismatch', token, now, v}
+  return {'mismatch', t, now, v}
 end
 if state == 'd' then
-  return {'done', token, now, v}
+  return {'done', t, now, v}
 end
 if state == 'f' then
-  return {'failed', token, now, v}
+  return {'failed', t, now, v}
 end
 local attempt, lease = string.match(v, '^[^%z]*%z(%d+)%z(%d+)$', tail)
 if not attempt then
@@ -47,4 +55,4 @@ local earlier_attempt_of_same_task = task_id == ARGV[2] and tonumber(ARGV[3]) > 
 if lease_expired or earlier_attempt_of_same_task then
   return take('takeover')
 end
-return {'busy', token, now, v}
+return {'busy', t, now, v}

@@ -1,15 +1,18 @@
 -- Fenced: extend the caller's lease to now + lease.
 -- KEYS[1] the record    ARGV[1] token    ARGV[2] lease (ms)
--- Returns the new lease expiry (ms), 'fenced:<state code>:<token>' / 'missing', or 'corrupt'.
+-- ARGV[3] claim id ('' or absent = the token alone)
+-- Returns the new lease expiry (ms), 'fenced:<state code>:<token>' / 'reissued:...' /
+-- 'missing', or 'corrupt'.
 
--- (parse, IN_PROGRESS_TAIL and now_ms come from _record.lua, prepended by the store)
+-- (parse, same_claim, refusal and now_ms come from _record.lua, prepended by the store)
 
 local v = redis.call('GET', KEYS[1])
 if not v then return 'missing' end
-local state, t, _, _, _, tail = parse(v)
+local state, t, claim_id, _, _, _, tail = parse(v)
 if not state then return 'corrupt' end
-if tonumber(t) ~= tonumber(ARGV[1]) or state ~= 'i' then
-  return 'fenced:' .. state .. ':' .. t
+if state ~= 'i' then return 'fenced:' .. state .. ':' .. t end
+if not same_claim(t, claim_id, ARGV[1], ARGV[3]) then
+  return refusal(state, t, claim_id, ARGV[1])
 end
 -- The lease expiry is the last field: keep everything before it.
 local at = string.match(v, '^[^%z]*%z%d+%z()%d+$', tail)

@@ -11,7 +11,7 @@ bring its actions to the other hosts, which take the keys over with a higher tok
 the effects. Then host 0 comes back and finishes its stale bodies. The test asserts:
 
 * every action has exactly one effect in the ledger (no duplicate, none lost) and a done record;
-* each action host 0 held was taken over (token >= 2) by another host;
+* each action host 0 held was taken over (a token above host 0's) by another host;
 * host 0's late commits reached the ledger and were refused by the fence, and its records were
   refused by the store (``lease_lost``).
 
@@ -176,11 +176,11 @@ def test_a_host_cut_off_while_holding_claims_causes_no_duplicate_and_loses_no_ac
 
     wait_for(all_done, timeout=120, interval=0.2, what="every action to be done without host 0")
     done_at = time.time()
+    final_token: dict[str, int] = {}
     for key, name in key_of.items():
         rec = store.get(key)
         assert rec is not None
-        if name in held:
-            assert rec.token >= 2, (name, rec)  # taken over from host 0
+        final_token[name] = rec.token
     taken_over = [c for c in calls(stack, run) if c["action"] in held and c["applied"]]
     assert {c["action"] for c in taken_over} == held
     assert all(c["tag"] != cut.hostname for c in taken_over), taken_over
@@ -200,7 +200,8 @@ def test_a_host_cut_off_while_holding_claims_causes_no_duplicate_and_loses_no_ac
     # be two minutes away.
     stale = wait_for(stale_calls, timeout=300, interval=0.2, what="host 0's stale commits")
     assert not any(c["applied"] for c in stale), stale
-    assert all(c["token"] == 1 for c in stale), stale
+    # their old tokens, below the takeovers' (each held action was taken over from host 0)
+    assert all(c["token"] < final_token[c["action"]] for c in stale), stale
     worker0 = stack.workers[0]
     wait_for(lambda: worker0.text().count("celery_idem lease_lost") >= len(held), timeout=60,
              what="host 0's records to be refused (lease_lost)")

@@ -1,0 +1,67 @@
+"""The worker-start durability check: can the store lose records?
+
+A Redis without AOF forgets every record on a restart, and one with an evicting
+``maxmemory-policy`` drops them under memory pressure: either turns a routine event into
+duplicate effects, silently. :func:`check_store` asks the store
+(:meth:`~celery_idem.stores.base.Store.check_durability`) once, when the worker starts, and says
+so: one WARNING naming the settings and the risk, or, with the app setting
+``idempotency_require_durable_store = True``, a refusal to start. A store that does not let us
+read its settings (a managed Redis that refuses ``CONFIG``) gets one INFO line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .exceptions import ImproperlyConfigured, StoreUnavailable
+from .stores.base import Store
+
+__all__ = ["REQUIRE_DURABLE_SETTING", "check_store"]
+
+logger = logging.getLogger("celery_idem")
+
+#: The app setting that turns the warning into a refusal to start.
+REQUIRE_DURABLE_SETTING = "idempotency_require_durable_store"
+
+_ADVICE = (
+    "set appendonly yes, appendfsync everysec (or always) and maxmemory-policy noeviction on the "
+    "store's Redis (docs/reliability.md, 'Redis settings the store needs')"
+)
+
+
+def check_store(store: Store, *, require: bool = False) -> None:
+    """Log what ``store.check_durability()`` finds; refuse to start on a risk if ``require``.
+
+    Args:
+        store: The app's idempotency store.
+        require: ``idempotency_require_durable_store``: raise instead of warning.
+
+    Raises:
+        ImproperlyConfigured: ``require`` is set and the store can lose records; the message
+            names the settings.
+    """
+    try:
+        findings = store.check_durability()
+    except StoreUnavailable as exc:
+        # The gate handles an unreachable store (nothing runs unguarded); the check is only
+        # advice, so the worker starts and says it could not look.
+        logger.warning("celery_idem could not check the store's durability at worker start: %s", exc)
+        return
+    notes = [f for f in findings if f.level < logging.WARNING]
+    risks = [f for f in findings if f.level >= logging.WARNING]
+    if notes:
+        logger.info("celery_idem store durability not checked: %s", "; ".join(f.risk for f in notes))
+    if not risks:
+        return
+    settings = ", ".join(f"{f.setting} {f.value}" for f in risks)
+    detail = "; ".join(f.risk for f in risks)
+    if require:
+        raise ImproperlyConfigured(
+            f"{REQUIRE_DURABLE_SETTING} is set and the idempotency store can lose records "
+            f"({settings}): {detail}. Fix: {_ADVICE}, or unset {REQUIRE_DURABLE_SETTING}"
+        )
+    logger.warning(
+        "celery_idem the idempotency store can lose records (%s), and then run actions twice: "
+        "%s. Fix: %s; set %s = True to refuse to start on such a store",
+        settings, detail, _ADVICE, REQUIRE_DURABLE_SETTING,
+    )

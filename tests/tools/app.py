@@ -16,6 +16,7 @@ import redis
 from celery import Celery
 
 from celery_idem import IdempotentTask, TerminalError
+from celery_idem.tools import Toolbox, tool
 
 REDIS = os.environ.get("TOOLS_REDIS", "redis://127.0.0.1:6379/0")
 PREFIX = os.environ.get("TOOLS_PREFIX", "tools-test:")
@@ -86,3 +87,28 @@ def stock_level(sku: str) -> dict[str, Any]:
     """How many items of a product are in stock (a read: no effect)."""
     n = effect(f"stock:{sku}")
     return {"sku": sku, "in_stock": 7, "lookups": n}
+
+
+def _toolbox() -> Toolbox:
+    """The tools the MCP tests serve: ``celery -A tests.tools.app idem mcp --toolbox
+    tests.tools.app:toolbox``. ``charge_card_quick`` is the same action with a short wait, so a
+    client can give up waiting on a held body and call again."""
+    wait = float(os.environ.get("TOOLS_WAIT", "60"))
+    return Toolbox([
+        tool(charge_card, timeout=wait, destructive=False, title="Charge a card"),
+        tool(charge_card, name="charge_card_quick", timeout=0.5, destructive=False),
+        tool(refund, timeout=wait),
+        tool(stock_level, kind="read", timeout=wait, open_world=False),
+        tool(charge_with_key, timeout=wait, key_argument="request_key", destructive=False),
+    ])
+
+
+@app.task(base=IdempotentTask, bind=True)
+def charge_with_key(self: IdempotentTask, order_id: str, amount_cents: int) -> dict[str, Any]:
+    """Charge a card under the caller's own key (``request_key``, used verbatim)."""
+    n = effect(f"keyed:{order_id}", self.idempotency_key)
+    return {"order_id": order_id, "amount_cents": amount_cents, "key": self.idempotency_key,
+            "effects": n}
+
+
+toolbox = _toolbox()

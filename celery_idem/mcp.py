@@ -28,6 +28,7 @@ retries a call with a new request id gets the same action.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from typing import Any
 
@@ -110,7 +111,7 @@ def load_toolbox(spec: str) -> Toolbox:
         value: Any = getattr(module, attr)
     except AttributeError:
         raise ValueError(f"{module_name} has no attribute {attr!r}") from None
-    if callable(value) and not isinstance(value, Toolbox):
+    if inspect.isfunction(value):
         value = value()
     if not isinstance(value, Toolbox):
         raise ValueError(f"{spec} is a {type(value).__name__}, not a celery_idem.tools.Toolbox")

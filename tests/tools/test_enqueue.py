@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import anyio
+from mcp import Client
+
+from celery_idem.mcp import server
 from celery_idem.tools import Toolbox, tool
-from tests.tools.app import charge_card
+from tests.tools.app import charge_card, toolbox
 from tests.tools.conftest import Env
 
 
@@ -60,3 +65,18 @@ def test_a_broker_that_does_not_answer_is_a_retryable_error() -> None:
     assert "could not be started" in out["message"] and "is safe" in out["message"]
     assert ".." not in out["message"]
     assert out["idempotency_key"] == pay.idempotency_key_for(kwargs={"order_id": "o1"})
+
+
+def test_bad_arguments_and_unknown_tools_are_tool_errors_and_nothing_is_enqueued(idle: Env) -> None:
+    async def main() -> list[Any]:
+        async with Client(server(toolbox)) as client:
+            return [await client.call_tool("charge_card", {"order_id": "o1"}),
+                    await client.call_tool("charge_card", {"order_id": "o1", "amount_cents": "5"}),
+                    await client.call_tool("no_such_tool", {})]
+
+    missing, wrong, unknown = anyio.run(main)
+    assert missing.is_error and missing.structured_content["error"] == "InvalidArguments"
+    assert "missing required argument 'amount_cents'" in missing.content[0].text
+    assert wrong.is_error and "must be integer" in wrong.structured_content["message"]
+    assert unknown.is_error and unknown.structured_content["error"] == "UnknownTool"
+    assert idle.queued() == 0

@@ -31,7 +31,9 @@ Every call returns a small JSON-serialisable dict, never an exception or a stack
 same arguments is safe and returns the result once it is there.
 
 This module imports neither ``redis`` nor ``sqlalchemy``; LangChain is imported only by
-:meth:`Tool.langchain`, and only if it is installed.
+:meth:`Tool.langchain` and pydantic-ai only by :meth:`Tool.pydantic_ai`, each only if it is
+installed. Every call has an async twin (:meth:`Tool.acall`, :meth:`Toolbox.acall`) that
+never blocks the event loop; :mod:`celery_idem.mcp` serves a toolbox over MCP.
 """
 
 from __future__ import annotations
@@ -753,6 +755,30 @@ class Tool:
                                             args_schema=self.parameters)
 
 
+    def pydantic_ai(self) -> Any:
+        """The tool as a pydantic-ai ``Tool`` (needs ``pydantic-ai-slim``).
+
+        Built with ``Tool.from_schema`` from this tool's JSON Schema; it awaits
+        :meth:`ainvoke`, so an agent's run never blocks its event loop, and returns the same
+        outcome dict.
+
+        Raises:
+            ImportError: pydantic-ai is not installed (the message says what to install).
+        """
+        try:
+            from pydantic_ai import Tool as AgentTool
+        except ImportError as exc:
+            raise ImportError(
+                "Tool.pydantic_ai() needs pydantic-ai: pip install pydantic-ai-slim"
+            ) from exc
+
+        async def run(**arguments: Any) -> dict[str, Any]:
+            return await self.ainvoke(arguments)
+
+        return AgentTool.from_schema(run, name=self.name, description=self.description,
+                                     json_schema=self.parameters)
+
+
 class Pending:
     """A started tool call: enqueued (or already answered), not yet awaited.
 
@@ -1025,6 +1051,10 @@ class Toolbox:
     def langchain(self) -> list[Any]:
         """Every tool as a LangChain ``StructuredTool`` (needs ``langchain-core``)."""
         return [t.langchain() for t in self]
+
+    def pydantic_ai(self) -> list[Any]:
+        """Every tool as a pydantic-ai ``Tool`` (needs ``pydantic-ai-slim``)."""
+        return [t.pydantic_ai() for t in self]
 
     def openai_message(self, tool_call: Any, timeout: float | None = None) -> dict[str, Any]:
         """Run one OpenAI Chat Completions tool call; return the ``role: tool`` message.

@@ -677,7 +677,8 @@ class Tool:
 
         Args:
             api: ``"chat"`` (Chat Completions: ``{"type": "function", "function": {...}}``)
-                or ``"responses"`` (Responses API: the same fields, not nested).
+                or ``"responses"`` (Responses API: the same fields, not nested, and
+                ``strict`` always present, as that API requires).
             strict: Add ``"strict": true`` and the schema OpenAI's strict mode needs: every
                 property required (an optional one becomes nullable: a null argument means
                 "use the default"), no ``default``, ``additionalProperties: false`` on every
@@ -693,7 +694,9 @@ class Tool:
             function["parameters"] = _strict(self.parameters, self.name)
             function["strict"] = True
         if api == "responses":
-            return {"type": "function", **function}
+            # The Responses API requires "strict" (and applies strict mode when it is left
+            # out), so a non-strict schema must say strict: false.
+            return {"type": "function", **function, "strict": bool(strict)}
         if api != "chat":
             raise ValueError(f"api must be 'chat' or 'responses', got {api!r}")
         return {"type": "function", "function": function}

@@ -46,7 +46,7 @@ def test_openai_chat_format_of_a_bound_task_leaves_self_out() -> None:
 def test_openai_responses_format_is_flat() -> None:
     assert tool(charge_card).openai(api="responses") == {
         "type": "function", "name": "charge_card", "description": CHARGE_DESCRIPTION,
-        "parameters": CHARGE_PARAMETERS,
+        "parameters": CHARGE_PARAMETERS, "strict": False,
     }
 
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
-from pydantic import Field
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -27,6 +24,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from celery_idem.tools import Toolbox, tool
 from tests.tools.app import charge_card, stock_level
 from tests.tools.conftest import Env
+from tests.tools.support import FakeToolModel
 
 pytestmark = pytest.mark.worker
 
@@ -65,17 +63,6 @@ def test_pydantic_ai_function_model_calls_the_charge_twice_and_one_charge_result
     assert seen[0]["result"] == seen[1]["result"]
     assert seen[0]["result"]["currency"] == "eur"
     assert len(live.effects(f"charge:{oid}")) == 1
-
-
-class FakeToolModel(GenericFakeChatModel):
-    """LangChain's fake chat model, with ``bind_tools`` (which the base model lacks) recording
-    the tools it was given; its replies are the scripted messages."""
-
-    bound: list[Any] = Field(default_factory=list)
-
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
-        self.bound = list(tools)
-        return self
 
 
 def test_langgraph_tool_node_runs_the_charge_twice_and_one_charge_results(live: Env) -> None:

@@ -25,10 +25,10 @@ from celery_idem.mcp import load_toolbox, server, text_of
 from celery_idem.records import State
 from celery_idem.task import get_store
 from celery_idem.tools import OUTCOME_SCHEMA
-from tests.conftest import REDIS_URL
 from tests.integration.harness import ROOT, free_port, wait_for
 from tests.tools.app import charge_card, toolbox
 from tests.tools.conftest import Env
+from tests.tools.support import command, server_env
 
 pytestmark = pytest.mark.worker
 
@@ -38,17 +38,6 @@ STEP = 60.0
 
 def order() -> str:
     return f"ord_{uuid.uuid4().hex[:8]}"
-
-
-def server_env(live: Env) -> dict[str, str]:
-    """What the server process needs to reach this module's broker, queue and prefix."""
-    return {"TOOLS_REDIS": REDIS_URL.rstrip("/") + "/0", "TOOLS_PREFIX": live.prefix,
-            "TOOLS_QUEUE": live.queue, "PYTHONPATH": str(ROOT)}
-
-
-def command(*extra: str) -> list[str]:
-    return ["-m", "celery", "-A", "tests.tools.app", "idem", "mcp",
-            "--toolbox", "tests.tools.app:toolbox", *extra]
 
 
 async def claimed(key: str) -> None:

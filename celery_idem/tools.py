@@ -729,7 +729,8 @@ class Tool:
         outcome dict.
         """
         return {"name": self.name, "description": self.description,
-                "inputSchema": self.parameters, "outputSchema": OUTCOME_SCHEMA,
+                "inputSchema": self.parameters,
+                "outputSchema": json.loads(json.dumps(OUTCOME_SCHEMA)),  # a copy per caller
                 "annotations": self.annotations()}
 
     def langchain(self) -> Any:
@@ -1035,7 +1036,9 @@ class Toolbox:
         """Async :meth:`call`: never blocks the event loop (see :meth:`Tool.ainvoke`)."""
         t = self._tools.get(name)
         if t is None:
-            return self.start(name, arguments).outcome or {}
+            pending = self.start(name, arguments)  # answered at once: nothing blocks
+            assert pending.outcome is not None
+            return pending.outcome
         return await t.ainvoke(arguments, timeout)
 
     def mcp(self) -> list[dict[str, Any]]:

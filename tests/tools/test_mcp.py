@@ -180,6 +180,26 @@ def test_the_python_entry_point_returns_a_server_with_annotations_and_output_sch
     assert hints["stock_level"] == {"read_only_hint": True, "open_world_hint": False}
 
 
+def test_the_request_id_and_meta_of_a_call_are_not_part_of_the_key(live: Env) -> None:
+    oid = order()
+    arguments = {"order_id": oid, "amount_cents": 321}
+
+    async def main() -> list[Any]:
+        # Each call is its own JSON-RPC request (its own id), with its own _meta.
+        async with Client(server(toolbox)) as client:
+            return [await client.call_tool("charge_card", arguments,
+                                           meta={"progress_token": f"p{n}", "trace": f"t{n}"})
+                    for n in (1, 2)]
+
+    first, second = anyio.run(main)
+    assert [first.structured_content["status"], second.structured_content["status"]] == \
+        ["ok", "duplicate"]
+    assert first.structured_content["idempotency_key"] == \
+        second.structured_content["idempotency_key"] == charge_card.idempotency_key_for(
+            kwargs=arguments)
+    assert len(live.effects(f"charge:{oid}")) == 1
+
+
 def test_an_explicit_key_argument_is_used_verbatim(live: Env) -> None:
     oid, key = order(), f"client-key-{uuid.uuid4().hex[:8]}"
 

@@ -758,7 +758,6 @@ class Tool:
                                             description=self.description,
                                             args_schema=self.parameters)
 
-
     def pydantic_ai(self) -> Any:
         """The tool as a pydantic-ai ``Tool`` (needs ``pydantic-ai-slim``).
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import anyio
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client, MCPError, StdioServerParameters
 from mcp.server.lowlevel import Server
+from mcp.types import REQUEST_TIMEOUT
 
 from celery_idem.mcp import load_toolbox, server, text_of
 from celery_idem.records import State
@@ -103,6 +104,21 @@ async def scenario(client: Client, live: Env) -> None:
     assert later.structured_content["idempotency_key"] == out["idempotency_key"]
     assert later.structured_content["result"]["charge_id"] == f"ch_{oid}_900"
     assert live.effects(f"charge:{oid}") == [out["task_id"]]
+
+    # 4. The client itself gives up (its read timeout: the request is cancelled at the server,
+    #    which stops only the wait), then calls again.
+    oid = order()
+    arguments = {"order_id": oid, "amount_cents": 950, "hold": True}
+    key = charge_card.idempotency_key_for(kwargs=arguments)
+    with pytest.raises(MCPError) as timed_out:
+        await client.call_tool("charge_card", arguments, read_timeout_seconds=1.0)
+    assert timed_out.value.error.code == REQUEST_TIMEOUT
+    await claimed(key)  # the task runs on, and holds the key
+    live.release(oid)
+    retried = await client.call_tool("charge_card", arguments)
+    assert retried.structured_content["status"] == "duplicate", retried.structured_content
+    assert retried.structured_content["result"]["charge_id"] == f"ch_{oid}_950"
+    assert len(live.effects(f"charge:{oid}")) == 1
 
 
 def test_the_official_client_over_stdio_gets_one_effect_per_action(live: Env) -> None:

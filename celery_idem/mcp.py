@@ -38,10 +38,18 @@ from mcp.server.stdio import stdio_server
 
 from .tools import MAX_MESSAGE, Toolbox
 
-__all__ = ["load_toolbox", "serve", "serve_http", "serve_stdio", "server", "text_of"]
+__all__ = ["INSTRUCTIONS", "load_toolbox", "serve", "serve_http", "serve_stdio", "server", "text_of"]
 
 #: The server's name in the MCP handshake, unless :func:`server` is given another.
 DEFAULT_NAME = "celery-idem"
+#: What the client may tell the model about the tools as a whole, unless :func:`server` is
+#: given other instructions.
+INSTRUCTIONS = (
+    "Write tools (idempotentHint) do each action once: calling one again with the same "
+    "arguments returns the first call's result (status duplicate, a success). A status "
+    "in_progress means the action is still running; calling again with the same arguments "
+    "is safe and returns its result once it is ready."
+)
 
 
 def server(toolbox: Toolbox, *, name: str = DEFAULT_NAME,
@@ -51,7 +59,8 @@ def server(toolbox: Toolbox, *, name: str = DEFAULT_NAME,
     Args:
         toolbox: The tools.
         name: The server's name in the handshake.
-        instructions: Text the client may give the model about the tools as a whole.
+        instructions: Text the client may give the model about the tools as a whole
+            (default :data:`INSTRUCTIONS`).
 
     Returns:
         An ``mcp.server.lowlevel.Server``: run it on stdio (:func:`serve_stdio`), mount
@@ -75,8 +84,8 @@ def server(toolbox: Toolbox, *, name: str = DEFAULT_NAME,
             is_error=outcome.get("status") == "error",
         )
 
-    return Server(name, instructions=instructions, on_list_tools=list_tools,
-                  on_call_tool=call_tool)
+    return Server(name, instructions=INSTRUCTIONS if instructions is None else instructions,
+                  on_list_tools=list_tools, on_call_tool=call_tool)
 
 
 def text_of(outcome: dict[str, Any]) -> str:
@@ -119,7 +128,11 @@ def load_toolbox(spec: str) -> Toolbox:
 
 
 async def serve_stdio(mcp_server: Server[Any]) -> None:
-    """Serve ``mcp_server`` on this process's stdin and stdout until the client closes them."""
+    """Serve ``mcp_server`` on this process's stdin and stdout until the client closes them.
+
+    Args:
+        mcp_server: A server from :func:`server`.
+    """
     async with stdio_server() as (read_stream, write_stream):
         await mcp_server.run(read_stream, write_stream,
                              mcp_server.create_initialization_options())
@@ -128,7 +141,14 @@ async def serve_stdio(mcp_server: Server[Any]) -> None:
 def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp") -> None:
     """Serve ``mcp_server`` over streamable HTTP at ``http://HOST:PORT/mcp`` (blocks).
 
-    Uses uvicorn, which the MCP SDK installs.
+    Uses uvicorn, which the MCP SDK installs. On a loopback ``host`` the SDK accepts only
+    loopback ``Host`` and ``Origin`` headers (DNS-rebinding protection).
+
+    Args:
+        mcp_server: A server from :func:`server`.
+        host: The address to listen on.
+        port: The port to listen on.
+        path: The endpoint's path.
     """
     import uvicorn
 
@@ -138,7 +158,16 @@ def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp"
 
 def serve(toolbox: Toolbox, http: tuple[str, int] | None = None, *,
           name: str = DEFAULT_NAME) -> None:
-    """Serve ``toolbox`` on stdio, or over streamable HTTP when ``http`` is ``(host, port)``."""
+    """Serve ``toolbox`` on stdio, or over streamable HTTP when ``http`` is ``(host, port)``.
+
+    What ``celery -A APP idem mcp`` runs; blocks until the client (stdio) or the process
+    (HTTP) ends.
+
+    Args:
+        toolbox: The tools.
+        http: ``(host, port)`` for streamable HTTP; None for stdio.
+        name: The server's name in the handshake.
+    """
     mcp_server = server(toolbox, name=name)
     if http is None:
         import anyio

@@ -22,7 +22,7 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.server.lowlevel import Server
 from mcp.types import REQUEST_TIMEOUT
 
-from celery_idem.mcp import load_toolbox, server, text_of
+from celery_idem.mcp import INSTRUCTIONS, load_toolbox, server, text_of
 from celery_idem.records import State
 from celery_idem.task import get_store
 from celery_idem.tools import OUTCOME_SCHEMA
@@ -178,11 +178,15 @@ def test_the_python_entry_point_returns_a_server_with_annotations_and_output_sch
     mcp_server = server(toolbox, name="shop-tools")
     assert isinstance(mcp_server, Server) and mcp_server.name == "shop-tools"
 
+    instructions: list[str | None] = []
+
     async def main() -> dict[str, Any]:
         async with Client(mcp_server) as client:
+            instructions.append(client.instructions)
             return {t.name: t for t in (await client.list_tools()).tools}
 
     listed = anyio.run(main)
+    assert instructions == [INSTRUCTIONS]
     charge = listed["charge_card"]
     assert charge.input_schema == toolbox["charge_card"].parameters
     assert charge.output_schema == OUTCOME_SCHEMA

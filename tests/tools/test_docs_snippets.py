@@ -14,7 +14,9 @@ import re
 import sys
 from typing import Any
 
+import anthropic
 import anyio
+import openai
 import pytest
 from langchain_core.messages import AIMessage, ToolMessage
 from mcp import Client, StdioServerParameters
@@ -27,7 +29,14 @@ from celery_idem.tools import Toolbox, tool
 from tests.integration.harness import ROOT
 from tests.tools.app import charge_card, toolbox
 from tests.tools.conftest import Env
-from tests.tools.support import FakeToolModel, command, server_env
+from tests.tools.support import (
+    FakeToolModel,
+    anthropic_reply,
+    command,
+    mock_client,
+    openai_reply,
+    server_env,
+)
 
 pytestmark = pytest.mark.worker
 
@@ -39,11 +48,11 @@ def snippets() -> dict[str, str]:
     return {m["name"]: m["code"] for m in SNIPPET.finditer(PAGE.read_text())}
 
 
-def run(name: str, **names: Any) -> dict[str, Any]:
-    """Execute snippet ``name`` with ``names`` bound; return its namespace afterwards."""
-    code = compile(snippets()[name], f"{PAGE.name}:{name}", "exec",
+def run(snippet: str, /, **names: Any) -> dict[str, Any]:
+    """Execute ``snippet`` with ``names`` bound; return its namespace afterwards."""
+    code = compile(snippets()[snippet], f"{PAGE.name}:{snippet}", "exec",
                    flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-    namespace: dict[str, Any] = {"__name__": f"snippet_{name}", **names}
+    namespace: dict[str, Any] = {"__name__": f"snippet_{snippet}", **names}
     result = eval(code, namespace)  # a coroutine when the snippet awaits
     if asyncio.iscoroutine(result):
         asyncio.run(result)
@@ -56,9 +65,68 @@ def lookup_order(order_id: str) -> dict[str, Any]:
 
 
 def test_every_marked_snippet_is_tested_here() -> None:
-    tested = {"mcp-config", "mcp-embed", "annotations", "key-argument", "async", "pydantic-ai",
-              "langgraph"}
+    tested = {"openai", "anthropic", "langchain", "vendor-formats", "checkpoint", "mcp-config",
+              "mcp-embed", "annotations", "key-argument", "async", "pydantic-ai", "langgraph"}
     assert set(snippets()) == tested
+
+
+def charge_tools() -> Toolbox:
+    return Toolbox([tool(lookup_order, kind="read"), tool(charge_card, timeout=60)])
+
+
+def test_the_openai_snippet_answers_the_model_s_tool_call(live: Env) -> None:
+    sent: list[dict[str, Any]] = []
+    reply = openai_reply("charge_card", {"order_id": "ord_4", "amount_cents": 4200})
+    client = openai.OpenAI(api_key="test", base_url="http://127.0.0.1:9/v1", max_retries=0,
+                           http_client=mock_client(reply, sent))
+    tools = charge_tools()
+    ns = run("openai", client=client, MODEL="m", tools=tools,
+             messages=[{"role": "user", "content": "charge ord_4"}])
+    assert sent[0]["tools"] == tools.openai()
+    answer = ns["messages"][-1]
+    assert answer["role"] == "tool" and answer["tool_call_id"] == "call_1"
+    assert json.loads(answer["content"])["status"] == "ok"
+    assert len(live.effects("charge:ord_4")) == 1
+
+
+def test_the_anthropic_snippet_answers_the_model_s_tool_use(live: Env) -> None:
+    sent: list[dict[str, Any]] = []
+    reply = anthropic_reply("charge_card", {"order_id": "ord_5", "amount_cents": 4200})
+    client = anthropic.Anthropic(api_key="test", base_url="http://127.0.0.1:9", max_retries=0,
+                                 http_client=mock_client(reply, sent))
+    tools = charge_tools()
+    ns = run("anthropic", client=client, MODEL="m", tools=tools,
+             messages=[{"role": "user", "content": "charge ord_5"}])
+    assert sent[0]["tools"] == tools.anthropic()
+    results = ns["messages"][-1]["content"]
+    assert results[0]["type"] == "tool_result" and results[0]["is_error"] is False
+    assert json.loads(results[0]["content"])["status"] == "ok"
+    assert len(live.effects("charge:ord_5")) == 1
+
+
+def test_the_langchain_snippet_binds_the_tools() -> None:
+    chat_model = FakeToolModel(messages=iter([]))
+    ns = run("langchain", tools=charge_tools(), chat_model=chat_model)
+    assert ns["llm_with_tools"] is chat_model
+    assert [t.name for t in chat_model.bound] == ["lookup_order", "charge_card"]
+
+
+def test_the_vendor_format_snippet() -> None:
+    # The formats themselves are checked in test_schema.py; here the lines run as written.
+    run("vendor-formats", tool=tool, charge_card=charge_card)
+
+
+def test_the_checkpoint_snippet(live: Env) -> None:
+    saved: list[dict[str, Any]] = []
+
+    class Checkpoint:
+        def save(self, **fields: Any) -> None:
+            saved.append(fields)
+
+    ns = run("checkpoint", tools=charge_tools(), checkpoint=Checkpoint(), name="charge_card",
+             arguments={"order_id": "ord_6", "amount_cents": 4200})
+    assert saved == [{"task_id": ns["pending"].task_id, "key": ns["pending"].idempotency_key}]
+    assert ns["outcome"]["status"] == "ok" and ns["outcome"]["task_id"] == saved[0]["task_id"]
 
 
 def test_the_client_configuration_starts_the_server(live: Env) -> None:

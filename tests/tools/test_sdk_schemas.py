@@ -16,7 +16,6 @@ import json
 from typing import Any
 
 import anthropic
-import httpx2
 import jsonschema
 import openai
 import pytest
@@ -28,6 +27,7 @@ from pydantic import TypeAdapter
 
 from celery_idem.tools import OUTCOME_SCHEMA, Tool, Toolbox, tool
 from tests.tools.app import charge_card, toolbox
+from tests.tools.support import anthropic_reply, mock_client, openai_reply
 
 
 def every_tool() -> list[Tool]:
@@ -85,24 +85,10 @@ def test_the_mcp_tool_model_accepts_the_tool(t: Tool) -> None:
     assert listed.model_dump(by_alias=True, exclude_none=True)["inputSchema"] == t.parameters
 
 
-def mock_client(reply: dict[str, Any], sent: list[dict[str, Any]]) -> httpx2.Client:
-    def handle(request: httpx2.Request) -> httpx2.Response:
-        sent.append(json.loads(request.content))
-        return httpx2.Response(200, json=reply)
-
-    return httpx2.Client(transport=httpx2.MockTransport(handle))
-
-
 def test_the_openai_client_sends_the_tools_and_its_tool_call_is_answered() -> None:
     lookup = every_tool()[-1]
     tools = Toolbox([lookup, tool(charge_card)])
-    reply = {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-            "role": "assistant", "content": None, "tool_calls": [{
-                "id": "call_1", "type": "function",
-                "function": {"name": "lookup_order", "arguments": '{"order_id": "o7"}'}}]}}],
-    }
+    reply = openai_reply("lookup_order", {"order_id": "o7"})
     sent: list[dict[str, Any]] = []
     client = openai.OpenAI(api_key="test", base_url="http://127.0.0.1:9/v1",
                            http_client=mock_client(reply, sent), max_retries=0)
@@ -117,13 +103,7 @@ def test_the_openai_client_sends_the_tools_and_its_tool_call_is_answered() -> No
 def test_the_anthropic_client_sends_the_tools_and_its_tool_use_is_answered() -> None:
     lookup = every_tool()[-1]
     tools = Toolbox([lookup, tool(charge_card)])
-    reply = {
-        "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
-        "stop_reason": "tool_use", "stop_sequence": None,
-        "usage": {"input_tokens": 1, "output_tokens": 1},
-        "content": [{"type": "tool_use", "id": "toolu_1", "name": "lookup_order",
-                     "input": {"order_id": "o8", "include_payments": False}}],
-    }
+    reply = anthropic_reply("lookup_order", {"order_id": "o8", "include_payments": False})
     sent: list[dict[str, Any]] = []
     client = anthropic.Anthropic(api_key="test", base_url="http://127.0.0.1:9",
                                  http_client=mock_client(reply, sent), max_retries=0)

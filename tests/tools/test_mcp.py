@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -49,6 +50,13 @@ async def claimed(key: str) -> None:
         timeout=STEP, what=f"the claim of {key}"))
 
 
+def received_charges(live: Env) -> int:
+    """``charge_card`` messages the module's worker has received so far (its log says so)."""
+    assert live.worker is not None
+    return len(re.findall(r"Task tests\.tools\.app\.charge_card\[[-0-9a-f]+\] received",
+                          live.worker.text()))
+
+
 async def scenario(client: Client, live: Env) -> None:
     """The issue's three repeats, each ending with one effect in the ledger."""
     listed = {t.name: t for t in (await client.list_tools()).tools}
@@ -79,13 +87,21 @@ async def scenario(client: Client, live: Env) -> None:
     async def call() -> None:
         results.append(await client.call_tool("charge_card", arguments))
 
+    received = received_charges(live)
     async with anyio.create_task_group() as tg:
         tg.start_soon(call)
         tg.start_soon(call)
+        # Both calls are in flight at the server: both messages reached the worker, and the
+        # first body holds the key, before it is let go.
+        await anyio.to_thread.run_sync(lambda: wait_for(
+            lambda: received_charges(live) >= received + 2, timeout=STEP,
+            what="both calls' messages at the worker"))
         await claimed(charge_card.idempotency_key_for(kwargs=arguments))
         live.release(oid)
     statuses = sorted(r.structured_content["status"] for r in results)
     assert statuses == ["duplicate", "ok"], [r.structured_content for r in results]
+    # Two tasks: the second was enqueued while the first ran, and answered by the gate
+    assert results[0].structured_content["task_id"] != results[1].structured_content["task_id"]
     assert results[0].structured_content["result"] == results[1].structured_content["result"]
     assert len(live.effects(f"charge:{oid}")) == 1
 

@@ -10,10 +10,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test lint docs bench clean
+.PHONY: help install demo demo-mcp test lint docs bench clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
 
 # The virtualenv and the editable install, redone only when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -25,6 +25,9 @@ install: $(STAMP)  ## create .venv and install the package with its dev extras
 
 demo: $(STAMP)  ## run the example app's demo (embedded SQLite default, no server needed)
 	$(PY) -m example_app.demo
+
+demo-mcp: $(STAMP)  ## the example's tools over MCP: an MCP client's repeated calls, one charge
+	$(PY) -m example_app.mcp_demo
 
 test: $(STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
 	bash scripts/services.sh

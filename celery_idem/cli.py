@@ -9,6 +9,7 @@ app's own store (``idempotency_store``, else ``result_backend``) and key prefix:
     celery -A proj idem purge [--batch N] [--max-seconds S]   delete expired records (SQL)
     celery -A proj idem release KEY [--token N] [--yes]
     celery -A proj idem key TASK [ARGS...] [--kwargs JSON]
+    celery -A proj idem mcp --toolbox MODULE:NAME [--http HOST:PORT]   serve agent tools (MCP)
 
 Every command takes ``--json`` (one JSON document on stdout; errors as JSON on stderr).
 
@@ -46,7 +47,7 @@ from .records import Record, State
 from .stores.base import Store
 from .task import IdempotentTask, get_store
 
-__all__ = ["EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE", "idem"]
+__all__ = ["EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE", "idem", "mcp"]
 
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1
@@ -488,3 +489,51 @@ def key(ctx: click.Context, task_name: str, args: tuple[str, ...], kwargs_json: 
     except (TypeError, ValueError) as exc:
         run.fail(EXIT_REFUSED, str(exc))
     run.emit({"task": task_name, "args": values, "kwargs": kwargs, "key": computed}, computed)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:8765)",
+                                 param_hint="--http")
+    return host.strip("[]"), int(port)
+
+
+@idem.command(cls=CeleryCommand)
+@click.option("--toolbox", "toolbox_spec", cls=CeleryOption, metavar="MODULE:NAME", required=True,
+              help_group="MCP Options",
+              help="The celery_idem.tools.Toolbox to serve (or a function returning it).")
+@click.option("--http", "http", cls=CeleryOption, metavar="HOST:PORT", default=None,
+              help_group="MCP Options",
+              help="Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio.")
+@click.option("--name", cls=CeleryOption, default="celery-idem", help_group="MCP Options",
+              help="The server's name in the MCP handshake.")
+@click.pass_context
+def mcp(ctx: click.Context, toolbox_spec: str, http: str | None, name: str) -> None:
+    """Serve a Toolbox's tools to MCP clients (stdio, or --http HOST:PORT).
+
+    Needs the [mcp] extra: pip install 'celery-idem[mcp]'.
+
+    Example: celery -A proj idem mcp --toolbox proj.agent:tools
+    """
+    address = _host_port(http) if http is not None else None
+    try:
+        from . import mcp as idem_mcp
+    except ImportError as exc:
+        _fail(EXIT_REFUSED, f"the MCP server needs the MCP SDK ({exc}): pip install "
+                            f"'celery-idem[mcp]'", False)
+    app: Celery = ctx.obj.app
+    app.loader.import_default_modules()
+    try:
+        toolbox = idem_mcp.load_toolbox(toolbox_spec)
+    except (ValueError, ImportError) as exc:
+        _fail(EXIT_REFUSED, str(exc), False)
+    # stdout is the protocol's channel on stdio: everything for a human goes to stderr.
+    foreign = sorted({t.name for t in toolbox if getattr(t.target, "app", app) is not app})
+    if foreign:
+        click.echo(f"Warning: tools {', '.join(foreign)} belong to another Celery app than "
+                   f"-A {app.main}", err=True)
+    where = f"http://{address[0]}:{address[1]}/mcp" if address else "stdio"
+    click.echo(f"celery-idem MCP server: {len(toolbox)} tools ({', '.join(t.name for t in toolbox)}) "
+               f"on {where}", err=True)
+    idem_mcp.serve(toolbox, address, name=name)

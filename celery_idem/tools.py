@@ -31,11 +31,14 @@ Every call returns a small JSON-serialisable dict, never an exception or a stack
 same arguments is safe and returns the result once it is there.
 
 This module imports neither ``redis`` nor ``sqlalchemy``; LangChain is imported only by
-:meth:`Tool.langchain`, and only if it is installed.
+:meth:`Tool.langchain` and pydantic-ai only by :meth:`Tool.pydantic_ai`, each only if it is
+installed. Every call has an async twin (:meth:`Tool.acall`, :meth:`Toolbox.acall`) that
+never blocks the event loop; :mod:`celery_idem.mcp` serves a toolbox over MCP.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import inspect
 import json
@@ -55,7 +58,7 @@ from .exceptions import IdempotencyKeyMismatch, StoreUnavailable, TerminalError
 from .keys import canonical
 from .task import IdempotentTask, _signature_of, get_store
 
-__all__ = ["Pending", "Tool", "ToolError", "Toolbox", "tool"]
+__all__ = ["OUTCOME_SCHEMA", "Pending", "Tool", "ToolError", "Toolbox", "tool"]
 
 logger = logging.getLogger("celery_idem.tools")
 
@@ -71,6 +74,27 @@ WRITE_NOTE = (
     "Safe to call again with the same arguments: the action is done once, and a repeated "
     "call returns the first call's result."
 )
+#: JSON Schema of a call's outcome dict (MCP's ``outputSchema``; see the module docstring).
+OUTCOME_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "status": {"type": "string", "enum": list(STATUSES),
+                   "description": "ok: this call did the action; duplicate: it had already been "
+                                  "done, result is the first call's (a success); in_progress: "
+                                  "still running, safe to call again with the same arguments; "
+                                  "error: see error, retryable and message."},
+        "result": {"description": "The action's return value (null unless ok or duplicate)."},
+        "message": {"type": "string", "description": "One sentence saying what to do next."},
+        "tool": {"type": "string"},
+        "idempotency_key": {"type": ["string", "null"],
+                            "description": "The action's key (write tools)."},
+        "task_id": {"type": ["string", "null"]},
+        "error": {"type": "string", "description": "The error's type name (status error only)."},
+        "retryable": {"type": "boolean",
+                      "description": "Whether calling again may help (status error only)."},
+    },
+    "required": ["status", "result", "message", "tool", "idempotency_key", "task_id"],
+}
 _SECTIONS = re.compile(
     r"^(Args|Arguments|Parameters|Returns|Return|Yields|Raises|Examples?|Notes?|Attributes|"
     r"See Also|Warnings?):\s*$"
@@ -95,6 +119,10 @@ def tool(
     timeout: float = 30.0,
     parameters: Mapping[str, Any] | None = None,
     options: Mapping[str, Any] | None = None,
+    destructive: bool = True,
+    open_world: bool = True,
+    key_argument: str | None = None,
+    title: str | None = None,
 ) -> Tool:
     """Make an agent tool from a Celery task or, for ``kind="read"``, a plain function.
 
@@ -112,11 +140,20 @@ def tool(
         parameters: A JSON Schema (``{"type": "object", ...}``) to use instead of the one
             derived from the signature.
         options: Extra ``apply_async`` options for every call (``queue``, ``priority``...).
+        destructive: A write tool may overwrite or delete what was there (MCP's
+            ``destructiveHint``); False for one that only adds (a charge, a new shipment).
+        open_world: The tool reaches beyond this system: a payment provider, e-mail, the web
+            (MCP's ``openWorldHint``); False for one that works on this system's own data.
+        key_argument: For a write tool, the name of an argument whose value is the action's
+            idempotency key, used verbatim instead of the key derived from the other
+            arguments. If the task has no such parameter it is added to the schema as an
+            optional string and not passed to the task.
+        title: A human-readable title (MCP's ``title`` annotation).
 
     Raises:
         ToolError: ``target`` cannot be this kind of tool, or its signature cannot be
             described in JSON Schema (the message names the parameter).
-        ValueError: ``kind``, ``name`` or ``timeout`` is invalid.
+        ValueError: ``kind``, ``name``, ``timeout`` or ``key_argument`` is invalid.
     """
     if kind not in ("read", "write"):
         raise ValueError(f"kind must be 'read' or 'write', got {kind!r}")
@@ -174,8 +211,26 @@ def tool(
         if not isinstance(parameters, Mapping) or parameters.get("type") != "object":
             raise ToolError(f"{label}: parameters must be a JSON Schema with \"type\": \"object\"")
         schema = json.loads(json.dumps(dict(parameters)))
+    passed_on = True
+    if key_argument is not None:
+        if kind != "write":
+            raise ValueError(f"{label}: key_argument is for write tools (a read tool has no key)")
+        properties = schema.setdefault("properties", {})
+        if key_argument in properties:
+            if properties[key_argument].get("type") not in (None, "string"):
+                raise ValueError(f"{label}: key_argument {key_argument!r} must be a string "
+                                 f"parameter")
+        else:
+            # Not one of the task's parameters: the tool takes it, the task never sees it.
+            passed_on = False
+            properties[key_argument] = {
+                "type": "string", "minLength": 1, "maxLength": 200,
+                "description": "Optional: your own key for this action, used as given. Calls "
+                               "with the same key are the same action, done once."}
     return Tool(target, kind=kind, name=name, description=description, parameters=schema,
-                timeout=float(timeout), options=dict(options or {}))
+                timeout=float(timeout), options=dict(options or {}), destructive=destructive,
+                open_world=open_world, key_argument=key_argument,
+                key_passed_on=passed_on, title=title)
 
 
 def schema_for(
@@ -404,10 +459,17 @@ class Tool:
         parameters: The JSON Schema of the arguments.
         timeout: Seconds a call waits for a task's result before answering ``in_progress``.
         target: The task or function.
+        destructive: May overwrite or delete (MCP's ``destructiveHint``, write tools).
+        open_world: Reaches beyond this system (MCP's ``openWorldHint``).
+        key_argument: The argument used verbatim as the key, or None (derived key).
+        title: A human-readable title, or None.
     """
 
     def __init__(self, target: Any, *, kind: ToolKind, name: str, description: str,
-                 parameters: dict[str, Any], timeout: float, options: dict[str, Any]) -> None:
+                 parameters: dict[str, Any], timeout: float, options: dict[str, Any],
+                 destructive: bool = True, open_world: bool = True,
+                 key_argument: str | None = None, key_passed_on: bool = True,
+                 title: str | None = None) -> None:
         self.target = target
         self.kind: ToolKind = kind
         self.name = name
@@ -415,6 +477,11 @@ class Tool:
         self.parameters = parameters
         self.timeout = timeout
         self.options = options
+        self.destructive = destructive
+        self.open_world = open_world
+        self.key_argument = key_argument
+        self._key_passed_on = key_passed_on
+        self.title = title
 
     def __repr__(self) -> str:
         return f"<Tool {self.name} ({self.kind})>"
@@ -439,6 +506,29 @@ class Tool:
         """
         return self.start(arguments).wait(timeout)
 
+    async def acall(self, **arguments: Any) -> dict[str, Any]:
+        """Async :meth:`__call__`: enqueue and wait without blocking the event loop."""
+        return await self.ainvoke(arguments)
+
+    async def ainvoke(self, arguments: str | Mapping[str, Any] | None,
+                      timeout: float | None = None) -> dict[str, Any]:
+        """Async :meth:`invoke`: the enqueue and every poll of the result run in a thread.
+
+        Cancelling the awaiting coroutine stops only the wait: the task goes on running and
+        its key stays claimed, so a later call with the same arguments gets its result.
+
+        Args:
+            arguments: The model's arguments (JSON text or a mapping; None for none).
+            timeout: Seconds to wait for the result (default :attr:`timeout`).
+
+        Returns:
+            The outcome dict, as :meth:`invoke` returns it.
+        """
+        # The enqueue talks to the store and the broker (blocking sockets): off the loop. A
+        # cancellation while it runs leaves the thread to finish the publish.
+        pending = await asyncio.to_thread(self.start, arguments)
+        return await pending.wait_async(timeout)
+
     def start(self, arguments: str | Mapping[str, Any] | None) -> Pending:
         """Check the arguments and start the call, without waiting for its result.
 
@@ -456,10 +546,19 @@ class Tool:
         if not isinstance(self.target, Task):
             return Pending(self, outcome=self._run_here(parsed))
         key: str | None = None
+        options = dict(self.options)
+        if self.key_argument is not None and parsed.get(self.key_argument) is not None:
+            # The caller's own key, verbatim (the task's apply_async checks its length).
+            key = str(parsed[self.key_argument])
+            options["idempotency_key"] = key
+            if not self._key_passed_on:
+                del parsed[self.key_argument]
+        elif self.key_argument is not None and not self._key_passed_on:
+            parsed.pop(self.key_argument, None)
         try:
-            if isinstance(self.target, IdempotentTask):
+            if key is None and isinstance(self.target, IdempotentTask):
                 key = self.target.idempotency_key_for(kwargs=parsed)
-            result = self.target.apply_async(kwargs=parsed, **self.options)
+            result = self.target.apply_async(kwargs=parsed, **options)
         except IdempotencyKeyMismatch as exc:
             return Pending(self, outcome=self._mismatch(exc, key))
         except (TypeError, ValueError) as exc:
@@ -578,7 +677,8 @@ class Tool:
 
         Args:
             api: ``"chat"`` (Chat Completions: ``{"type": "function", "function": {...}}``)
-                or ``"responses"`` (Responses API: the same fields, not nested).
+                or ``"responses"`` (Responses API: the same fields, not nested, and
+                ``strict`` always present, as that API requires).
             strict: Add ``"strict": true`` and the schema OpenAI's strict mode needs: every
                 property required (an optional one becomes nullable: a null argument means
                 "use the default"), no ``default``, ``additionalProperties: false`` on every
@@ -594,7 +694,9 @@ class Tool:
             function["parameters"] = _strict(self.parameters, self.name)
             function["strict"] = True
         if api == "responses":
-            return {"type": "function", **function}
+            # The Responses API requires "strict" (and applies strict mode when it is left
+            # out), so a non-strict schema must say strict: false.
+            return {"type": "function", **function, "strict": bool(strict)}
         if api != "chat":
             raise ValueError(f"api must be 'chat' or 'responses', got {api!r}")
         return {"type": "function", "function": function}
@@ -603,6 +705,33 @@ class Tool:
         """The tool in Anthropic's Messages API format: ``name``, ``description``, ``input_schema``."""
         return {"name": self.name, "description": self.description,
                 "input_schema": self.parameters}
+
+    def annotations(self) -> dict[str, Any]:
+        """MCP tool annotations (hints for the client).
+
+        A write tool (an ``IdempotentTask``) is ``idempotentHint: true``: a repeated call
+        with the same arguments has no further effect. A read tool is ``readOnlyHint: true``.
+        ``destructiveHint`` and ``openWorldHint`` come from :func:`tool`'s ``destructive``
+        and ``open_world``.
+        """
+        hints: dict[str, Any] = {"title": self.title} if self.title else {}
+        if self.kind == "read":
+            hints.update(readOnlyHint=True, openWorldHint=self.open_world)
+        else:
+            hints.update(readOnlyHint=False, destructiveHint=self.destructive,
+                         idempotentHint=True, openWorldHint=self.open_world)
+        return hints
+
+    def mcp(self) -> dict[str, Any]:
+        """The tool as an MCP ``Tool`` (JSON, as ``tools/list`` sends it).
+
+        ``outputSchema`` is :data:`OUTCOME_SCHEMA`: a call's ``structuredContent`` is its
+        outcome dict.
+        """
+        return {"name": self.name, "description": self.description,
+                "inputSchema": self.parameters,
+                "outputSchema": json.loads(json.dumps(OUTCOME_SCHEMA)),  # a copy per caller
+                "annotations": self.annotations()}
 
     def langchain(self) -> Any:
         """The tool as a LangChain ``StructuredTool`` (needs ``langchain-core``).
@@ -622,9 +751,35 @@ class Tool:
         def run(**arguments: Any) -> dict[str, Any]:
             return self.invoke(arguments)
 
-        return StructuredTool.from_function(func=run, name=self.name,
+        async def arun(**arguments: Any) -> dict[str, Any]:
+            return await self.ainvoke(arguments)
+
+        return StructuredTool.from_function(func=run, coroutine=arun, name=self.name,
                                             description=self.description,
                                             args_schema=self.parameters)
+
+    def pydantic_ai(self) -> Any:
+        """The tool as a pydantic-ai ``Tool`` (needs ``pydantic-ai-slim``).
+
+        Built with ``Tool.from_schema`` from this tool's JSON Schema; it awaits
+        :meth:`ainvoke`, so an agent's run never blocks its event loop, and returns the same
+        outcome dict.
+
+        Raises:
+            ImportError: pydantic-ai is not installed (the message says what to install).
+        """
+        try:
+            from pydantic_ai import Tool as AgentTool
+        except ImportError as exc:
+            raise ImportError(
+                "Tool.pydantic_ai() needs pydantic-ai: pip install pydantic-ai-slim"
+            ) from exc
+
+        async def run(**arguments: Any) -> dict[str, Any]:
+            return await self.ainvoke(arguments)
+
+        return AgentTool.from_schema(run, name=self.name, description=self.description,
+                                     json_schema=self.parameters)
 
 
 class Pending:
@@ -684,6 +839,35 @@ class Pending:
             self.outcome = tool._error(str(state), f"{tool.name} ended in state {state}.",
                                        retryable=True, key=key, task_id=self.task_id)
         return self.outcome
+
+    async def wait_async(self, timeout: float | None = None) -> dict[str, Any]:
+        """Async :meth:`wait`: polls the result in a thread and sleeps on the event loop.
+
+        Cancelling the coroutine stops the wait only; the task is not revoked.
+        """
+        if self.outcome is not None:
+            return self.outcome
+        assert self.result is not None
+        timeout = self.tool.timeout if timeout is None else timeout
+        result = self.result
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        interval = 0.02
+        while True:
+            try:
+                ready = await asyncio.to_thread(lambda: result.state in READY_STATES)
+            except Exception:
+                ready = True  # wait() reads it again and turns the failure into an outcome
+            remaining = deadline - loop.time()
+            if ready or remaining <= 0:
+                break
+            await asyncio.sleep(min(interval, remaining))
+            interval = min(interval * 2, 0.25)
+        if not ready:
+            return self.tool._in_progress(timeout, self.idempotency_key, self.task_id)
+        # Ready: wait(0) reads the state and value and builds the outcome (the store read that
+        # tells a duplicate apart is a blocking call too).
+        return await asyncio.to_thread(self.wait, 0.0)
 
     def _original_task_id(self) -> str | None:
         """The task id whose body ran for this key (a worker-side duplicate answers with it)."""
@@ -846,6 +1030,20 @@ class Toolbox:
         """Run a model's tool call: ``name`` and its arguments (JSON text or a mapping)."""
         return self.start(name, arguments).wait(timeout)
 
+    async def acall(self, name: str, arguments: str | Mapping[str, Any] | None = None,
+                    timeout: float | None = None) -> dict[str, Any]:
+        """Async :meth:`call`: never blocks the event loop (see :meth:`Tool.ainvoke`)."""
+        t = self._tools.get(name)
+        if t is None:
+            pending = self.start(name, arguments)  # answered at once: nothing blocks
+            assert pending.outcome is not None
+            return pending.outcome
+        return await t.ainvoke(arguments, timeout)
+
+    def mcp(self) -> list[dict[str, Any]]:
+        """Every tool as an MCP ``Tool`` (see :meth:`Tool.mcp`)."""
+        return [t.mcp() for t in self]
+
     def openai(self, api: Literal["chat", "responses"] = "chat", *,
                strict: bool = False) -> list[dict[str, Any]]:
         """Every tool in OpenAI's format (the request's ``tools``); see :meth:`Tool.openai`."""
@@ -858,6 +1056,10 @@ class Toolbox:
     def langchain(self) -> list[Any]:
         """Every tool as a LangChain ``StructuredTool`` (needs ``langchain-core``)."""
         return [t.langchain() for t in self]
+
+    def pydantic_ai(self) -> list[Any]:
+        """Every tool as a pydantic-ai ``Tool`` (needs ``pydantic-ai-slim``)."""
+        return [t.pydantic_ai() for t in self]
 
     def openai_message(self, tool_call: Any, timeout: float | None = None) -> dict[str, Any]:
         """Run one OpenAI Chat Completions tool call; return the ``role: tool`` message.

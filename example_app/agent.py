@@ -131,6 +131,27 @@ def toolbox(variant: Literal["naive", "idempotent"]) -> dict[str, Any]:
     raise ValueError(f"variant must be 'naive' or 'idempotent', got {variant!r}")
 
 
+def mcp_tools() -> Toolbox:
+    """The idempotent variant's tools as one Toolbox, for the MCP server::
+
+        celery -A example_app.celery_app idem mcp --toolbox example_app.agent:mcp_tools
+
+    A charge, a shipment and an e-mail each add something (``destructive=False``) at a
+    provider outside this system (``open_world``, the default).
+    """
+    from . import tasks
+
+    return Toolbox([
+        tool(lookup_order, kind="read"),
+        tool(tasks.charge_card, description="Charge the customer's card for an order.",
+             destructive=False, timeout=20),
+        tool(tasks.create_shipment, description="Create the shipment of a paid order.",
+             destructive=False, timeout=20),
+        tool(tasks.send_email, description="E-mail the customer.", destructive=False,
+             timeout=20),
+    ])
+
+
 # --------------------------------------------------------------------------------------------
 # the "model"
 # --------------------------------------------------------------------------------------------

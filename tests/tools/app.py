@@ -8,14 +8,20 @@ counts executions of the effect, independently of the store.
 
 from __future__ import annotations
 
+import datetime as dt
+import enum
 import os
 import time
-from typing import Any, Literal
+import uuid
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from typing import Annotated, Any, Literal, Optional, Union
 
 import redis
 from celery import Celery
 
 from celery_idem import IdempotentTask, TerminalError
+from celery_idem.tools import Toolbox, tool
 
 REDIS = os.environ.get("TOOLS_REDIS", "redis://127.0.0.1:6379/0")
 PREFIX = os.environ.get("TOOLS_PREFIX", "tools-test:")
@@ -86,3 +92,55 @@ def stock_level(sku: str) -> dict[str, Any]:
     """How many items of a product are in stock (a read: no effect)."""
     n = effect(f"stock:{sku}")
     return {"sku": sku, "in_stock": 7, "lookups": n}
+
+
+class Speed(enum.Enum):
+    STANDARD = "standard"
+    EXPRESS = "express"
+
+
+class Priority(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+@app.task(base=IdempotentTask, bind=True)
+def echo_types(
+    self: IdempotentTask, text: str, count: int, ratio: float, flag: bool, nothing: None,
+    numbers: list[int], tags: set[str], pair: tuple[int, str], many: tuple[float, ...],
+    names: Sequence[str], scores: dict[str, int], weights: Mapping[str, float],
+    maybe: Optional[int], either: Union[int, str], size: Literal["s", "m", "l"],  # noqa: UP007, UP045
+    speed: Speed, priority: Priority, note: Annotated[str, "a free note"], when: dt.datetime,
+    day: dt.date, at: dt.time, ref: uuid.UUID, price: Decimal, anything: Any, untyped,
+    rows: list[dict[str, int]], optional_default: int | None = None,
+) -> dict[str, Any]:
+    """Return every argument as the body received it, with its Python type's name."""
+    values = {k: v for k, v in locals().items() if k != "self"}
+    effect("echo")
+    return {"values": values, "types": {k: type(v).__name__ for k, v in values.items()}}
+
+
+def _toolbox() -> Toolbox:
+    """The tools the MCP tests serve: ``celery -A tests.tools.app idem mcp --toolbox
+    tests.tools.app:toolbox``. ``charge_card_quick`` is the same action with a short wait, so a
+    client can give up waiting on a held body and call again."""
+    wait = 60.0  # generous for a loaded machine; it never delays a passing test
+    return Toolbox([
+        tool(charge_card, timeout=wait, destructive=False, title="Charge a card"),
+        tool(charge_card, name="charge_card_quick", timeout=0.5, destructive=False),
+        tool(refund, timeout=wait),
+        tool(stock_level, kind="read", timeout=wait, open_world=False),
+        tool(charge_with_key, timeout=wait, key_argument="request_key", destructive=False),
+        tool(echo_types, timeout=wait, open_world=False),
+    ])
+
+
+@app.task(base=IdempotentTask, bind=True)
+def charge_with_key(self: IdempotentTask, order_id: str, amount_cents: int) -> dict[str, Any]:
+    """Charge a card under the caller's own key (``request_key``, used verbatim)."""
+    n = effect(f"keyed:{order_id}", self.idempotency_key)
+    return {"order_id": order_id, "amount_cents": amount_cents, "key": self.idempotency_key,
+            "effects": n}
+
+
+toolbox = _toolbox()

@@ -46,7 +46,7 @@ def test_openai_chat_format_of_a_bound_task_leaves_self_out() -> None:
 def test_openai_responses_format_is_flat() -> None:
     assert tool(charge_card).openai(api="responses") == {
         "type": "function", "name": "charge_card", "description": CHARGE_DESCRIPTION,
-        "parameters": CHARGE_PARAMETERS,
+        "parameters": CHARGE_PARAMETERS, "strict": False,
     }
 
 
@@ -312,3 +312,24 @@ def test_langchain_missing_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "langchain_core.tools", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install langchain-core"):
         tool(charge_card).langchain()
+
+
+def test_a_key_argument_must_be_a_string_parameter_of_a_write_tool() -> None:
+    with pytest.raises(ValueError, match="must be a string parameter"):
+        tool(charge_card, key_argument="amount_cents")
+    with pytest.raises(ValueError, match="for write tools"):
+        tool(stock_level, kind="read", key_argument="sku")
+
+
+def test_mcp_annotations_follow_the_tool_definition() -> None:
+    write = tool(charge_card, destructive=False, open_world=False, title="Charge")
+    assert write.annotations() == {"title": "Charge", "readOnlyHint": False,
+                                   "destructiveHint": False, "idempotentHint": True,
+                                   "openWorldHint": False}
+    assert tool(charge_card).annotations()["destructiveHint"] is True
+    assert tool(stock_level, kind="read").annotations() == {"readOnlyHint": True,
+                                                             "openWorldHint": True}
+    spec = write.mcp()
+    assert spec["inputSchema"] == write.parameters and spec["annotations"] == write.annotations()
+    spec["outputSchema"]["properties"].clear()  # a caller's change does not leak into the next
+    assert write.mcp()["outputSchema"]["properties"]

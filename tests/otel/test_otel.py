@@ -55,7 +55,8 @@ class Telemetry:
     def run_span(self, task_id: str) -> Any:
         found = [s for s in self.spans.get_finished_spans()
                  if s.name.startswith("run/") and s.attributes.get("messaging.message.id") == task_id]
-        assert len(found) == 1, "\n".join(f"{s.name} {dict(s.attributes)} {[e.name for e in s.events]}" for s in self.spans.get_finished_spans())
+        seen = [f"{s.name} {dict(s.attributes)}" for s in self.spans.get_finished_spans()]
+        assert len(found) == 1, "\n".join(seen)
         return found[0]
 
 

@@ -35,7 +35,8 @@ $(DEMO_STAMP): pyproject.toml
 demo: $(DEMO_STAMP)  ## run the example app's demo (embedded SQLite default, no server needed)
 	$(PY) -m example_app.demo $(DEMO_ARGS)
 
-test: $(STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
+# The docs toolchain too: tests/docs builds the site and opens it offline in Chromium.
+test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
 	bash scripts/services.sh
 	bash scripts/browser.sh
 	rc=0; $(PY) -m pytest -q || rc=$$?; \

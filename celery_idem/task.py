@@ -33,7 +33,7 @@ from kombu.serialization import dumps
 from . import otel, timelimits
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
-from .events import EVENT_TYPE, Outcome, log_outcome
+from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, StoreUnavailable
 from .gate import Attempt, Gate, Requeue
 from .keys import bind_arguments, key_from_fields, payload_hash, select_fields
@@ -729,7 +729,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _emit(self, outcome: Outcome, key: str, token: int, original: str, extra: dict[str, Any]) -> None:
         req = self.request
         log_outcome(outcome, key, token, original, req.id or "", extra,
-                    answers=self.app.conf.get("idempotency_log_answers", True) is not False)
+                    answers=outcome not in ANSWERS or self._log_answers)
         if otel.ENABLED:
             otel.observe(self.name, outcome.value, key, token, original, task_span=True)
         if req.is_eager or req.called_directly or self.app not in _events_on:
@@ -743,6 +743,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             logger.debug("celery_idem event not sent key=%s: %s", key, exc)
 
 
+    @property
+    def _log_answers(self) -> bool:
+        """Whether answers log at INFO (``idempotency_log_answers``, on unless False)."""
+        return self.app.conf.get("idempotency_log_answers", True) is not False
+
     def _emit_enqueue(self, outcome: Outcome, rec: Record, result_id: str) -> None:
         """Report a decision ``apply_async`` made from the record: nothing was published.
 
@@ -754,7 +759,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         conf = self.app.conf
         extra = {"record_state": rec.state.value, "at": "enqueue"}
         log_outcome(outcome, rec.key, rec.token, rec.task_id, result_id, extra,
-                    answers=conf.get("idempotency_log_answers", True) is not False)
+                    answers=self._log_answers)
         if otel.ENABLED:
             otel.observe(self.name, outcome.value, rec.key, rec.token, rec.task_id, task_span=False)
         if not (conf.get("idempotency_events") or conf.task_send_sent_event

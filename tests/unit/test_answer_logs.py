@@ -97,3 +97,50 @@ def test_idempotency_log_answers_false_moves_the_answers_to_debug(
     debug = _lines(caplog, logging.DEBUG)
     assert any(" answered " in f" {line} " for line in debug)
     assert any(line.startswith("celery_idem duplicate ") for line in debug)
+
+
+class _Dispatcher:
+    """Stands in for ``app.events.default_dispatcher()``: records what would be sent."""
+
+    def __init__(self, sent: list[tuple[str, dict[str, Any]]]) -> None:
+        self.sent = sent
+
+    def __enter__(self) -> _Dispatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def send(self, type_: str, **fields: Any) -> None:
+        self.sent.append((type_, fields))
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_an_answered_enqueue_sends_an_event_only_when_the_producer_sends_events(
+    events: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A producer that publishes for real (not eager), with a done record for the key
+    app = Celery("test_producer_events", broker="memory://", set_as_current=False)
+    app.conf.idempotency_store = "memory://"
+    app.conf.idempotency_events = events
+    charge = make_task(app)
+    store = charge._gate.store
+    key = charge.idempotency_key_for(("ord_5",))
+    token = store.claim(key, owner="w:1", task_id="t-orig", attempt=0, lease=60, ttl=60).token
+    ctype, data = charge._gate.codec.encode_result("charged ord_5")
+    from celery_idem.records import State
+
+    store.record(key, token, state=State.DONE, content_type=ctype, data=data, ttl=60)
+    opened: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(type(app.events), "default_dispatcher",
+                        lambda self, *a, **k: _Dispatcher(opened))
+    # When the action is enqueued again
+    result = charge.delay("ord_5")
+    # Then it is answered from the record, and an event goes out only with events on
+    assert result.get() == "charged ord_5" and result.id == "t-orig"
+    if not events:
+        assert opened == []  # no broker round trip: the dispatcher was never opened
+        return
+    assert opened == [("task-idempotency", {
+        "uuid": "t-orig", "name": charge.name, "idempotency_key": key, "outcome": "answered",
+        "original_task_id": "t-orig", "token": 1, "record_state": "done", "at": "enqueue"})]

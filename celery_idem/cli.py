@@ -362,14 +362,18 @@ def _decisions(app: Celery, seconds: float, task_name: str | None) -> Counter[tu
             name = event.get("name") or names.get(uuid) or "?"
             if task_name is None or name == task_name:
                 counts[(name, str(event.get("outcome")))] += 1
+
+    def on_iteration() -> None:
+        # Called before each wait for events (at most 1 s each): stop at the deadline, busy
+        # or idle. capture()'s own timeout only counts consecutive idle seconds.
         if time.monotonic() >= deadline:
             receiver.should_stop = True
 
     with app.connection_for_read() as conn:
         receiver = app.events.Receiver(conn, handlers={"*": on_event})
-        # capture() ends on should_stop (busy) or after `seconds` without an event (idle).
+        receiver.on_iteration = on_iteration
         with contextlib.suppress(socket.timeout, TimeoutError):
-            receiver.capture(limit=None, timeout=seconds, wakeup=False)
+            receiver.capture(limit=None, timeout=seconds + 1, wakeup=False)
     return counts
 
 

@@ -9,6 +9,7 @@ set); pip's own cache keeps repeat runs fast. Select with ``-m packaging``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -42,12 +43,25 @@ def double(self, x):
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    # --no-deps: the wheel of this checkout only, in pip's isolated build environment (the
-    # setuptools pyproject.toml asks for, from pip's cache after the first run).
+    # From a copy of what the sdist holds: setuptools builds in the source tree, and stale
+    # build/ or *.egg-info files of the checkout must neither leak into the wheel nor be left.
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, src / name)
+    shutil.copytree(ROOT / "celery_idem", src / "celery_idem",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    # --no-deps: this package only, in pip's isolated build environment (the setuptools
+    # pyproject.toml asks for, from pip's cache after the first run).
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out),
-                    str(ROOT)], check=True, timeout=300)
+                    str(src)], check=True, timeout=300, env=_fresh_env())
     (found,) = out.glob("celery_idem-*.whl")
     return found
+
+
+def _fresh_env() -> dict[str, str]:
+    """This process's environment without what would let the checkout or another venv in."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME") and not k.startswith("PIP_")}
 
 
 def _venv(where: Path, requirement: str) -> Path:
@@ -57,7 +71,7 @@ def _venv(where: Path, requirement: str) -> Path:
     house = os.environ.get("CELERY_IDEM_WHEELHOUSE")
     if house:
         cmd[5:5] = ["--no-index", "--find-links", house]
-    subprocess.run(cmd, check=True, timeout=600)
+    subprocess.run(cmd, check=True, timeout=600, env=_fresh_env(), cwd=where)
     return py
 
 
@@ -69,8 +83,7 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
 
 def _run_worker(py: Path, workdir: Path, env: dict[str, str]) -> None:
     """Start ``celery worker`` from the venv (not this checkout), send a task, get its result."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env = {**clean, **env}
+    env = {**_fresh_env(), **env}
     log = (workdir / "worker.log").open("w")
     proc = subprocess.Popen([str(py), "-m", "celery", "-A", "wheelapp", "worker", "-P", "solo",
                              "-l", "INFO", "--without-gossip", "--without-mingle"],
@@ -116,8 +129,7 @@ def test_the_sql_extra_runs_an_sqlite_worker_and_the_demo(
     _run_worker(py, workdir, {"WB": f"sqla+sqlite:///{db}", "WR": f"db+sqlite:///{db}",
                               "WQ": "wheel", "WP": "wheel:"})
     # What `make demo` installs (.[sql]) is all the demo needs: run it from that venv
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("CELERY_", "EXAMPLE_")) and k != "PYTHONPATH"}
+    clean = {k: v for k, v in _fresh_env().items() if not k.startswith(("CELERY_", "EXAMPLE_"))}
     out = subprocess.run([str(py), "-m", "example_app.demo", "--quiet"], cwd=ROOT, env=clean,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -5,6 +5,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
+DEMO_STAMP := $(VENV)/.demo-installed
+DEMO_ARGS  ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
@@ -23,13 +25,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)  ## create .venv and install the package with its dev extras
 
-demo: $(STAMP)  ## run the example app's demo (embedded SQLite default, no server needed)
-	$(PY) -m example_app.demo
+# The demo needs the runtime only: the package with its [sql] extra (the embedded SQLite
+# broker, backend and store go through SQLAlchemy). Not the dev set (browsers' drivers, linters).
+$(DEMO_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e '.[sql]'
+	@touch $@
+
+demo: $(DEMO_STAMP)  ## run the example app's demo (embedded SQLite default, no server needed)
+	$(PY) -m example_app.demo $(DEMO_ARGS)
 
 demo-mcp: $(STAMP)  ## the example's tools over MCP: an MCP client's repeated calls, one charge
 	$(PY) -m example_app.mcp_demo
 
-test: $(STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
+# The docs toolchain too: tests/docs builds the site and opens it offline in Chromium.
+test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
 	bash scripts/services.sh
 	bash scripts/browser.sh
 	rc=0; $(PY) -m pytest -q || rc=$$?; \
@@ -53,4 +63,4 @@ bench: $(STAMP)  ## run the benchmarks
 	$(PY) -m bench
 
 clean:  ## remove the built site and the install stamps (keeps .venv)
-	rm -rf site $(STAMP) $(DOCS_STAMP)
+	rm -rf site $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP)

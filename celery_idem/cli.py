@@ -5,9 +5,10 @@ app's own store (``idempotency_store``, else ``result_backend``) and key prefix:
 
     celery -A proj idem show KEY              one record: state, token, owner, lease, result
     celery -A proj idem list [--state S] [--task NAME] [--limit N]
-    celery -A proj idem stats [--task NAME]   records per state
+    celery -A proj idem stats [--task NAME] [--events S]   records per state (and live decisions)
     celery -A proj idem purge [--batch N] [--max-seconds S]   delete expired records (SQL)
     celery -A proj idem release KEY [--token N] [--yes]
+    celery -A proj idem forget KEY [--token N] [--yes]   forget a done/failed outcome
     celery -A proj idem key TASK [ARGS...] [--kwargs JSON]
     celery -A proj idem mcp --toolbox MODULE:NAME [--http HOST:PORT]   serve agent tools (MCP)
 
@@ -20,7 +21,7 @@ Exit codes:
 1   no record for the key
 2   refused: bad usage, unknown task, a record in the wrong state, not confirmed,
     a store that is misconfigured or holds an unreadable record
-3   the record changed meanwhile (``release``: the token is not the one expected)
+3   the record changed meanwhile, or its token is not the ``--token`` given
 4   the store cannot be reached
 === ==========================================================================
 """
@@ -29,7 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import socket
 import time
+from collections import Counter
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -69,11 +73,13 @@ SCAN_BATCH = 500
 
 _STATE_CHOICES = click.Choice([s.value for s in State])
 
+logger = logging.getLogger("celery_idem")
 
-def _fail(exit_code: int, message: str, as_json: bool) -> NoReturn:
+
+def _fail(exit_code: int, message: str, as_json: bool, error: str | None = None) -> NoReturn:
     """End the command with ``exit_code``, the reason on stderr (a JSON object with --json)."""
     if as_json:
-        doc = {"error": _ERROR_NAMES.get(exit_code, "error"), "message": message}
+        doc = {"error": error or _ERROR_NAMES.get(exit_code, "error"), "message": message}
         click.echo(json.dumps(doc), err=True)
     else:
         click.echo(f"Error: {message}", err=True)
@@ -87,8 +93,8 @@ class _Run:
     app: Celery
     as_json: bool
 
-    def fail(self, exit_code: int, message: str) -> NoReturn:
-        _fail(exit_code, message, self.as_json)
+    def fail(self, exit_code: int, message: str, error: str | None = None) -> NoReturn:
+        _fail(exit_code, message, self.as_json, error)
 
     @contextlib.contextmanager
     def store(self) -> Iterator[Store]:
@@ -148,6 +154,16 @@ def _lease(rec: Record, now: float) -> str:
         return "-"
     left = rec.lease_expires - now
     return f"live, {_ago(left)} left" if left > 0 else f"expired {_ago(left)} ago"
+
+
+def _expiry(rec: Record, expires: float | None, now: float) -> str:
+    """When the record goes (its TTL), and what that means for the next attempt."""
+    if expires is None:
+        return "-"
+    after = {State.DONE: "the next attempt runs the body again",
+             State.FAILED: "the next attempt runs the body again",
+             State.IN_PROGRESS: "unless the holder records or renews it first"}.get(rec.state, "")
+    return f"{_utc(expires)} (in {_ago(expires - now)}" + (f"; {after})" if after else ")")
 
 
 def _record_doc(rec: Record, now: float) -> dict[str, Any]:
@@ -251,8 +267,9 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
             run.fail(EXIT_NOT_FOUND, f"no record for {key!r} in {_where(store)} (never "
                                      f"claimed, or its TTL has passed)")
         now = store.now()
+        expires = store.expires_at(key)
     outcome, summary = _outcome(run.app, rec)
-    doc = {**_record_doc(rec, now), **outcome}
+    doc = {**_record_doc(rec, now), "expires": expires, **outcome}
     lines = [
         ("key", rec.key),
         ("state", rec.state.value),
@@ -264,6 +281,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
                                       if rec.state is State.IN_PROGRESS else "")),
         ("updated", f"{_utc(rec.updated)} ({_ago(now - rec.updated)} ago)"
          if rec.updated is not None else "-"),
+        ("expires", _expiry(rec, expires, now)),
     ]
     if rec.payload_hash:
         lines.append(("payload hash", rec.payload_hash))
@@ -324,15 +342,57 @@ def list_(ctx: click.Context, state_name: str | None, task_name: str | None, lim
     run.emit(doc, text)
 
 
+def _decisions(app: Celery, seconds: float, task_name: str | None) -> Counter[tuple[str, str]]:
+    """Count ``task-idempotency`` events by (task, outcome) for ``seconds``, from the broker.
+
+    The producer's own decisions (``answered``: an enqueue of a done key that published
+    nothing) leave no record to count; their events are the only trace, so the live count is
+    where ``stats`` shows them. Worker events do not name the task: ``task-received`` does.
+    """
+    from .events import EVENT_TYPE
+
+    names: dict[str, str] = {}
+    counts: Counter[tuple[str, str]] = Counter()
+    deadline = time.monotonic() + seconds
+
+    def on_event(event: dict[str, Any]) -> None:
+        kind, uuid = event.get("type"), event.get("uuid") or ""
+        if kind == "task-received" and event.get("name"):
+            names[uuid] = event["name"]
+        elif kind == EVENT_TYPE:
+            name = event.get("name") or names.get(uuid) or "?"
+            if task_name is None or name == task_name:
+                counts[(name, str(event.get("outcome")))] += 1
+
+    def on_iteration() -> None:
+        # Called before each wait for events (at most 1 s each): stop at the deadline, busy
+        # or idle. capture()'s own timeout only counts consecutive idle seconds.
+        if time.monotonic() >= deadline:
+            receiver.should_stop = True
+
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"*": on_event})
+        receiver.on_iteration = on_iteration
+        with contextlib.suppress(socket.timeout, TimeoutError):
+            receiver.capture(limit=None, timeout=seconds + 1, wakeup=False)
+    return counts
+
+
 @idem.command(cls=CeleryCommand)
 @_task_option
+@click.option("--events", "events_seconds", cls=CeleryOption, type=click.FloatRange(min=0.1),
+              default=None, metavar="SECONDS", help_group="Output Options",
+              help="Also count the decisions of the next SECONDS from the event stream, by "
+                   "task and outcome, the producer's (answered at enqueue) included.")
 @_json_option
 @click.pass_context
-def stats(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
+def stats(ctx: click.Context, task_name: str | None, events_seconds: float | None,
+          as_json: bool) -> None:
     """Count records per state (and in-progress claims whose lease has expired).
 
     Reads every record under the prefix once, a batch at a time: its time grows with the
-    store, its memory does not.
+    store, its memory does not. With --events, then listens to the event stream (workers
+    with -E, producers with idempotency_events) and counts decisions by task and outcome.
     """
     run = _run(ctx, as_json)
     operation = _operation(run.app, task_name) if task_name else None
@@ -347,13 +407,21 @@ def stats(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
                     and rec.lease_expires <= now:
                 expired += 1
     total = sum(counts.values())
-    doc = {**counts, "in_progress_expired": expired, "total": total,
+    doc: dict[str, Any] = {**counts, "in_progress_expired": expired, "total": total,
            "seconds": round(time.monotonic() - started, 3)}
     width = max(len(str(total)), 1)
     lines = [f"{name:<12}{count:>{width}}" for name, count in counts.items()]
     if expired:
         lines[0] += f"  ({expired} with an expired lease: the next attempt takes them over)"
     lines.append(f"{'total':<12}{total:>{width}}")
+    if events_seconds is not None:
+        counts_seen = _decisions(run.app, events_seconds, task_name)
+        doc["decisions"] = [{"task": t, "outcome": o, "count": n}
+                            for (t, o), n in sorted(counts_seen.items())]
+        doc["decisions_seconds"] = events_seconds
+        lines.append(f"\ndecisions in {events_seconds:g} s (task-idempotency events):")
+        lines += [f"  {o:<12}{n:>6}  {t}" for (t, o), n in sorted(counts_seen.items())] \
+            or ["  none (do the workers run with -E, the producers with idempotency_events?)"]
     run.emit(doc, "\n".join(lines))
 
 
@@ -411,9 +479,7 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, as_json:
             run.fail(EXIT_REFUSED, f"{key!r} is {rec.state.value}, not in_progress: only a claim "
                                    f"can be released (a done or failed record is the outcome; "
                                    f"it expires after its TTL)")
-        if token is not None and rec.token != token:
-            run.fail(EXIT_CHANGED, f"{key!r} now has token {rec.token}, not {token}: it changed "
-                                   f"meanwhile; nothing was released")
+        _check_token(run, key, rec, token, "released")
         now = store.now()
         live = rec.lease_expires is not None and rec.lease_expires > now
         if not yes:
@@ -422,16 +488,9 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, as_json:
                 f"the body. After the release a duplicate can run it again, and the holder's "
                 f"record will be refused (LeaseLost)." if live else ""
             )
-            question = (f"Claim of {key}: token {rec.token}, task {rec.task_id or '-'}, owner "
-                        f"{rec.owner or '-'}, lease {_lease(rec, now)}.{warning}\nRelease it?")
-            try:
-                confirmed = click.confirm(question, default=False, err=True)
-            except click.Abort:
-                click.echo(err=True)  # end the prompt's line
-                confirmed = False
-            if not confirmed:
-                run.fail(EXIT_REFUSED, "not confirmed; nothing was released (pass --yes when "
-                                       "not interactive)")
+            _confirm(run, f"Claim of {key}: token {rec.token}, task {rec.task_id or '-'}, owner "
+                          f"{rec.owner or '-'}, lease {_lease(rec, now)}.{warning}\nRelease it?",
+                     "released")
         try:
             # Fenced by the token and the claim id shown: exactly the claim the operator saw.
             if rec.claim_id:
@@ -444,6 +503,72 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, as_json:
            "owner": rec.owner, "lease_was_live": live}
     run.emit(doc, f"released {key} (token {rec.token}, task {rec.task_id or '-'}); the next "
                   f"attempt claims it with token {rec.token + 1}")
+
+
+def _check_token(run: _Run, key: str, rec: Record, token: int | None, verb: str) -> None:
+    """Refuse (exit 3) when ``--token`` was given and the record has another token."""
+    if token is not None and rec.token != token:
+        run.fail(EXIT_CHANGED, f"token mismatch: {key!r} has token {rec.token}, and --token was "
+                               f"{token} (it was claimed again, or taken over, since that token "
+                               f"was read); nothing was {verb}", error="token_mismatch")
+
+
+def _confirm(run: _Run, question: str, verb: str) -> None:
+    """Ask on stderr; refuse (exit 2) unless the operator says yes."""
+    try:
+        confirmed = click.confirm(question, default=False, err=True)
+    except click.Abort:
+        click.echo(err=True)  # end the prompt's line
+        confirmed = False
+    if not confirmed:
+        run.fail(EXIT_REFUSED, f"not confirmed; nothing was {verb} (pass --yes when not "
+                               f"interactive)")
+
+
+@idem.command(cls=CeleryCommand)
+@click.argument("key")
+@click.option("--token", cls=CeleryOption, type=int, help_group="Forget Options",
+              help="Forget only if the record still has this token (as `show` printed it).")
+@click.option("-y", "--yes", cls=CeleryOption, is_flag=True, help_group="Forget Options",
+              help="Do not ask for confirmation.")
+@_json_option
+@click.pass_context
+def forget(ctx: click.Context, key: str, token: int | None, yes: bool, as_json: bool) -> None:
+    """Forget the done or failed outcome of KEY, so the next attempt runs the body again.
+
+    For an action that was undone outside the task (a refund, a deleted order): afterwards a
+    duplicate is no longer answered from the record. Fenced: it forgets exactly the record it
+    showed you (its token); if the key changed meanwhile, nothing changes and the exit code
+    is 3. A claim in progress is not an outcome: use `release` (exit 2). The token is kept, so
+    the next claim gets the next token. Logged at WARNING on the ``celery_idem`` logger.
+    """
+    run = _run(ctx, as_json)
+    with run.store() as store:
+        rec = store.get(key)
+        if rec is None:
+            run.fail(EXIT_NOT_FOUND, f"no record for {key!r} in {_where(store)}")
+        if rec.state not in (State.DONE, State.FAILED):
+            run.fail(EXIT_REFUSED, f"{key!r} is {rec.state.value}, not done or failed: only an "
+                                   f"outcome can be forgotten (a claim in progress: `release`)")
+        _check_token(run, key, rec, token, "forgotten")
+        outcome, summary = _outcome(run.app, rec)
+        if not yes:
+            _confirm(run, f"{rec.state.value.capitalize()} record of {key}: token {rec.token}, "
+                          f"task {rec.task_id or '-'}, {'result' if rec.state is State.DONE else 'error'} "
+                          f"{summary}.\nThe next attempt of this action will run the body again. "
+                          f"Forget it?", "forgotten")
+        try:
+            store.forget(key, rec.token)
+        except LeaseLost as exc:
+            run.fail(EXIT_CHANGED, f"{key!r} changed meanwhile; nothing was forgotten ({exc})")
+    # An operator's change to an outcome: worth a line in whatever collects the logs.
+    logger.warning("celery_idem forgotten key=%s token=%s original_task_id=%s state=%s by=cli",
+                   key, rec.token, rec.task_id, rec.state.value)
+    doc = {"forgotten": True, "key": key, "token": rec.token, "task_id": rec.task_id,
+           "state": rec.state.value, **outcome}
+    run.emit(doc, f"forgot the {rec.state.value} outcome of {key} (token {rec.token}, task "
+                  f"{rec.task_id or '-'}); the next attempt claims it with token {rec.token + 1} "
+                  f"and runs the body")
 
 
 def _json_value(text: str) -> Any:

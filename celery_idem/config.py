@@ -44,7 +44,8 @@ _RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempo
 #: App settings (``app.conf``), which are not task options.
 _APP_SETTINGS = frozenset(
     {"idempotency_store", "idempotency_key_prefix", "idempotency_store_options", "idempotency_events",
-     "idempotency_receipts_table", "idempotency_fold_results", "idempotency_require_durable_store"}
+     "idempotency_receipts_table", "idempotency_fold_results", "idempotency_require_durable_store",
+     "idempotency_log_answers"}
 )
 
 #: Modules whose timeout/connection errors release the claim, where installed.

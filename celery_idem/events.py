@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EVENT_TYPE", "Emit", "Outcome", "log_outcome"]
+__all__ = ["ANSWERS", "EVENT_TYPE", "Emit", "Outcome", "log_outcome"]
 
 #: The Celery event type sent for every decision.
 EVENT_TYPE = "task-idempotency"
@@ -30,10 +30,21 @@ class Outcome(str, enum.Enum):
     RECORD_FAILED = "record_failed"  #: the body succeeded but the record could not be written
     HELD = "held"  #: an unclassified error; the claim stays until its lease expires
     MISMATCH = "mismatch"  #: same key, different payload (idempotency_validate)
+    #: Producer side: an enqueue of a done or failed key was answered from the record in
+    #: ``apply_async``/``delay()``; nothing was published.
+    ANSWERED = "answered"
 
+
+#: Answers given without running the body: INFO by default, so a worker's log says which of
+#: several ``succeeded`` lines for one action ran (``original_task_id``), and the producer's
+#: says which enqueues published nothing. ``idempotency_log_answers = False`` makes them DEBUG.
+ANSWERS = frozenset({Outcome.DUPLICATE, Outcome.WAITED, Outcome.ANSWERED})
 
 #: Outcomes an operator should see at INFO or above; the rest log at DEBUG.
 _LOUD = {
+    Outcome.DUPLICATE: logging.INFO,
+    Outcome.WAITED: logging.INFO,
+    Outcome.ANSWERED: logging.INFO,
     Outcome.TAKEOVER: logging.INFO,
     Outcome.REQUEUED: logging.INFO,
     Outcome.HELD: logging.WARNING,
@@ -47,10 +58,21 @@ Emit = Callable[[Outcome, str, int, str, dict[str, Any]], None]
 
 
 def log_outcome(
-    outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str, extra: dict[str, Any]
+    outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str, extra: dict[str, Any],
+    answers: bool = True,
 ) -> None:
-    """Log one decision as one line of ``name=value`` pairs (never the task's arguments)."""
-    level = _LOUD.get(outcome, logging.DEBUG)
+    """Log one decision as one line of ``name=value`` pairs (never the task's arguments).
+
+    Args:
+        outcome: The decision.
+        key: The idempotency key.
+        token: The fencing token of the record the decision is about (0: none).
+        original_task_id: The task that claimed, holds or recorded the key.
+        task_id: The task id of this attempt (or of the enqueue's result).
+        extra: More ``name=value`` pairs, in order.
+        answers: False: log the answers (:data:`ANSWERS`) at DEBUG instead of INFO.
+    """
+    level = logging.DEBUG if not answers and outcome in ANSWERS else _LOUD.get(outcome, logging.DEBUG)
     if not logger.isEnabledFor(level):
         return
     tail = "".join(f" {name}={value}" for name, value in extra.items())

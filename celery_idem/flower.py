@@ -18,6 +18,11 @@ task class :class:`IdempotencyTaskState`. For every ``task-idempotency`` event t
 * counts the decision in the Prometheus counter ``celery_idem_decisions_total{task,outcome}``,
   which Flower's ``/metrics`` exposes next to its own metrics.
 
+Decisions made at enqueue (``outcome="answered"``: ``delay()`` found the key done and
+published nothing; ``mismatch`` with ``at=enqueue``) arrive from the producer, when it sends
+events (``idempotency_events = True`` or ``task_send_sent_event = True``), under the id of the
+result ``delay()`` returned; they are shown and counted the same way.
+
 Every other event is handled exactly as before. Load it from Flower's own configuration file,
 read with ``--conf`` (a Python file; ``flowerconfig.py`` in the working directory by default)::
 
@@ -59,7 +64,7 @@ FIELDS: tuple[str, ...] = (
 _STANDARD = frozenset({
     "type", "uuid", "hostname", "timestamp", "local_received", "clock", "pid", "utcoffset",
     "idempotency_key", "outcome", "original_task_id", "token", "record_state", "previous_task_id",
-    "previous_owner",
+    "previous_owner", "name",
 })
 
 _decisions: Any = None  # the Prometheus counter, created by install()
@@ -92,6 +97,10 @@ class IdempotencyTaskState(_CeleryTaskState):  # type: ignore[misc]
             return
         fields = fields or {}
         outcome = str(fields.get("outcome") or "")
+        if not getattr(self, "name", None) and fields.get("name"):
+            # An enqueue answered from the record (outcome ``answered``) publishes nothing, so
+            # no task-sent/received event names the task: the decision's own event does.
+            self.name = fields["name"]
         # A new list each time: Flower's task page works on shallow copies of this object.
         self.idempotency_outcomes = [*(self.idempotency_outcomes or ()), outcome]
         self.idempotency_outcome = outcome

@@ -30,11 +30,11 @@ from celery.states import FAILURE, SUCCESS
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
-from . import timelimits
+from . import otel, timelimits
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
 from .durability import REQUIRE_DURABLE_SETTING, check_store
-from .events import EVENT_TYPE, Outcome, log_outcome
+from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, StoreUnavailable
 from .gate import Attempt, Gate, Requeue
 from .keys import bind_arguments, key_from_fields, payload_hash, select_fields
@@ -555,6 +555,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             and rec.payload_hash
             and payload_hash(self._bound(args or (), kwargs or {})) != rec.payload_hash
         ):
+            self._emit_enqueue(Outcome.MISMATCH, rec, task_id or rec.task_id)
             raise IdempotencyKeyMismatch(
                 f"idempotency key {key!r} was first used with different arguments (task "
                 f"{rec.task_id}); use a new key for a new action. Nothing was sent.",
@@ -578,6 +579,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if not store_answer(self, self._result_writer, request, value, state):
                 return None
         result = CachedResult(rec, value, state, name=self.name, task_id=task_id, app=self.app)
+        self._emit_enqueue(Outcome.ANSWERED, rec, result.id)
         if not eager and options.get("add_to_parent", True):
             # As send_task does: the running task lists it among its children.
             parent = self.app.current_worker_task
@@ -727,7 +729,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _emit(self, outcome: Outcome, key: str, token: int, original: str, extra: dict[str, Any]) -> None:
         req = self.request
-        log_outcome(outcome, key, token, original, req.id or "", extra)
+        log_outcome(outcome, key, token, original, req.id or "", extra,
+                    answers=outcome not in ANSWERS or self._log_answers)
+        if otel.ENABLED:
+            otel.observe(self.name, outcome.value, key, token, original, task_span=True)
         if req.is_eager or req.called_directly or self.app not in _events_on:
             return
         try:
@@ -737,6 +742,38 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         except Exception as exc:  # monitoring must never change the outcome
             logger.debug("celery_idem event not sent key=%s: %s", key, exc)
+
+
+    @property
+    def _log_answers(self) -> bool:
+        """Whether answers log at INFO (``idempotency_log_answers``, on unless False)."""
+        return self.app.conf.get("idempotency_log_answers", True) is not False
+
+    def _emit_enqueue(self, outcome: Outcome, rec: Record, result_id: str) -> None:
+        """Report a decision ``apply_async`` made from the record: nothing was published.
+
+        A log line (INFO, like a worker's duplicate); a ``task-idempotency`` event (with the
+        task's name, under the returned result's id) only when this process sends events
+        (``idempotency_events``, ``task_send_sent_event``, or a worker started with ``-E``), so
+        with events off an answer costs one log call and no broker round trip.
+        """
+        conf = self.app.conf
+        extra = {"record_state": rec.state.value, "at": "enqueue"}
+        log_outcome(outcome, rec.key, rec.token, rec.task_id, result_id, extra,
+                    answers=self._log_answers)
+        if otel.ENABLED:
+            otel.observe(self.name, outcome.value, rec.key, rec.token, rec.task_id, task_span=False)
+        if not (conf.get("idempotency_events") or conf.task_send_sent_event
+                or self.app in _events_on) or conf.task_always_eager:
+            return
+        try:
+            with self.app.events.default_dispatcher() as dispatcher:
+                dispatcher.send(
+                    EVENT_TYPE, uuid=result_id, name=self.name, idempotency_key=rec.key,
+                    outcome=outcome.value, original_task_id=rec.task_id, token=rec.token, **extra,
+                )
+        except Exception as exc:  # monitoring must never change the answer
+            logger.debug("celery_idem event not sent key=%s: %s", rec.key, exc)
 
 
 def _signature_of(run: Any) -> inspect.Signature | None:

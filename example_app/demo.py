@@ -385,7 +385,7 @@ def table(runs: list[Run]) -> str:
         + "verdict",
         "-" * width,
     ]
-    for s in SCENARIOS:
+    def row(s: Scenario) -> str:
         n, i = by[(s.tag, "naive")], by[(s.tag, "idempotent")]
         if i.error or n.error:
             status = "ERROR"
@@ -394,11 +394,28 @@ def table(runs: list[Run]) -> str:
         else:
             status = defences[s.defence] if i.counts == (1, 1, 1) else "FAIL"
         cells = "".join(f"{c:>7}" for c in n.counts) + "   " + "".join(f"{c:>7}" for c in i.counts)
-        lines.append(f"{s.tag:<4}{s.title:<32}{'keys' if s.keys else 'no keys':<9}{cells}   {status}")
+        return f"{s.tag:<4}{s.title:<32}{'keys' if s.keys else 'no keys':<9}{cells}   {status}"
+
+    lines += [row(s) for s in SCENARIOS if not s.limit]
+    # The limit rows below their own rule: their idempotent counts above 1 are what
+    # idempotency does not give you, not a failure, and must not read as one of the ok rows.
+    lines += ["-" * width, "limits (what idempotency alone does not give you):"]
+    for s in SCENARIOS:
+        if s.limit:
+            lines.append(row(s))
+            lines += textwrap.wrap(s.limit, width, initial_indent="    note: ",
+                                   subsequent_indent=" " * 10)
     lines.append("-" * width)
     for text in LEGEND:
         lines += textwrap.wrap(text, width)
-    lines += ["", "What happened (events seen by the agent, the provider and celery_idem's gate):"]
+    return "\n".join(lines)
+
+
+def details(runs: list[Run]) -> str:
+    """What happened in each row: the agent's, the provider's and the gate's events."""
+    by = {(r.scenario.tag, r.variant): r for r in runs}
+    width = 100
+    lines = ["What happened (events seen by the agent, the provider and celery_idem's gate):"]
     for s in SCENARIOS:
         lines += textwrap.wrap(f"{s.story}.", width, initial_indent=f"{s.tag:<4}",
                                subsequent_indent=" " * 4)
@@ -547,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
             t = time.monotonic()
             procs.append(start_worker(run_id, args.pool, args.concurrency, tmp / "worker.log"))
             out(f"  worker   celery worker -P {args.pool} -c {args.concurrency} "
-                f"(ready in {time.monotonic() - t:.1f} s; log {tmp / 'worker.log'})")
+                f"(ready in {time.monotonic() - t:.1f} s; log {tmp / 'worker.log'}, deleted at "
+                f"the end unless --keep)")
         else:
             check_worker(settings.get("EXAMPLE_QUEUE"))
             out("  worker   (already running)")
@@ -569,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                 cleanup_redis(settings)
             except Exception as exc:  # cleanup must not hide the result
                 print(f"warning: could not clean up Redis keys: {exc}", file=sys.stderr)
+    # The outcome first: the table and the verdict, then the details, then where the logs are.
     print(table(runs))
     problems = verdict(runs)
     elapsed = time.monotonic() - started
@@ -576,17 +595,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nFAIL after {elapsed:.1f} s:")
         for p in problems:
             print(f"  - {p}")
-        print(f"logs: {tmp}")
-        return 1
-    print()
-    print(textwrap.fill(
-        f"PASS in {elapsed:.1f} s: the idempotent tools had exactly one effect per action in every "
-        f"row but the marked limit; the naive tools had duplicates in every row.", 100))
-    if args.keep:
-        print(f"logs: {tmp}")
+    else:
+        print(textwrap.fill(
+            f"PASS in {elapsed:.1f} s: the idempotent tools had exactly one effect per action in "
+            f"every row above the limits; the naive tools had duplicates in every row.", 100))
+    if not args.quiet:
+        print()
+        print(details(runs))
+    if args.keep or problems:
+        print(f"\nlogs kept in {tmp} (worker.log, provider.log)")
     else:
         shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+        print("\nlogs: deleted; keep them with --keep (python -m example_app.demo --keep, or "
+              "make demo DEMO_ARGS=--keep)")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -90,4 +90,31 @@ def store_from_url(
     kwargs = dict(options or {})
     if scheme == "sentinel" and backend_transport_options:
         kwargs["backend_transport_options"] = backend_transport_options
-    return store_cls.from_url(url, prefix=prefix, **kwargs)
+    try:
+        return store_cls.from_url(url, prefix=prefix, **kwargs)
+    except ModuleNotFoundError as exc:
+        # SQLAlchemy imports the database driver when the engine is built: a URL such as
+        # db+postgresql+psycopg2:// without psycopg2 fails here, not at the import above.
+        raise ImproperlyConfigured(_missing_driver(scheme, url, exc)) from exc
+
+
+#: pip package of a database driver, by the module SQLAlchemy imports.
+_DRIVER_PACKAGES = {
+    "psycopg2": "psycopg2-binary",
+    "psycopg": "psycopg[binary]",
+    "pymysql": "pymysql",
+    "MySQLdb": "mysqlclient",
+    "mysql": "mysql-connector-python",
+    "mariadb": "mariadb",
+    "asyncpg": "asyncpg",
+    "pg8000": "pg8000",
+}
+
+
+def _missing_driver(scheme: str, url: str, exc: ModuleNotFoundError) -> str:
+    module = (exc.name or "").split(".")[0]
+    package = _DRIVER_PACKAGES.get(module, module or "the driver")
+    dialect = urlsplit(url).scheme.split("+", 1)[-1]
+    return (f"the {scheme}:// store needs the database driver {module!r} for {dialect!r}, which "
+            f"is not installed: pip install '{package}' (celery-idem[sql] brings SQLAlchemy, "
+            f"not the driver)")

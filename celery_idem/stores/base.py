@@ -49,6 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..exceptions import ImproperlyConfigured
 from ..records import Claim, Record, State
 
 __all__ = ["BackendWrite", "DurabilityFinding", "Store", "new_claim_id", "next_token"]
@@ -266,6 +267,29 @@ class Store(abc.ABC):
 
         For operators and the CLI; not atomic as a whole and never on the hot path.
         """
+
+    # -- operator verbs (the CLI; never on a task's path) ---------------------------------------
+
+    def forget(self, key: str, token: int) -> None:
+        """Atomically forget a done or failed outcome, so the next attempt runs the body. Fenced.
+
+        The record becomes a RELEASED tombstone that keeps the token (as :meth:`release`
+        leaves a claim): the next claim gets token + 1. Not abstract, so a store written before
+        it still loads; such a store refuses the verb.
+
+        Raises:
+            LeaseLost: The record's token is not ``token``, or it is not done or failed.
+            ImproperlyConfigured: This store does not implement it.
+            StoreUnavailable: The store could not be reached.
+        """
+        raise ImproperlyConfigured(f"{type(self).__name__} cannot forget records")
+
+    def expires_at(self, key: str) -> float | None:
+        """When the record of ``key`` expires (store clock, epoch seconds); None if unknown.
+
+        One read for operators (``idem show``); a task never needs it.
+        """
+        return None
 
     def now(self) -> float:
         """The store's clock (epoch seconds); the in-process clock unless a store overrides."""

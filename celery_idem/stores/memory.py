@@ -157,6 +157,22 @@ class MemoryStore(Store):
             self._records[key] = (dataclasses.replace(rec, lease_expires=now + lease), expires)
             return now + lease
 
+    def forget(self, key: str, token: int) -> None:
+        with self._lock:
+            now = self._clock()
+            rec = self._fenced(key, token, None, now, "forget")
+            if rec.state not in (State.DONE, State.FAILED):
+                raise LeaseLost(
+                    f"forget of {key!r} refused: it is {rec.state.value}", key=key, token=token
+                )
+            tomb = Record(key=key, state=State.RELEASED, token=rec.token, updated=now)
+            self._records[key] = (tomb, self._records[key][1])
+
+    def expires_at(self, key: str) -> float | None:
+        with self._lock:
+            found = self._records.get(key)
+            return found[1] if found is not None and found[1] > self._clock() else None
+
     def get(self, key: str) -> Record | None:
         with self._lock:
             return self._live(key, self._clock())

@@ -220,6 +220,7 @@ class RedisStore(Store):
         self._record = client.register_script(_load("record"))
         self._release = client.register_script(_load("release"))
         self._renew = client.register_script(_load("renew"))
+        self._forget = client.register_script(_load("forget"))
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> RedisStore:
@@ -419,6 +420,22 @@ class RedisStore(Store):
                 rec = self._decode(self._key_of(name), value)
                 if state is None or rec.state is state:
                     yield rec
+
+    def forget(self, key: str, token: int) -> None:
+        with _translate_errors(self, key):
+            reply = self._run(self._forget, key, [token])
+        self._check_fence(reply, key, token, "forget")
+
+    def expires_at(self, key: str) -> float | None:
+        # PTTL and TIME from the server that holds the key, so the expiry is on its clock.
+        with _translate_errors(self, key):
+            pipe = self._node(self._k(key)).pipeline(transaction=False)
+            pipe.pttl(self._k(key))
+            pipe.time()
+            ttl_ms, (seconds, micros) = pipe.execute()
+        if ttl_ms < 0:  # -2: no key; -1: no TTL (not written by celery_idem)
+            return None
+        return float(seconds) + float(micros) / 1e6 + float(ttl_ms) / 1000
 
     def now(self) -> float:
         with _translate_errors(self):

@@ -1324,6 +1324,40 @@ class SQLStore(Store):
 
     # -- reads --------------------------------------------------------------------------------
 
+    def forget(self, key: str, token: int) -> None:
+        """Forget a done or failed outcome: one fenced UPDATE to a RELEASED tombstone.
+
+        Built here rather than with the verbs: an operator's command, never a task's path.
+
+        Raises:
+            LeaseLost: The row has another token, is not done or failed, or is gone.
+            StoreUnavailable: The database could not be reached.
+        """
+        t = self._table
+        # Built once per store: compiled statements are cached by identity.
+        stmt = self.__dict__.get("_forget_statement")
+        if stmt is None:
+            stmt = self.__dict__["_forget_statement"] = sa.update(t).where(
+                t.c.key == sa.bindparam("idem_key"),
+                t.c.token == sa.bindparam("idem_token"),
+                sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
+                t.c.expires > db_now(),
+            ).values(state=State.RELEASED.value, owner="", task_id="", attempt=0,
+                     lease_expires=None, payload_hash=None, content_type=None, data=None,
+                     updated=db_now())
+        with self._session() as session:
+            forgotten = session.execute(stmt, {"idem_key": self._stored(key), "idem_token": token})[0]
+        if forgotten != 1:
+            raise self._lease_lost("forget", key, token, self.get(key))
+
+    def expires_at(self, key: str) -> float | None:
+        """When the row of ``key`` expires (database clock), or None when it is absent."""
+        t = self._table
+        stmt = sa.select(t.c.expires).where(t.c.key == sa.bindparam("idem_key"), t.c.expires > db_now())
+        with self._session() as session:
+            _, row = session.execute(stmt, {"idem_key": self._stored(key)})
+        return None if row is None else float(row["expires"])
+
     def get(self, key: str) -> Record | None:
         """Read one record, or None when the key is absent or its TTL has passed.
 

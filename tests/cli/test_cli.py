@@ -195,7 +195,8 @@ def test_release_with_an_expected_token_refuses_a_newer_claim(idem: Idem) -> Non
                      is ClaimStatus.TAKEOVER and c, timeout=10, what="the takeover")
     assert taken.token > first
     out = idem.run("release", "op:t", "--token", str(first), "--yes")
-    assert out.returncode == EXIT_CHANGED and f"now has token {taken.token}" in out.stderr
+    assert out.returncode == EXIT_CHANGED
+    assert f"token mismatch: 'op:t' has token {taken.token}, and --token was {first}" in out.stderr
     assert idem.store.get("op:t").token == taken.token  # type: ignore[union-attr]
 
 

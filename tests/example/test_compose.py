@@ -229,3 +229,48 @@ def test_the_demo_can_read_the_workers_event_log() -> None:
     for name in ("worker", "demo"):
         mounts = [v.split(":")[1] for v in svcs[name].get("volumes", [])]
         assert str(log.parent) in mounts, f"{name} does not mount {log.parent}"
+
+
+# -- what the docs say Flower needs ------------------------------------------------------------
+
+
+def _operations_flowerconfig() -> str:
+    """The flowerconfig.py docs/operations.md tells operators to write (its python block)."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    for block in text.split("```python")[1:]:
+        code = block.split("```", 1)[0]
+        if "celery_idem.flower.install()" in code:
+            return code
+    raise AssertionError("docs/operations.md shows no flowerconfig.py")
+
+
+def test_flower_loads_the_extension_the_way_the_docs_say() -> None:
+    # docs/operations.md: Flower with --conf=<a file that calls celery_idem.flower.install()>,
+    # and workers that send task events (-E)
+    command = services()["flower"]["command"]
+    assert command[:4] == ["celery", "-A", "example_app.celery_app", "flower"]
+    confs = [arg.split("=", 1)[1] for arg in command if arg.startswith("--conf=")]
+    assert len(confs) == 1, command
+    conf = ROOT / confs[0]  # the image's WORKDIR is the repository root (COPY example_app)
+    assert conf.is_file() and conf.parent == ROOT / "example_app", conf
+    # The file does what the documented one does: the same statements, in the same order
+    documented = [ast.dump(n) for n in ast.parse(_operations_flowerconfig()).body]
+    ours = [ast.dump(n) for n in ast.parse(conf.read_text()).body
+            if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]  # docstring
+    assert ours == documented, conf.read_text()
+    assert "-E" in services()["worker"]["command"]
+    assert services()["flower"]["environment"]["FLOWER_UNAUTHENTICATED_API"] == "true"
+
+
+def test_the_servers_host_ports_do_not_clash_with_local_servers() -> None:
+    for name, default in (("redis", 6379), ("postgres", 5432)):
+        for port in services()[name]["ports"]:
+            host_port = int(str(port).split(":")[1])
+            assert host_port != default, f"{name} binds the host's default port {default}"
+
+
+def test_the_readme_names_the_compose_file_and_its_ports() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "docker compose up --build" in readme and "docker-compose.yml" in readme
+    for port in ("16379", "15432", "5555"):
+        assert port in readme, port

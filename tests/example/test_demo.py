@@ -23,6 +23,14 @@ def test_the_embedded_demo_needs_no_server_and_shows_one_effect_per_action() -> 
     check_table(out)
     assert "PASS in" in out
     assert seconds < 60, f"the demo took {seconds:.1f} s"
+    # The outcome leads: the table, its limit rows set apart, the verdict, and only then the
+    # story of each row; and it says how to keep the logs it deleted
+    summary = out[out.index("naive (celery.Task)"):]
+    limits = summary.index("limits (what idempotency alone does not give you):")
+    assert max(summary.index(f"\n{tag} ") for tag in ("1", "2a", "3", "4", "5")) < limits
+    assert limits < summary.index("\n2b ") < summary.index("PASS in") < summary.index("What happened")
+    assert out.rstrip().endswith("keep them with --keep (python -m example_app.demo --keep, or "
+                                 "make demo DEMO_ARGS=--keep)")
 
 
 @pytest.fixture

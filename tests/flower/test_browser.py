@@ -15,43 +15,23 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from tests.browser import chromium
 from tests.flower.conftest import Stack
 from tests.integration import app as tasks
 from tests.integration.harness import ROOT
 
 pytestmark = pytest.mark.worker
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 DOCS_SCREENSHOT = ROOT / "docs" / "img" / "flower-duplicate.png"
-FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage", "--window-size=1280,1000",
-)
 
 
 @pytest.fixture
 def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[webdriver.Chrome]:
-    for path in (CHROMIUM, CHROMEDRIVER):
-        assert os.access(path, os.X_OK), f"{path} is missing: run `bash scripts/browser.sh`"
-    monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager: never go online
-    monkeypatch.setenv("SE_AVOID_STATS", "true")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    try:
+    with chromium(tmp_path / "chromium-profile", monkeypatch) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def test_the_task_page_of_a_duplicate_shows_its_key_and_the_original_task_id(

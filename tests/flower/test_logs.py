@@ -44,7 +44,29 @@ def test_a_takeover_is_logged_at_info_with_key_and_task_id_and_never_the_argumen
         takeover[0],
     ), takeover[0]
     # The usual decisions (claimed, recorded) are DEBUG: not in an INFO log
-    assert not any(re.search(r"celery_idem (claimed|recorded|duplicate) ", line) for line in lines)
+    assert not any(re.search(r"celery_idem (claimed|recorded) ", line) for line in lines)
     # And no line carries the raw arguments: not the note, not the order id
     assert secret not in log
     assert not any(order in line for line in lines)
+
+
+def test_a_duplicate_is_logged_at_info_naming_the_original_task_and_never_the_arguments(
+    stack: Stack,
+) -> None:
+    worker = stack.worker
+    secret = f"SECRET-NOTE-{uuid.uuid4().hex}"
+    order = f"ord-DUPLOG-{uuid.uuid4().hex[:8]}"
+    # Given a charge that ran, and a duplicate that reached the worker (send_task: no enqueue check)
+    first = tasks.charge.delay(order, 4200, note=secret)
+    first.get(timeout=30)
+    dup = tasks.app.send_task("tests.integration.app.charge", (order, 4200), {"note": secret})
+    dup.get(timeout=30)
+    key = tasks.charge.idempotency_key_for((order, 4200))
+    # Then one INFO line says which task the duplicate's answer came from
+    wait_for(lambda: f"celery_idem duplicate key={key} " in worker.text(), timeout=10,
+             what="the duplicate's log line")
+    lines = [ln for ln in worker.text().splitlines() if f"celery_idem duplicate key={key} " in ln]
+    assert len(lines) == 1, lines
+    assert re.search(rf"INFO.*celery_idem duplicate key={re.escape(key)} task_id={dup.id} token=\d+ "
+                     rf"original_task_id={first.id} record_state=done$", lines[0]), lines[0]
+    assert secret not in worker.text() and order not in lines[0]

@@ -10,10 +10,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test lint docs bench clean
+.PHONY: help install demo test test-compat lint docs bench clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
 
 # The virtualenv and the editable install, redone only when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -34,6 +34,30 @@ test: $(STAMP)  ## make sure the servers answer, then run the whole suite, ruff 
 	exit $$rc
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# Supported Celery minors (pyproject.toml: celery>=5.4): the latest patch of each, with the kombu
+# of the same minor. Each gets its own venv under .compat/ (git-ignored), made from the checkout.
+COMPAT_CELERY ?= 5.4.0 5.5.3 5.6.3 5.7.0
+COMPAT_DIR    := .compat
+# The unit and store tests, and the real-worker integration tests (Redis and SQL stores, canvas,
+# crash redelivery, enqueue check): a few minutes per version on a shared 2-CPU machine.
+COMPAT_TESTS  ?= tests/unit tests/stores tests/integration/test_worker_redis.py \
+	tests/integration/test_worker_sql.py tests/integration/test_canvas.py \
+	tests/integration/test_crash.py tests/integration/test_enqueue_check.py
+minor = $(word 1,$(subst ., ,$(1))).$(word 2,$(subst ., ,$(1)))
+
+$(COMPAT_DIR)/celery-%/.installed: pyproject.toml
+	@test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q 'celery[redis,sqlalchemy]==$*' 'kombu==$(call minor,$*).*'
+	@# second step: pip keeps the redis-py that this kombu allows (one resolve of both backtracks)
+	$(@D)/bin/python -m pip install -q -e '.[redis,sql]' 'psycopg[binary]>=3.1' 'pymysql>=1.1' \
+	    'pytest>=8' 'pytest-timeout>=2.3'
+	$(@D)/bin/python -m pip check
+	@touch $@
+
+test-compat: $(foreach v,$(COMPAT_CELERY),$(COMPAT_DIR)/celery-$(v)/.installed)  ## unit, store and worker tests on each supported Celery minor
+	bash scripts/services.sh
+	bash scripts/compat.sh $(COMPAT_DIR) '$(COMPAT_CELERY)' $(COMPAT_TESTS)
 
 lint: $(STAMP)  ## ruff and mypy only
 	$(VENV)/bin/ruff check .

@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Celery, Task
+from celery.app.task import Context
 from celery.exceptions import Reject, Retry
 from celery.result import AsyncResult, EagerResult
 from celery.signals import worker_init
@@ -432,6 +433,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return CachedResult(rec, value, SUCCESS, name=self.name)
 
     # -- worker side ---------------------------------------------------------------------------
+
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """Push a request that inherits the current one (Celery 5.5+'s own behaviour).
+
+        ``Task.__call__`` pushes a request for the body; Celery 5.4 pushed a blank one, so a body
+        behind a custom ``__call__`` saw no id, headers, retries or idempotency key.
+        """
+        self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request

@@ -364,11 +364,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         else:
             _check_key(self.name, key)
         headers[HEADER] = key
-        # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
-        # answering it from the cache would strand the retry or drop the rest of the workflow.
+        # A publish by the task itself (retry, re-queue), one that carries a canvas, or one whose
+        # task id was chosen beforehand (a chain's next step, a chord's body, a frozen signature:
+        # someone waits on that id) must go out: answering it from the cache would strand the
+        # retry, drop the rest of the workflow or leave that id without a result. The worker
+        # answers it from the record without running the body.
         republish = bool(options.get("retries")) or REQUEUES_HEADER in headers
         canvas = link or link_error or options.get("chain") or options.get("chord") \
-            or options.get("group_id")
+            or options.get("group_id") or task_id is not None
         if not republish and not canvas and self.idempotency_config.check_on_enqueue:
             cached = self._cached(key, args, kwargs)
             if cached is not None:

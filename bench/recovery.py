@@ -174,9 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="runs per scenario (default 3)")
     p.add_argument("--only", default="", help="comma-separated scenario names: " +
                    ", ".join(s.name for s in SCENARIOS))
+    p.add_argument("--wait", type=float, default=0,
+                   help="seconds to wait for the re-run, for every scenario (default: each its own)")
     p.add_argument("--amqp-url", default=os.environ.get("CELERY_IDEM_TEST_AMQP", DEFAULT_AMQP))
     args = p.parse_args(argv)
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+    if args.wait:
+        chosen = [dataclasses.replace(s, wait=args.wait) for s in chosen]
     print(f"celery {celery.__version__}, kombu {kombu.__version__}; the body starts, its whole "
           f"worker is SIGKILLed about 1 s later, a second worker is running")
     lines = ["| broker | settings | runs | re-run after the kill | redelivered flag |",

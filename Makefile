@@ -73,5 +73,5 @@ docs: $(DOCS_STAMP)  ## build the documentation site into site/ (strict: warning
 bench: $(STAMP)  ## run the benchmarks
 	$(PY) -m bench
 
-clean:  ## remove the built site and the install stamps (keeps .venv)
-	rm -rf site $(STAMP) $(DOCS_STAMP)
+clean:  ## remove the built site and the install stamps (keeps .venv and .compat/)
+	rm -rf site $(STAMP) $(DOCS_STAMP) $(COMPAT_DIR)/*/.installed

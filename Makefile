@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo demo-mcp test lint docs bench clean
+.PHONY: help install demo demo-mcp test test-compat lint docs bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -48,6 +48,31 @@ test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whol
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# Supported Celery minors (pyproject.toml: celery>=5.4): the latest patch of each, with the kombu
+# of the same minor. Each gets its own venv under .compat/ (git-ignored), made from the checkout.
+COMPAT_CELERY ?= 5.4.0 5.5.3 5.6.3 5.7.0
+COMPAT_DIR    := .compat
+# The unit and store tests, and the real-worker integration tests (Redis and SQL stores, canvas,
+# crash redelivery, enqueue check, result writes, events): a few minutes per version on a shared
+# 2-CPU machine. test_recovery.py times the broker, not the library (and waits ~100 s for the
+# restore scan of kombu < 5.7), so it runs in `make test` only.
+COMPAT_TESTS  ?= tests/unit tests/stores tests/integration \
+	--ignore=tests/integration/test_recovery.py
+minor = $(word 1,$(subst ., ,$(1))).$(word 2,$(subst ., ,$(1)))
+
+$(COMPAT_DIR)/celery-%/.installed: pyproject.toml
+	@test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+	$(@D)/bin/python -m pip install -q 'celery[redis,sqlalchemy]==$*' 'kombu==$(call minor,$*).*'
+	@# second step: pip keeps the redis-py that this kombu allows (one resolve of both backtracks)
+	$(@D)/bin/python -m pip install -q -e '.[redis,sql]' 'psycopg[binary]>=3.1' 'pymysql>=1.1' \
+	    'pytest>=8' 'pytest-timeout>=2.3'
+	$(@D)/bin/python -m pip check
+	@touch $@
+
+test-compat: $(foreach v,$(COMPAT_CELERY),$(COMPAT_DIR)/celery-$(v)/.installed)  ## unit, store and worker tests on each supported Celery minor
+	bash scripts/services.sh
+	bash scripts/compat.sh $(COMPAT_DIR) '$(COMPAT_CELERY)' $(COMPAT_TESTS)
+
 lint: $(STAMP)  ## ruff and mypy only
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -62,5 +87,5 @@ docs: $(DOCS_STAMP)  ## build the documentation site into site/ (strict: warning
 bench: $(STAMP)  ## run the benchmarks
 	$(PY) -m bench
 
-clean:  ## remove the built site and the install stamps (keeps .venv)
-	rm -rf site $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP)
+clean:  ## remove the built site and the install stamps (keeps .venv and .compat/)
+	rm -rf site $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP) $(COMPAT_DIR)/*/.installed

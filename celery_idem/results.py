@@ -37,8 +37,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.app.task import get_actual_ignore_result
 from celery.states import SUCCESS
+
+try:  # Celery 5.7
+    from celery.app.task import get_actual_ignore_result
+except ImportError:  # pragma: no cover - older Celery
+    try:  # Celery 5.6
+        from celery.app.trace import get_actual_ignore_result
+    except ImportError:  # Celery 5.4-5.5
+
+        def get_actual_ignore_result(task: Any, req: Any) -> bool:
+            """No result is stored when the task ignores results (the tracer does not publish
+            one) or the request does (``mark_as_done`` skips the write)."""
+            return bool(task.ignore_result or getattr(req, "ignore_result", False))
 
 from .stores.base import BackendWrite, Store
 

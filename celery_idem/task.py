@@ -613,6 +613,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     # -- worker side ---------------------------------------------------------------------------
 
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """Push a request that inherits the current one (Celery 5.5+'s own behaviour).
+
+        ``Task.__call__`` pushes a request for the body; Celery 5.4 pushed a blank one, so a body
+        behind a custom ``__call__`` saw no id, headers, retries or idempotency key.
+        """
+        self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _failed_request(args) is not None and not getattr(self.request, "idempotency_errback_",
                                                              False):

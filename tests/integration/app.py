@@ -27,11 +27,12 @@ app.conf.update(
     result_expires=600,
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,
-    # Fast crash recovery for the SIGKILL tests (see celery-behaviour.md, finding 8).
+    # Fast crash recovery for the SIGKILL tests (see celery-behaviour.md, finding 8): a dead
+    # worker's message comes back once it is older than the visibility timeout, at the next scan.
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("IDEM_VISIBILITY", "3600")),
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
+        "unacked_restore_interval": float(os.environ.get("IDEM_RESTORE_INTERVAL", "1")),
+        "unacked_restore_throttle": int(os.environ.get("IDEM_RESTORE_THROTTLE", "1")),
     },
 )
 if os.environ.get("IDEM_STORE"):
@@ -116,6 +117,18 @@ def slow_charge(self, order_id, marker, hold):
     effect(f"charge:{order_id}", self.request.id)
     return {"order_id": order_id, "token": self.idempotency_token, "pid": os.getpid(),
             "redelivered": bool((self.request.delivery_info or {}).get("redelivered"))}
+
+
+@app.task(bind=True, acks_late=True, reject_on_worker_lost=True)
+def recovery_probe(self, marker, hold):
+    """A plain task (the broker alone): appends ``<pid> <time.time()> <redelivered>`` to
+    ``marker`` when it starts, then runs ``hold`` s. tests/integration/test_recovery.py and
+    ``python -m bench.recovery`` time how long a SIGKILLed worker's message takes to come back."""
+    redelivered = bool((self.request.delivery_info or {}).get("redelivered"))
+    with open(marker, "a") as fh:
+        fh.write(f"{os.getpid()} {time.time():.3f} {int(redelivered)}\n")
+    time.sleep(hold)
+    return os.getpid()
 
 
 @app.task(base=IdempotentTask, bind=True)

@@ -44,11 +44,12 @@ class Cluster:
             task.__dict__.pop("_gate", None)
         self.app.__dict__.pop("backend", None)
         self.app._local.__dict__.pop("backend", None)
-        # Publish to the broker now configured (a test may use RabbitMQ instead of Redis).
+        # The producer pool is made for the broker of the first publish: drop it, so a test
+        # with a broker of its own (IDEM_BROKER) publishes there, and the next one does not.
+        self.app._pool = None
         amqp = self.app.__dict__.get("amqp")
         if amqp is not None:
             amqp._producer_pool = None
-        self.app._pool = None
 
     def worker(self, name: str = "w1", **kwargs: Any) -> Worker:
         w = Worker({**self.env}, f"{name}-{self.prefix.strip(':')}", **kwargs)

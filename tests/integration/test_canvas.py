@@ -37,6 +37,35 @@ def test_a_chord_body_runs_once_per_distinct_input(cluster: Cluster) -> None:
     assert len(cluster.effects("charge:h1")) == 1
 
 
+def test_a_chain_built_again_runs_no_step_and_its_last_step_id_gets_the_result(cluster: Cluster) -> None:
+    # A new chain object has new task ids (Celery 5.7 re-uses a frozen chain's ids, 5.4 does
+    # not): the last step, published by the worker with its id chosen beforehand, must go out
+    # even though its key is done, or the chain's result never arrives.
+    cluster.worker()
+
+    def flow() -> chain:
+        return chain(tasks.add_step.s(0, "c4"), tasks.add_step.s("c5"), tasks.add_step.s("c6"))
+
+    assert flow().apply_async().get(timeout=30) == 3
+    assert flow().apply_async().get(timeout=30) == 3
+    for step in ("c4", "c5", "c6"):
+        assert len(cluster.effects(f"step:{step}")) == 1
+
+
+def test_a_chord_built_again_runs_no_body_and_its_body_id_gets_the_result(cluster: Cluster) -> None:
+    # The chord's body is published by the backend with its id chosen beforehand (and, before
+    # Celery 5.7, no group id): it must go out even though its key is done.
+    cluster.worker()
+
+    def header() -> list[object]:
+        return [tasks.charge.s("h3", 1), tasks.charge.s("h4", 1)]
+
+    assert chord(header())(tasks.summarize.s()).get(timeout=30) == ["h3", "h4"]
+    assert chord(header())(tasks.summarize.s()).get(timeout=30) == ["h3", "h4"]
+    assert len(cluster.effects("summary")) == 1
+    assert len(cluster.effects("charge:h3")) == 1
+
+
 def test_self_retry_carries_the_same_key_and_hands_the_claim_over(cluster: Cluster) -> None:
     cluster.worker()
     expected = tasks.manual_retry.idempotency_key_for(("r1",))

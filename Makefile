@@ -65,7 +65,7 @@ $(COMPAT_DIR)/celery-%/.installed: pyproject.toml
 	$(@D)/bin/python -m pip install -q 'celery[redis,sqlalchemy]==$*' 'kombu==$(call minor,$*).*'
 	@# second step: pip keeps the redis-py that this kombu allows (one resolve of both backtracks)
 	$(@D)/bin/python -m pip install -q -e '.[redis,sql]' 'psycopg[binary]>=3.1' 'pymysql>=1.1' \
-	    'pytest>=8' 'pytest-timeout>=2.3'
+	    'pytest>=8' 'pytest-timeout>=2.3' 'pydantic>=2'
 	$(@D)/bin/python -m pip check
 	@touch $@
 

@@ -124,6 +124,10 @@ def _limits(task: Any, conf: Any, *, worker: bool = True) -> Limits:
                 return value, f"{setting}={value:g} (app setting)"
             return value, f"{option}={value:g} (task option)"
         if fallback:
+            # The worker takes its defaults from the app settings too, and Celery < 5.7 does not
+            # copy them onto the task: name the setting the user wrote.
+            if conf is not None and conf.get(setting) == fallback:
+                return fallback, f"{setting}={fallback:g} (app setting)"
             return fallback, f"{flag}={fallback:g} (worker)"
         return None, ""
 

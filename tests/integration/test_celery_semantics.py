@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 
+import celery
 import pytest
 
 from celery_idem.keys import key_from_fields
@@ -18,6 +19,7 @@ from tests.integration.harness import wait_for
 pytestmark = pytest.mark.worker
 
 APP = "tests.integration.semantics_app"
+CELERY = tuple(int(part) for part in celery.__version__.split(".")[:2])
 
 
 def _b64(blob: bytes) -> str:
@@ -48,6 +50,8 @@ def test_a_callback_sent_by_the_worker_with_a_bytes_argument_runs(cluster: Clust
                         what=f"the {tag} callback") == expected
 
 
+@pytest.mark.skipif(CELERY < (5, 5), reason="Celery 5.4 runs no old-style errback with keyword "
+                    "arguments: the plain twin's does not run either (measured with make test-compat)")
 def test_an_errback_sent_by_the_worker_with_a_bytes_argument_runs(cluster: Cluster) -> None:
     cluster.worker(app=APP)
     blob = b"\x00\xff"
@@ -79,6 +83,7 @@ def test_a_new_style_errback_runs_with_the_failed_request(cluster: Cluster) -> N
         "request": failed.id, "exc": None, "traceback": None, "tag": "idem", "$errback": True})))
 
 
+@pytest.mark.skipif(CELERY < (5, 5), reason="pydantic=True arrived in Celery 5.5")
 def test_a_pydantic_model_argument_is_sent_and_a_worker_derives_the_same_key(
     cluster: Cluster,
 ) -> None:

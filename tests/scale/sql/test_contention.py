@@ -136,7 +136,7 @@ def test_one_action_enqueued_many_times_at_once_runs_once(
     effects = active.effects(name)
     assert len(effects) == 1, effects
     assert {v["task_id"] for v in values} == {effects[0]["task_id"]}
-    assert {v["token"] for v in values} == {1}
+    assert len({v["token"] for v in values}) == 1  # one claim: no takeover, no second token
     assert_no_trouble(active)
     after = pg_counters(pg_ledger_url)
     print(f"\n[scale/sql one action] copies={copies} processes={WORKERS * CONCURRENCY} "

@@ -13,7 +13,7 @@ Steps:
    freshly started Redis: ``plain`` (Celery's default Task) and ``idem``
    (``Celery(task_cls="celery_idem:IdempotentTask")``, injected by
    ``tests/conformance/celery_suite_plugin.py``). Every test has a timeout
-   (``--timeout``, default 90 s) and each run a wall-clock limit.
+   (``--timeout``, default 60 s; see the plugin) and each run a wall-clock limit (``--wall``).
 4. ``tests/conformance/compare.py`` writes ``.celery-suite/out/diff.json`` (test id -> plain
    outcome, idem outcome, classification) and ``diff.md``; with ``--check`` (the subset does
    this) it fails on any difference that ``tests/conformance/by_design.txt`` does not allow.
@@ -127,7 +127,7 @@ class PrivateRedis:
 
 
 def run_mode(python: str, tests_dir: Path, mode: str, ids: list[str], out: Path, timeout: float,
-             wall: float, redis: PrivateRedis) -> float:
+             wall: float, redis: PrivateRedis, reference: Path | None = None) -> float:
     """One pytest run of Celery's integration tests; returns its wall-clock seconds."""
     redis.stop()
     redis.start()  # a fresh, empty server per mode: no record survives from the other run
@@ -138,11 +138,12 @@ def run_mode(python: str, tests_dir: Path, mode: str, ids: list[str], out: Path,
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
         CELERY_IDEM_CONFORMANCE=mode, CELERY_IDEM_CONFORMANCE_OUT=str(out),
         CELERY_IDEM_CONFORMANCE_TIMEOUT=str(timeout), PYTHONDONTWRITEBYTECODE="1",
+        CELERY_IDEM_CONFORMANCE_REFERENCE=str(reference or ""),
     )
     env.pop("CELERY_CONFIG_MODULE", None)
     cmd = [python, "-m", "pytest", "-p", "celery.contrib.pytest",
            "-p", "tests.conformance.celery_suite_plugin", "-p", "no:cacheprovider",
-           "--timeout-method=signal", "-q", "-rfE", "--no-header", *ids]
+           "--timeout=600", "--timeout-method=thread", "-q", "-rfE", "--no-header", *ids]
     log_path = out.with_suffix(".log")
     out.unlink(missing_ok=True)
     log(f"{mode}: {len(ids)} paths/ids, per-test timeout {timeout:.0f} s, wall limit {wall:.0f} s, "
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="fail on a difference outside tests/conformance/by_design.txt")
     ap.add_argument("--timeout", type=float, default=60, help="per-test timeout, seconds")
     ap.add_argument("--wall", type=float, default=3600, help="per-run wall-clock limit, seconds")
-    ap.add_argument("--modes", default="plain,idem")
+    ap.add_argument("--modes", default="plain,idem",
+                    help="runs to make, in order (idem alone compares with the last plain run)")
     ap.add_argument("-k", dest="ids", action="append", default=[],
                     help="a test id or path inside Celery's tree (repeatable)")
     args = ap.parse_args(argv)
@@ -199,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     durations: dict[str, float] = {}
     try:
         for mode in args.modes.split(","):
+            # The idem run limits each test by its plain duration (see celery_suite_plugin.py).
+            reference = out_dir / "plain.json" if mode == "idem" else None
             durations[mode] = run_mode(args.python, tests_dir, mode, ids, out_dir / f"{mode}.json",
-                                       args.timeout, args.wall, redis)
+                                       args.timeout, args.wall, redis, reference)
     finally:
         redis.stop()
     for mode, secs in durations.items():

@@ -146,7 +146,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             entry.update(outcome="failed", message="subtest: " + _message(report), sticky=True)
         return
     entry["duration"] = round(entry["duration"] + report.duration, 3)
-    if entry.get("sticky"):
+    if entry.get("sticky"):  # a failed subtest decided the outcome
+        if report.when == "teardown":
+            _write()
         return
     if report.when == "setup":
         if report.failed:

@@ -4,8 +4,9 @@
         [--check] [--only ID_PREFIX ...]
 
 Inputs are the files ``celery_suite_plugin.py`` writes (test id -> outcome, message, duration).
-A test differs when its outcome (passed, failed, skipped, xfailed, xpassed, or missing from one
-run) is not the same in both runs; failed, timeout and error count as one outcome (a test that
+A test differs when its outcome (passed, failed, skipped, xfailed, xpassed) is not the same in
+both runs (a test missing from one run, as after an interrupted run, is listed under ``not_run``
+and not compared; ``--check`` fails on it); failed, timeout and error count as one outcome (a test that
 fails in both runs says nothing about IdempotentTask; such pairs are listed apart, under
 ``both_fail``). Each difference is classified from two
 lists checked into the repository:
@@ -64,9 +65,13 @@ def compare(plain: dict[str, Any], idem: dict[str, Any], by_design: dict[str, st
                                      t.startswith(o + "[") for o in only)]
     differences: dict[str, dict[str, Any]] = {}
     both_fail: dict[str, dict[str, str]] = {}
+    not_run: dict[str, dict[str, str]] = {}
     for test_id in ids:
         p = p_tests.get(test_id, {"outcome": MISSING, "message": ""})
         i = i_tests.get(test_id, {"outcome": MISSING, "message": ""})
+        if MISSING in (p["outcome"], i["outcome"]):
+            not_run[test_id] = {"plain": p["outcome"], "idem": i["outcome"]}
+            continue
         if same(p["outcome"], i["outcome"]):
             if p["outcome"] in FAILING:
                 both_fail[test_id] = {"plain": p["outcome"], "idem": i["outcome"],
@@ -102,6 +107,7 @@ def compare(plain: dict[str, Any], idem: dict[str, Any], by_design: dict[str, st
                  "task_cls": idem.get("task_cls")},
         "differences": differences,
         "both_fail": both_fail,
+        "not_run": not_run,
         "known_bugs_no_longer_differing": fixed,
         "by_design_no_longer_differing": sorted(t for t in by_design
                                                 if t in ids and t not in differences),
@@ -118,7 +124,9 @@ def markdown(diff: dict[str, Any], celery: str | None = None) -> str:
         c = {k: v for k, v in diff[mode]["counts"].items() if v}
         lines.append(f"- **{mode}** ({diff[mode]['task_cls']}): {diff[mode]['seconds']} s, "
                      + ", ".join(f"{v} {k}" for k, v in c.items()))
-    lines += ["", f"{len(diff['differences'])} of {diff['celery_tests']} tests differ.", "",
+    compared = diff["celery_tests"] - len(diff["not_run"])
+    lines += ["", f"{len(diff['differences'])} of {compared} compared tests differ"
+              f" ({len(diff['not_run'])} not run in both).", "",
               "| test | plain | idem | classification | reason |", "|---|---|---|---|---|"]
     for test_id, d in diff["differences"].items():
         reason = d["reason"] or f"idem: {d['idem_message']}"
@@ -160,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     unclassified = [t for t, d in diff["differences"].items() if d["classification"] == "unclassified"]
     for t in diff["known_bugs_no_longer_differing"]:
         print(f"NOTE: {t} is in known_bugs.txt but no longer differs: delete its line")
+    if diff["not_run"]:
+        print(f"{len(diff['not_run'])} test(s) did not run in both runs (an interrupted run?), "
+              f"not compared: {', '.join(list(diff['not_run'])[:5])}...")
+    if args.check and diff["not_run"]:
+        print("FAIL: a test of the subset did not run in both runs", file=sys.stderr)
+        return 1
     if args.check and unclassified:
         print(f"FAIL: {len(unclassified)} difference(s) outside by_design.txt and known_bugs.txt:",
               file=sys.stderr)

@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo demo-mcp test test-compat lint docs bench clean
+.PHONY: help install demo demo-mcp test test-compat lint docs bench celery-suite celery-suite-ci clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -86,6 +86,12 @@ docs: $(DOCS_STAMP)  ## build the documentation site into site/ (strict: warning
 
 bench: $(STAMP)  ## run the benchmarks
 	$(PY) -m bench
+
+celery-suite: $(STAMP)  ## conformance run: Celery's test_tasks.py + test_canvas.py, plain Task vs IdempotentTask
+	$(PY) scripts/celery_suite.py
+
+celery-suite-ci: $(STAMP)  ## the conformance subset (tests/conformance/subset.txt); fails on an unlisted difference
+	$(PY) scripts/celery_suite.py --subset
 
 clean:  ## remove the built site and the install stamps (keeps .venv and .compat/)
 	rm -rf site $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP) $(COMPAT_DIR)/*/.installed

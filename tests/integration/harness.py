@@ -108,10 +108,12 @@ class Worker:
 class RedisServer:
     """A private ``redis-server`` on a free port (tests may kill and restart it)."""
 
-    def __init__(self, appendonly: bool = False) -> None:
+    def __init__(self, appendonly: bool = False, settings: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="celery-idem-redis-"))
         self.appendonly = appendonly
+        #: More command-line settings (later ones win: they may override ``--appendonly``).
+        self.settings = settings
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -123,7 +125,8 @@ class RedisServer:
         exe = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.dir)],
+             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.dir),
+             *self.settings],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         import redis

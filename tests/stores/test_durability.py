@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,35 +25,9 @@ from celery import Celery
 from celery_idem import IdempotentTask
 from celery_idem.stores.redis import RedisStore
 from celery_idem.task import _check_worker
-from tests.integration.harness import RedisServer, wait_for
+from tests.integration.harness import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class ConfiguredRedis(RedisServer):
-    """A private redis-server started with extra command-line settings."""
-
-    def __init__(self, *settings: str) -> None:
-        self.settings = list(settings)
-        super().__init__()
-
-    def start(self) -> None:
-        exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--dir", str(self.dir), *self.settings],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.RedisError:
-                return False
-
-        wait_for(up, timeout=20, what=f"redis-server on {self.port}")
-        client.close()
 
 
 @pytest.fixture
@@ -66,7 +39,7 @@ def servers() -> Iterator[list[RedisServer]]:
 
 
 def start(servers: list[RedisServer], *settings: str) -> RedisServer:
-    server = ConfiguredRedis(*settings)
+    server = RedisServer(settings=settings)
     servers.append(server)
     return server
 

@@ -79,8 +79,11 @@ def request_deadline(task: Any, request: Any, started: float) -> float | None:
     """
     # The precedence of ``_limits``, without naming the sources: this runs on every call.
     hard, soft = getattr(request, "timelimit", None) or (None, None)
-    soft = soft or task.soft_time_limit or _worker["soft"]
-    hard = hard or task.time_limit or _worker["hard"]
+    # Then the pool's default (the worker's flag, else the app setting), or, outside a worker,
+    # the app setting: Celery 5.7 copies it onto the task, older releases leave it to the pool.
+    conf = task.app.conf
+    soft = soft or task.soft_time_limit or _worker["soft"] or conf.get("task_soft_time_limit")
+    hard = hard or task.time_limit or _worker["hard"] or conf.get("task_time_limit")
     if not (soft or hard):
         return None
     first = min(limit for limit in (soft, hard) if limit)  # the one that fires first
@@ -123,12 +126,15 @@ def _limits(task: Any, conf: Any, *, worker: bool = True) -> Limits:
             if conf is not None and conf.get(setting) == value:
                 return value, f"{setting}={value:g} (app setting)"
             return value, f"{option}={value:g} (task option)"
+        # Celery < 5.7 does not copy the app setting onto the task; the pool applies it as its
+        # default (the worker's flag wins over it), so name the setting the user wrote.
+        setting_value = conf.get(setting) if conf is not None else None
         if fallback:
-            # The worker takes its defaults from the app settings too, and Celery < 5.7 does not
-            # copy them onto the task: name the setting the user wrote.
-            if conf is not None and conf.get(setting) == fallback:
+            if setting_value == fallback:
                 return fallback, f"{setting}={fallback:g} (app setting)"
             return fallback, f"{flag}={fallback:g} (worker)"
+        if setting_value:
+            return setting_value, f"{setting}={setting_value:g} (app setting)"
         return None, ""
 
     soft, soft_from = one("soft_time_limit", "task_soft_time_limit", "--soft-time-limit",

@@ -257,6 +257,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return _signature_of(self.run)
 
     @cached_property
+    def _call_signature(self) -> inspect.Signature | None:
+        """The signature ``self.run`` is called with: not followed through ``functools.wraps``,
+        so a decorator that takes ``*args, **kwargs`` (and may supply an argument) binds any call."""
+        try:
+            return inspect.signature(self.run, follow_wrapped=False)
+        except (TypeError, ValueError):
+            return None
+
+    @cached_property
     def _result_writer(self) -> ResultWriter | None:
         return result_writer(self, self._gate.store)
 
@@ -627,6 +636,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._call_as_errback(args, kwargs)
         # Time limits count from the start of the request, and a wait for a busy key spends it.
         started = time.monotonic()
+        self._check_call(args, kwargs)
         req = self.request
         key = (req.headers or {}).get(HEADER) or self.idempotency_key_for(args, kwargs)
         cfg = self.idempotency_config
@@ -685,6 +695,28 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 if writer is not None:
                     self._write_result(writer, req, result, built[-1] if built else None)
                 return result
+
+    def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise TypeError, without claiming the key, when the body cannot be called with these
+        arguments (a ``typing=False`` task, or a message from a producer whose signature of the
+        task differs).
+
+        Such a call fails before the first line of the body, so no effect can have happened,
+        and the gate is not entered: nothing is claimed and nothing is recorded. Not held, as an
+        unclassified error would be: a duplicate would wait for the lease of a body that never
+        started. Not recorded as terminal either: the call fails only against this worker's code
+        (``typing=False`` exists because the producer's signature may differ from the worker's),
+        and a record would fail the action for ``idempotency_ttl`` on a worker that accepts it.
+        Every delivery of the message fails the same way, as in plain Celery, and the FAILURE
+        Celery stores for it reaches the caller at once.
+        """
+        sig = self._call_signature
+        if sig is None:
+            return
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}(): {exc}") from None
 
     def _call_as_errback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run a new-style errback, ``errback(request, exc, traceback)``, that Celery called.

@@ -405,3 +405,14 @@ def ha_effect(self, action, hold=0.0):
     """One effect per action; lease and record timeout longer than a failover (a few seconds),
     so a holder cut off by the failover keeps its claim and records once the shard is back."""
     return _chaos_body(self, action, hold, "", False, "", "")
+
+
+# -- calls that do not bind, and Task.replace (tests/integration/test_replace.py) ----------------
+
+
+@app.task(base=IdempotentTask, bind=True, typing=False)
+def not_typed(self, x, y):
+    """``typing=False``: a call that does not bind is sent, and fails in the worker."""
+    effect("not_typed")
+    return x + y
+

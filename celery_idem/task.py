@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Celery, Task
 from celery.app.task import Context
-from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult, EagerResult
 from celery.signals import worker_init
 from celery.states import FAILURE, SUCCESS
@@ -117,6 +117,14 @@ class ReceiptFound(BaseException):
     def __init__(self, receipt: Receipt) -> None:
         super().__init__(f"receipt found: {receipt!r}")
         self.receipt = receipt
+
+
+class Replaced(Ignore):  # type: ignore[misc]
+    """Celery's ``Ignore`` as :meth:`IdempotentTask.on_replace` raises it: the task was replaced.
+
+    The worker handles it as the ``Ignore`` it is (no state stored for the replaced task); the
+    gate sees a hand-over (``handover_signals``) and releases the claim without recording.
+    """
 
 
 class CachedResult(EagerResult):  # type: ignore[misc]
@@ -283,6 +291,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             emit=self._emit,
             # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
             retry_signals=(Retry, Reject),
+            # Task.replace: the replacement, frozen with this task id, now carries the action.
+            handover_signals=(Replaced,),
             # The task's own soft limit, fired while it waits for a busy key: re-queue.
             interrupts=(SoftTimeLimitExceeded,),
         )
@@ -735,6 +745,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self(*args, **kwargs)
         finally:
             self.request_stack.pop()
+
+    def on_replace(self, sig: Any) -> Any:
+        """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it.
+
+        Celery ends the replaced task by raising ``Ignore`` after publishing ``sig``, which it
+        froze with this task's id, so the outcome lands under that id. It is raised here as
+        :class:`Replaced`, which the gate releases the claim on without recording: the action's
+        outcome is the replacement's, and each IdempotentTask in it is gated under its own key.
+        A duplicate of the replaced call runs its body again and replaces it again (see
+        ``docs/limits.md``). In eager mode the replacement runs in place and its result is the
+        body's, recorded as usual.
+        """
+        try:
+            return super().on_replace(sig)
+        except Replaced:
+            raise
+        except Ignore as ignore:
+            raise Replaced(*ignore.args) from None
 
     @staticmethod
     def _write_result(

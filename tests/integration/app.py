@@ -416,3 +416,11 @@ def not_typed(self, x, y):
     effect("not_typed")
     return x + y
 
+
+@app.task(base=IdempotentTask, bind=True)
+def replaced(self, name, state=False):
+    """Replaced by a chain of an ``add_step`` and itself with ``state=True``, which returns."""
+    effect(f"replaced:{name}:{'out' if state else 'in'}")
+    if state:
+        return f"{name}:done"
+    raise self.replace(add_step.si(0, f"{name}-step") | replaced.si(name, state=True))

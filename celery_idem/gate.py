@@ -5,6 +5,7 @@
     claim ──CLAIMED/TAKEOVER──> run body (lease renewed) ──ok──────────> record DONE
       │                                    ├─ terminal_on ───────────> record FAILED, raise
       │                                    ├─ release_on / retry ────> release, raise
+      │                                    ├─ handover ──────────────> release (record nothing), raise
       │                                    └─ anything else ─────────> hold until lease expiry, raise
       ├─DONE/FAILED────> return the recorded result / raise the recorded error (no body)
       ├─MISMATCH───────> raise IdempotencyKeyMismatch (no body)
@@ -109,6 +110,10 @@ class Gate:
         emit: Called once per decision.
         retry_signals: Exceptions that mean "the task already re-published itself" (Celery's
             ``Retry``): the claim is released so the new attempt passes the gate.
+        handover_signals: Exceptions that mean "the body handed its action to another task"
+            (Celery's ``Task.replace``, which publishes the replacement and raises ``Ignore``):
+            nothing is recorded, since the outcome is the replacement's, and the claim is
+            released so that a duplicate does not wait for the lease.
         interrupts: Exceptions that end this attempt's turn when they arrive while it claims
             or waits, before any body runs (the task's own soft time limit): they become
             :class:`Requeue`. Raised by the body, they are handled like any other error.
@@ -129,6 +134,7 @@ class Gate:
         *,
         emit: Emit = _no_emit,
         retry_signals: tuple[type[BaseException], ...] = (),
+        handover_signals: tuple[type[BaseException], ...] = (),
         interrupts: tuple[type[BaseException], ...] = (),
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
@@ -139,6 +145,7 @@ class Gate:
         self.codec = codec
         self.emit = emit
         self.retry_signals = retry_signals
+        self.handover_signals = handover_signals
         self.interrupts = interrupts
         self.sleep = sleep
         self.monotonic = monotonic
@@ -300,6 +307,12 @@ class Gate:
     ) -> None:
         fence = fence or {}
         cfg, key = self.config, attempt.key
+        if isinstance(exc, self.handover_signals):
+            # The action now belongs to the task the body handed it to, which reports its outcome
+            # under this attempt's task id: there is no outcome to record here, and holding the
+            # claim would only make a duplicate wait for the lease.
+            self._release(attempt, token, exc, fence, reason="handed_over")
+            return
         if isinstance(exc, cfg.terminal_on):
             ctype, data = self.codec.encode_error(exc)
             try:
@@ -312,29 +325,39 @@ class Gate:
             return
         retried = isinstance(exc, self.retry_signals)
         if retried or isinstance(exc, cfg.release_on):
-            try:
-                self.store.release(key, token, **fence)
-            except LeaseLost as lost:
-                if retried:
-                    # The re-published attempt (same task id, retries + 1) already took its
-                    # claim over: that is the hand-over working, not a lost lease.
-                    logger.debug("celery_idem retry took over key=%s: %s", key, lost)
-                else:
-                    self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "release"})
-                return
-            except StoreUnavailable as down:
-                logger.warning(
-                    "celery_idem could not release key=%s token=%s (%s); it frees itself when its "
-                    "lease expires in %.0f s", key, token, down, cfg.lease,
-                )
-                return
-            self.emit(Outcome.RELEASED, key, token, attempt.task_id,
-                      {"error": type(getattr(exc, "exc", None) or exc).__name__})
+            self._release(attempt, token, exc, fence, retried=retried)
             return
         # Not known to be safe to retry, not known to be final: the effect may have happened.
         # Keep the claim (no heartbeat) so no duplicate runs until the lease runs out.
         self.emit(Outcome.HELD, key, token, attempt.task_id,
                   {"error": type(exc).__name__, "held_for": f"{cfg.lease:g}s"})
+
+    def _release(
+        self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any],
+        *, retried: bool = False, reason: str | None = None,
+    ) -> None:
+        """Release the claim after ``exc``; a lost or unreachable claim is reported, not raised."""
+        key = attempt.key
+        try:
+            self.store.release(key, token, **fence)
+        except LeaseLost as lost:
+            if retried:
+                # The re-published attempt (same task id, retries + 1) already took its
+                # claim over: that is the hand-over working, not a lost lease.
+                logger.debug("celery_idem retry took over key=%s: %s", key, lost)
+            else:
+                self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "release"})
+            return
+        except StoreUnavailable as down:
+            logger.warning(
+                "celery_idem could not release key=%s token=%s (%s); it frees itself when its "
+                "lease expires in %.0f s", key, token, down, self.config.lease,
+            )
+            return
+        extra = {"error": type(getattr(exc, "exc", None) or exc).__name__}
+        if reason is not None:
+            extra["reason"] = reason
+        self.emit(Outcome.RELEASED, key, token, attempt.task_id, extra)
 
     def _record_result(
         self, attempt: Attempt, token: int, result: Any, also: BackendWrite | None = None,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Celery, Task
 from celery.app.task import Context
-from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult, EagerResult
 from celery.signals import worker_init
 from celery.states import FAILURE, SUCCESS
@@ -117,6 +117,14 @@ class ReceiptFound(BaseException):
     def __init__(self, receipt: Receipt) -> None:
         super().__init__(f"receipt found: {receipt!r}")
         self.receipt = receipt
+
+
+class Replaced(Ignore):  # type: ignore[misc]
+    """Celery's ``Ignore`` as :meth:`IdempotentTask.on_replace` raises it: the task was replaced.
+
+    The worker handles it as the ``Ignore`` it is (no state stored for the replaced task); the
+    gate sees a hand-over (``handover_signals``) and releases the claim without recording.
+    """
 
 
 class CachedResult(EagerResult):  # type: ignore[misc]
@@ -257,6 +265,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return _signature_of(self.run)
 
     @cached_property
+    def _call_signature(self) -> inspect.Signature | None:
+        """The signature ``self.run`` is called with: not followed through ``functools.wraps``,
+        so a decorator that takes ``*args, **kwargs`` (and may supply an argument) binds any call."""
+        try:
+            return inspect.signature(self.run, follow_wrapped=False)
+        except (TypeError, ValueError):
+            return None
+
+    @cached_property
     def _result_writer(self) -> ResultWriter | None:
         return result_writer(self, self._gate.store)
 
@@ -274,6 +291,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             emit=self._emit,
             # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
             retry_signals=(Retry, Reject),
+            # Task.replace: the replacement, frozen with this task id, now carries the action.
+            handover_signals=(Replaced,),
             # The task's own soft limit, fired while it waits for a busy key: re-queue.
             interrupts=(SoftTimeLimitExceeded,),
         )
@@ -627,6 +646,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._call_as_errback(args, kwargs)
         # Time limits count from the start of the request, and a wait for a busy key spends it.
         started = time.monotonic()
+        self._check_call(args, kwargs)
         req = self.request
         key = (req.headers or {}).get(HEADER) or self.idempotency_key_for(args, kwargs)
         cfg = self.idempotency_config
@@ -686,6 +706,28 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     self._write_result(writer, req, result, built[-1] if built else None)
                 return result
 
+    def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise TypeError, without claiming the key, when the body cannot be called with these
+        arguments (a ``typing=False`` task, or a message from a producer whose signature of the
+        task differs).
+
+        Such a call fails before the first line of the body, so no effect can have happened,
+        and the gate is not entered: nothing is claimed and nothing is recorded. Not held, as an
+        unclassified error would be: a duplicate would wait for the lease of a body that never
+        started. Not recorded as terminal either: the call fails only against this worker's code
+        (``typing=False`` exists because the producer's signature may differ from the worker's),
+        and a record would fail the action for ``idempotency_ttl`` on a worker that accepts it.
+        Every delivery of the message fails the same way, as in plain Celery, and the FAILURE
+        Celery stores for it reaches the caller at once.
+        """
+        sig = self._call_signature
+        if sig is None:
+            return
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}(): {exc}") from None
+
     def _call_as_errback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run a new-style errback, ``errback(request, exc, traceback)``, that Celery called.
 
@@ -703,6 +745,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self(*args, **kwargs)
         finally:
             self.request_stack.pop()
+
+    def on_replace(self, sig: Any) -> Any:
+        """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it.
+
+        Celery ends the replaced task by raising ``Ignore`` after publishing ``sig``, which it
+        froze with this task's id, so the outcome lands under that id. It is raised here as
+        :class:`Replaced`, which the gate releases the claim on without recording: the action's
+        outcome is the replacement's, and each IdempotentTask in it is gated under its own key.
+        A duplicate of the replaced call runs its body again and replaces it again (see
+        ``docs/limits.md``). In eager mode the replacement runs in place and its result is the
+        body's, recorded as usual.
+        """
+        try:
+            return super().on_replace(sig)
+        except Replaced:
+            raise
+        except Ignore as ignore:
+            raise Replaced(*ignore.args) from None
 
     @staticmethod
     def _write_result(

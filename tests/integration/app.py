@@ -405,3 +405,22 @@ def ha_effect(self, action, hold=0.0):
     """One effect per action; lease and record timeout longer than a failover (a few seconds),
     so a holder cut off by the failover keeps its claim and records once the shard is back."""
     return _chaos_body(self, action, hold, "", False, "", "")
+
+
+# -- calls that do not bind, and Task.replace (tests/integration/test_replace.py) ----------------
+
+
+@app.task(base=IdempotentTask, bind=True, typing=False)
+def not_typed(self, x, y):
+    """``typing=False``: a call that does not bind is sent, and fails in the worker."""
+    effect("not_typed")
+    return x + y
+
+
+@app.task(base=IdempotentTask, bind=True)
+def replaced(self, name, state=False):
+    """Replaced by a chain of an ``add_step`` and itself with ``state=True``, which returns."""
+    effect(f"replaced:{name}:{'out' if state else 'in'}")
+    if state:
+        return f"{name}:done"
+    raise self.replace(add_step.si(0, f"{name}-step") | replaced.si(name, state=True))

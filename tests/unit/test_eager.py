@@ -432,3 +432,38 @@ def test_autoretry_runs_each_retry_through_the_gate_with_a_higher_token(
     assert isinstance(again, CachedResult) and again.id == first.id and again.get() == "paid"
     (rec,) = get_store(app).scan()
     assert (rec.state, rec.token, rec.attempt) == (State.DONE, tokens[-1], 2)
+
+
+def test_a_call_that_does_not_bind_raises_typeerror_and_claims_nothing(app: Celery) -> None:
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False, typing=False)
+    def not_typed(x: int, y: int) -> int:
+        runs.append(x)
+        return x + y
+
+    for _ in range(2):  # not held: the second identical call fails at once too
+        with pytest.raises(TypeError, match="missing a required argument: 'y'"):
+            not_typed.apply(args=(5,)).get()
+    assert runs == []
+    store = get_store(app)
+    assert store.get(not_typed.idempotency_key_for((5,), {})) is None
+    assert not_typed.apply(args=(2, 3)).get() == 5
+
+
+def test_a_decorator_taking_any_arguments_is_not_refused_before_the_gate(app: Celery) -> None:
+    import functools
+
+    def inject(fun: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fun)  # the signature seen through __wrapped__ is fun's: (db, x)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fun("db", *args, **kwargs)
+        return wrapper
+
+    @app.task(base=IdempotentTask, shared=False, typing=False)
+    @inject
+    def uses_db(db: str, x: int) -> str:
+        return f"{db}:{x}"
+
+    assert uses_db.apply(args=(1,)).get() == "db:1"
+

@@ -273,6 +273,7 @@ class World:
 
     def gate(self, **overrides: Any) -> Gate:
         retry_signals = overrides.pop("retry_signals", ())
+        handover_signals = overrides.pop("handover_signals", ())
         interrupts = overrides.pop("interrupts", ())
         keeper = overrides.pop("lease_keeper", self.keeper)
         return Gate(
@@ -281,6 +282,7 @@ class World:
             self.codec,
             emit=self.emit,
             retry_signals=retry_signals,
+            handover_signals=handover_signals,
             interrupts=interrupts,
             sleep=self.clock.sleep,
             monotonic=self.clock,
@@ -775,6 +777,34 @@ def test_a_retry_signal_after_the_retry_took_over_is_a_hand_over_not_a_lost_leas
     assert Outcome.LEASE_LOST not in [event[0] for event in world.events]
     assert (world.ordinals(first.tokens), world.ordinals(retry.tokens)) == ([1], [2])
     assert world.result_of(world.record()) == "from the retry"
+
+
+class FakeReplaced(Exception):
+    """Stands in for Celery's Ignore raised by Task.replace (the gate is Celery-free)."""
+
+
+def test_a_handover_signal_releases_the_claim_and_records_nothing(world: World) -> None:
+    # Given a body that hands its action to a replacement (Task.replace raises Ignore), with
+    # the exception also in terminal_on: the hand-over wins, nothing is recorded
+    with pytest.raises(FakeReplaced):
+        world.gate(handover_signals=(FakeReplaced,), terminal_on=(FakeReplaced,)).run(
+            attempt("t1"), Body(raises=FakeReplaced("replaced"))
+        )
+    # Then the claim is released at once (no hold for the lease) and no outcome is recorded
+    assert world.record().state is State.RELEASED
+    assert world.events[-1] == (Outcome.RELEASED, KEY, 1, "t1")
+    assert world.extras[-1] == {"error": "FakeReplaced", "reason": "handed_over"}
+    # And a duplicate does not wait: it claims with token + 1 and runs
+    again = Body(result="again")
+    assert world.gate(wait=0).run(attempt("t2"), again) == "again"
+    assert world.ordinals(again.tokens) == [2]
+
+
+def test_without_a_handover_signal_the_same_error_holds_the_claim(world: World) -> None:
+    with pytest.raises(FakeReplaced):
+        world.gate().run(attempt("t1"), Body(raises=FakeReplaced("replaced")))
+    assert world.record().state is State.IN_PROGRESS
+    assert world.events[-1][0] is Outcome.HELD
 
 
 # -- errors raised by the body ----------------------------------------------------------------

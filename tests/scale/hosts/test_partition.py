@@ -190,10 +190,23 @@ def test_a_host_cut_off_while_holding_claims_causes_no_duplicate_and_loses_no_ac
     healed.touch()
 
     # Then each stale body commits late with its old token: the fence refuses every commit,
-    # and the store refuses every record (lease_lost)
+    # and the store refuses every record (lease_lost). A claim sent at the instant of the cut can
+    # be committed by the store while its reply is lost: the store shows it held by host 0, but
+    # host 0 saw StoreUnavailable and re-queued the message, so no body of its runs (and none
+    # commits). Only the held actions whose claim host 0 did not re-queue have a stale body.
+    worker0 = stack.workers[0]
+
+    def ran_on_cut_host() -> set[str]:
+        lines = [line for line in worker0.text().splitlines()
+                 if "celery_idem requeued key=" in line and "reason=store_unavailable" in line]
+        requeued = {name for key, name in key_of.items()
+                    if any(f"celery_idem requeued key={key} " in line for line in lines)}
+        return held - requeued
+
     def stale_calls() -> list[dict[str, Any]]:
+        expected = ran_on_cut_host()
         found = [c for c in calls(stack, run) if c["tag"] == cut.hostname and c["action"] in held]
-        return found if len(found) >= len(held) else []
+        return found if expected and len(found) >= len(expected) else []
 
     # A black hole leaves TCP retransmitting with exponential back-off (up to 120 s between
     # tries on Linux): after a long cut on a loaded machine, the first retry past the restore can
@@ -202,8 +215,7 @@ def test_a_host_cut_off_while_holding_claims_causes_no_duplicate_and_loses_no_ac
     assert not any(c["applied"] for c in stale), stale
     # their old tokens, below the takeovers' (each held action was taken over from host 0)
     assert all(c["token"] < final_token[c["action"]] for c in stale), stale
-    worker0 = stack.workers[0]
-    wait_for(lambda: worker0.text().count("celery_idem lease_lost") >= len(held), timeout=60,
+    wait_for(lambda: worker0.text().count("celery_idem lease_lost") >= len(stale), timeout=60,
              what="host 0's records to be refused (lease_lost)")
     late = f"last_stale_commit_after_restore_s={max(c['at'] for c in stale) - restored_at:.1f}"
     wait_for(stack.queue_empty, timeout=120, what="the queue to drain")

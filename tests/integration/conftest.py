@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery.signals import before_task_publish
 
 import celery_idem.task as idem_task
 from tests.integration import app as app_module
@@ -122,3 +123,16 @@ def make_cluster(redis_url: str) -> Iterator[Callable[..., Cluster]]:
 @pytest.fixture
 def cluster(make_cluster: Callable[..., Cluster]) -> Cluster:
     return make_cluster()
+
+
+@pytest.fixture
+def published() -> Iterator[list[str]]:
+    """The task ids this process publishes while the test runs."""
+    ids: list[str] = []
+
+    def count(sender: object = None, headers: dict[str, Any] | None = None, **_: object) -> None:
+        ids.append((headers or {}).get("id", ""))
+
+    before_task_publish.connect(count, weak=False)
+    yield ids
+    before_task_publish.disconnect(count)

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.signals import before_task_publish
 
 from celery_idem import CachedResult, IdempotentTask
 from celery_idem.records import State
@@ -40,16 +39,6 @@ class RoundTrips:
         return self.count - before, out
 
 
-@pytest.fixture
-def published() -> Iterator[list[str]]:
-    ids: list[str] = []
-
-    def count(sender: object = None, headers: dict[str, Any] | None = None, **_: object) -> None:
-        ids.append((headers or {}).get("id", ""))
-
-    before_task_publish.connect(count, weak=False)
-    yield ids
-    before_task_publish.disconnect(count)
 
 
 @pytest.fixture

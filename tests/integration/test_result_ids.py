@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import chain
 from celery.result import AsyncResult, GroupResult, ResultSet
-from celery.signals import before_task_publish
 
 from celery_idem import CachedResult, TerminalError
 from celery_idem.records import State
@@ -31,17 +29,6 @@ pytestmark = pytest.mark.worker
 APP = "tests.integration.results_app"
 
 
-@pytest.fixture
-def published() -> Iterator[list[str]]:
-    """The task ids this process publishes while the test runs."""
-    ids: list[str] = []
-
-    def count(sender: object = None, headers: dict[str, Any] | None = None, **_: object) -> None:
-        ids.append((headers or {}).get("id", ""))
-
-    before_task_publish.connect(count, weak=False)
-    yield ids
-    before_task_publish.disconnect(count)
 
 
 def fresh(result_id: str) -> AsyncResult:

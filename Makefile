@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo demo-mcp test test-compat lint docs bench celery-suite celery-suite-ci clean
+.PHONY: help install demo demo-mcp test test-fast test-compat lint docs bench celery-suite celery-suite-ci clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -26,10 +26,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)  ## create .venv and install the package with its dev extras
 
 # The demo needs the runtime only: the package with its [sql] extra (the embedded SQLite
-# broker, backend and store go through SQLAlchemy). Not the dev set (browsers' drivers, linters).
+# broker, backend and store go through SQLAlchemy) and its [tools] extra (the agent's tools).
+# Not the dev set (browsers' drivers, linters).
 $(DEMO_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e '.[sql]'
+	$(PY) -m pip install -e '.[sql,tools]'
 	@touch $@
 
 demo: $(DEMO_STAMP)  ## run the example app's demo (embedded SQLite default, no server needed)
@@ -42,11 +43,36 @@ demo-mcp: $(STAMP)  ## the example's tools over MCP: an MCP client's repeated ca
 test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
 	bash scripts/services.sh
 	bash scripts/browser.sh
-	rc=0; $(PY) -m pytest -q || rc=$$?; \
+	@# --durations: the 30 slowest steps in the log, to keep CI's wall time in view (docs/contributing.md)
+	rc=0; $(PY) -m pytest -q --durations=30 || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# The fast tier: the unit tests and the store tests on the in-process stores (memory, SQLite).
+# No server is started or needed: tests marked `server` (tests/conftest.py marks every test whose
+# fixtures reach Redis, PostgreSQL, MariaDB, RabbitMQ or a private redis-server) are deselected,
+# not skipped, and so are real workers and the slow groups. Under 30 s; `make test` stays the
+# whole suite. Each path of FAST_TESTS is its own pytest process, all at once: the store tests
+# mostly wait (leases and TTLs running out), the unit tests mostly compute, so on 2 cores the
+# tier takes as long as its longer half (23-25 s instead of 29-31 s in one process, measured at a
+# load average near 1 on 2 cores).
+# Temporary files (the SQLite databases) go to tmpfs when there is one: a commit's fsync on a
+# busy disk costs more than the test. The logs are printed when all are done, in order.
+FAST_TESTS ?= tests/unit tests/stores
+FAST_MARKS ?= not server and not worker and not slow
+test-fast: $(STAMP)  ## unit + in-process store tests (memory, SQLite): no servers, under 30 s
+	@base=$$( [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm || echo "$${TMPDIR:-/tmp}" ); \
+	tmp=$$(mktemp -d "$$base/celery-idem-fast.XXXXXX"); pids=""; i=0; \
+	for t in $(FAST_TESTS); do \
+	    i=$$((i + 1)); \
+	    $(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/$$i" -m '$(FAST_MARKS)' "$$t" \
+	        >"$$tmp/$$i.log" 2>&1 & pids="$$pids $$!"; \
+	done; \
+	rc=0; for p in $$pids; do wait $$p || rc=1; done; \
+	for n in $$(seq 1 $$i); do echo "== pytest $$(echo $(FAST_TESTS) | cut -d' ' -f$$n)"; cat "$$tmp/$$n.log"; done; \
+	rm -rf "$$tmp"; exit $$rc
 
 # Supported Celery minors (pyproject.toml: celery>=5.4): the latest patch of each, with the kombu
 # of the same minor. Each gets its own venv under .compat/ (git-ignored), made from the checkout.
@@ -55,7 +81,10 @@ COMPAT_DIR    := .compat
 # The unit and store tests, and the real-worker integration tests (Redis and SQL stores, canvas,
 # crash redelivery, enqueue check, result writes, events): a few minutes per version on a shared
 # 2-CPU machine. test_recovery.py times the broker, not the library (and waits ~100 s for the
-# restore scan of kombu < 5.7), so it runs in `make test` only.
+# restore scan of kombu < 5.7), so it runs in `make test` only. The tests marked
+# `celery_independent` (SQL and in-process store tests) run on the first version listed only
+# (scripts/compat.sh; COMPAT_EVERY_TEST=1 runs them on all). COMPAT_JOBS=N runs N versions at once.
+COMPAT_JOBS   ?= 1
 COMPAT_TESTS  ?= tests/unit tests/stores tests/integration \
 	--ignore=tests/integration/test_recovery.py
 minor = $(word 1,$(subst ., ,$(1))).$(word 2,$(subst ., ,$(1)))
@@ -71,7 +100,7 @@ $(COMPAT_DIR)/celery-%/.installed: pyproject.toml
 
 test-compat: $(foreach v,$(COMPAT_CELERY),$(COMPAT_DIR)/celery-$(v)/.installed)  ## unit, store and worker tests on each supported Celery minor
 	bash scripts/services.sh
-	bash scripts/compat.sh $(COMPAT_DIR) '$(COMPAT_CELERY)' $(COMPAT_TESTS)
+	COMPAT_JOBS=$(COMPAT_JOBS) bash scripts/compat.sh $(COMPAT_DIR) '$(COMPAT_CELERY)' $(COMPAT_TESTS)
 
 lint: $(STAMP)  ## ruff and mypy only
 	$(VENV)/bin/ruff check .

@@ -10,6 +10,8 @@ bench.plain_late    the same with ``acks_late=True, reject_on_worker_lost=True``
 bench.idem          the same no-op with ``base=IdempotentTask``, keyed by ``action``
 bench.plain_count   plain task whose body does ``INCR counter`` (counts bodies run)
 bench.idem_count    ``IdempotentTask`` version of it, keyed by ``action`` only
+bench.<name>_io     every unique task above and below again, its body sleeping ``IO_SECONDS``
+                    first (a stand-in for an HTTP call: the realistic row)
 bench.once[_count]  the peers (``bench/requirements.txt``; each only when it imports):
 bench.singleton...  celery_once ``QueueOnce`` (graceful), celery-singleton ``Singleton``,
 bench.powertools..  and a plain task calling Powertools' ``idempotent_function`` (Redis layer)
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +35,9 @@ from celery import Celery
 from celery_idem import IdempotentTask
 
 ENV = "BENCH_SETTINGS"
+
+#: The I/O a realistic body waits for (the ``_io`` tasks): a sleep standing in for an HTTP call.
+IO_SECONDS = 0.010
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,27 @@ def build_app(s: Settings) -> Celery:
         _counter_client(redis_url).incr(counter)
         return action
 
+    @app.task(shared=False, name="bench.plain_io")
+    def plain_io(action: str) -> str:
+        time.sleep(IO_SECONDS)
+        return action
+
+    @app.task(shared=False, name="bench.plain_late_io", acks_late=True, reject_on_worker_lost=True)
+    def plain_late_io(action: str) -> str:
+        time.sleep(IO_SECONDS)
+        return action
+
+    @app.task(shared=False, name="bench.idem_io", base=IdempotentTask, idempotency_fields=("action",))
+    def idem_io(action: str) -> str:
+        time.sleep(IO_SECONDS)
+        return action
+
+    @app.task(shared=False, name="bench.idem_nocheck_io", base=IdempotentTask,
+              idempotency_fields=("action",), idempotency_check_on_enqueue=False)
+    def idem_nocheck_io(action: str) -> str:
+        time.sleep(IO_SECONDS)
+        return action
+
     _peer_tasks(app, s)
     return app
 
@@ -164,6 +191,11 @@ def _peer_tasks(app: Celery, s: Settings) -> None:
         def once(action: str) -> str:
             return action
 
+        @app.task(shared=False, name="bench.once_io", base=QueueOnce, once={"graceful": True})
+        def once_io(action: str) -> str:
+            time.sleep(IO_SECONDS)
+            return action
+
         @app.task(shared=False, name="bench.once_count", base=QueueOnce,
                   once={"graceful": True, "keys": ["action"]})
         def once_count(action: str, counter: str) -> str:
@@ -178,6 +210,11 @@ def _peer_tasks(app: Celery, s: Settings) -> None:
 
         @app.task(shared=False, name="bench.singleton", base=Singleton)
         def singleton(action: str) -> str:
+            return action
+
+        @app.task(shared=False, name="bench.singleton_io", base=Singleton)
+        def singleton_io(action: str) -> str:
+            time.sleep(IO_SECONDS)
             return action
 
         @app.task(shared=False, name="bench.singleton_count", base=Singleton, unique_on=["action"])
@@ -206,6 +243,16 @@ def _peer_tasks(app: Celery, s: Settings) -> None:
         @app.task(shared=False, name="bench.powertools")
         def powertools(action: str) -> str:
             return pt_noop(action=action)  # type: ignore[no-any-return]
+
+        @idempotent_function(data_keyword_argument="action", persistence_store=layer, config=config,
+                             key_prefix=s.prefix + "pt:io")
+        def pt_io(action: str) -> str:
+            time.sleep(IO_SECONDS)
+            return action
+
+        @app.task(shared=False, name="bench.powertools_io")
+        def powertools_io(action: str) -> str:
+            return pt_io(action=action)  # type: ignore[no-any-return]
 
         @app.task(shared=False, name="bench.powertools_count")
         def powertools_count(action: str, counter: str) -> str:

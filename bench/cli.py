@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import sys
 import time
@@ -26,6 +27,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--tasks", type=int, default=2000, help="messages per batch (default 2000)")
     p.add_argument("--reps", type=int, default=3, help="repetitions per system (default 3)")
+    p.add_argument("--io-tasks", type=int, default=None,
+                   help="messages per batch of the realistic row, each body sleeping 10 ms "
+                        "(default: tasks / 5; 0 leaves the row out)")
     p.add_argument("--pools", default="prefork,solo", help="worker pools: prefork (-c 2), solo")
     p.add_argument("--store", choices=("redis", "postgres", "both"), default="both")
     p.add_argument("--quick", action="store_true",
@@ -51,6 +55,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             args.reps = 1
     if args.tasks < 8 or args.reps < 1:
         p.error("--tasks must be >= 8 and --reps >= 1")
+    if args.io_tasks is None:
+        args.io_tasks = max(8, args.tasks // 5)
     return args
 
 
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                (n_floor, n_mem, n_redis, n_sql, n_comp, n_eager, n_prof))
         if not args.no_e2e:
             plan = Plan(args.tasks, args.reps, args.pools, stores, warmup=30 if q else 100,
-                        peers=not args.no_peers)
+                        peers=not args.no_peers, io_tasks=args.io_tasks)
             log(f"end to end: {args.tasks} messages per batch, {args.reps} rep(s), pools {args.pools}, "
                 f"stores {stores}")
             pg_url = args.pg_url if "postgres" in stores else None
@@ -213,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             results["chart"] = chart.throughput(results["e2e"], CHART)
             log(f"wrote {CHART}")
         results["cpu_ref_ms"] = cpu_reference_ms()
+        results["kept"] = kept_sections(DOCS.read_text()) if DOCS.exists() else {}
+        # After the unique-task table, where the page had it (at the end without one).
+        at = next((i + 1 for i, sec in enumerate(out.sections)
+                   if sec.startswith("## End to end: unique")), len(out.sections))
+        out.sections[at:at] = list(results["kept"].values())
         _targets(out, results)
         _profile_section(out, results)
         results["machine"] = machine(client, pg_info if pg_ok else None, results["cpu_ref_ms"])
@@ -253,8 +264,10 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "memory": micro.gate_timings(MemoryStore(prefix), prefix, n_mem, "m")}
     counting = RedisStore.from_url(args.redis_url, prefix=prefix, connection_class=micro.CountingConnection)
     trivial = counting.client.register_script("return 1")
+    raw = micro.RawRedis(client)
     gate["redis"] = micro.gate_timings(counting, prefix, n_redis, "r", count=lambda: micro.Counter.replies,
-                                       floor=lambda i: trivial())
+                                       floor=lambda i: trivial(), raw_floor=raw.evalsha)
+    raw.close()
     if pg:
         gate["postgres"] = micro.sql_gate(args.pg_url, prefix, table_name, n_sql, "s")
         log("SQL store: fast path and SQLAlchemy path ...")
@@ -276,10 +289,13 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         for kind in ("first", "duplicate"):
             t = ts[kind]
             ev = ts.get(f"floor/{kind}")
-            cpu_beyond = wall_beyond = None
+            rw = ts.get(f"raw/{kind}")
+            cpu_beyond = wall_beyond = raw_beyond = None
             if ev is not None and t.round_trips is not None:
                 cpu_beyond = t.cpu_us - t.round_trips * ev.cpu_us
                 wall_beyond = t.median_us - t.round_trips * ev.median_us
+            if rw is not None and t.round_trips is not None:
+                raw_beyond = t.cpu_us - t.round_trips * rw.cpu_us
             trips = t.round_trips
             if t.split is not None:
                 trips_s = f"{trips:g} ({t.split:g} of them through SQLAlchemy)"
@@ -287,15 +303,36 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
                 trips_s = "0 (in process)" if store == "memory" else f"{trips:g}"
             rows.append([store, kind, t.median_us, t.p90_us, t.cpu_us, trips_s,
                          None if ev is None else f"{ev.median_us:.0f} / {ev.cpu_us:.0f}",
-                         cpu_beyond, wall_beyond])
+                         None if rw is None else f"{rw.median_us:.0f} / {rw.cpu_us:.0f}",
+                         cpu_beyond, raw_beyond, wall_beyond])
     out.add("The gate in process (`Gate.run`, no-op body)", table(
         ["store", "run", "median µs", "p90 µs", "client CPU µs", "round trips / call",
-         "trivial EVALSHA in turn, µs wall / CPU", "CPU µs beyond round trips",
-         "wall µs beyond round trips"], rows) + (
+         "trivial EVALSHA in turn (redis-py), µs wall / CPU",
+         "the same on a raw socket, µs wall / CPU", "CPU µs beyond round trips (redis-py)",
+         "CPU µs beyond round trips (raw socket)", "wall µs beyond round trips (redis-py)"],
+        rows) + (
         "\n\nEach Redis gate call is timed in turn with a trivial EVALSHA (`return 1`) on the same "
-        "client. *CPU beyond round trips* = client CPU - round trips x that EVALSHA's client CPU; "
+        "client, and on a raw socket (RESP by hand: the floor of a round trip here). "
+        "*CPU beyond round trips* = client CPU - round trips x that EVALSHA's client CPU; "
         "*wall beyond* = median - round trips x its median. *client CPU* is the median CPU time of "
         "the calling thread per call."))
+
+    log("per-task CPU budget: keys, enqueue check ...")
+    keys = micro.key_timings(n_comp)
+    results["keys"] = keys
+    check = micro.enqueue_check_timings(counting, client, prefix, n_comp, "q")
+    results["enqueue_check"] = check
+    rows = [[f"key derivation (`idempotency_key_for`), {k} scalar arguments", t.median_us, t.p90_us,
+             t.cpu_us, None] for k, t in keys.items()]
+    rows.append(["enqueue check (`answer_from_record` on a new key: one `GET`)", check["check"].median_us,
+                 check["check"].p90_us, check["check"].cpu_us, check["check"].server_us])
+    rows.append(["raw-socket EVALSHA `return 1`, in turn with the check (the floor)",
+                 check["raw"].median_us, check["raw"].p90_us, check["raw"].cpu_us, None])
+    out.add("Per-task CPU budget (producer side)", table(["what", *US_HEADERS], rows) + (
+        "\n\nKey derivation binds the call to the task's signature, writes the canonical JSON and "
+        "hashes it (celery_idem/keys.py); the arguments are str, int and float in turn. The enqueue "
+        "check is `answer_from_record` for a key never used: one `GET` through the store's wire "
+        "(celery_idem/stores/redis_wire.py), answered None, so `delay()` publishes."))
 
     log("lease renewals ...")
     results["lease"] = _lease_trips(counting, prefix)
@@ -417,6 +454,17 @@ def _e2e_tables(out: Out, summary: list[Summary], plan: Plan) -> None:
         f"consumes meanwhile); *load* is the 1-minute load average after the batches "
         f"({os.cpu_count()} CPUs). "
         "`plain+acks_late` is the plain task with the ack mode `IdempotentTask` sets (`acks_late=True`).")
+    io = [s for s in summary if s.workload == "io"]
+    if io:
+        rows = [[s.pool, s.system, s.rate, rates(s), s.ratio, ratios(s), s.worker_cpu_us,
+                 s.producer_cpu_us, s.cpu_ratio, load(s)] for s in io]
+        out.add(f"End to end, the realistic row: unique tasks whose body waits 10 ms "
+                f"({plan.io_tasks} per batch, {plan.reps} repetitions)", table(
+            ["pool", "system", "tasks/s (median)", "per rep", "ratio vs plain", "per-rep ratio",
+             "worker CPU µs/task", "delay() CPU µs/task", "CPU ratio", "load"], rows) +
+            "\n\nThe same systems and method as the unique no-op table, each body sleeping 10 ms first "
+            "(`time.sleep`, a stand-in for an HTTP call). With `-P prefork -c 2` the ceiling is about "
+            "200 tasks/s; what each system adds per task shows as its distance from it.")
     dup = [s for s in summary if s.workload == "duplicates"]
     rows = []
     for s in dup:
@@ -487,6 +535,32 @@ def _growth(out: Out, results: dict[str, Any], args: argparse.Namespace, table_n
 # -- targets -----------------------------------------------------------------------------------
 
 
+#: Sections of docs/benchmarks.md that another command writes (``python -m bench.dbbackend e2e``
+#: takes its own half hour): ``--write-docs`` carries them over from the page as they are.
+KEPT_SECTIONS = ("End to end: PostgreSQL store against plain Celery with the database backend",)
+
+
+def kept_sections(page: str) -> dict[str, str]:
+    """The :data:`KEPT_SECTIONS` found in ``page`` (heading -> the section's Markdown)."""
+    found: dict[str, str] = {}
+    for part in re.split(r"(?m)^(?=## )", page):
+        heading = part[3:].split("\n", 1)[0].strip() if part.startswith("## ") else ""
+        if heading in KEPT_SECTIONS:
+            found[heading] = part.rstrip() + "\n"
+    return found
+
+
+def _db_backend_row(section: str) -> list[Any] | None:
+    """The PostgreSQL target's row, read from the kept section's bold (folded) ratio."""
+    m = re.search(r"\*\*(\d+\.\d+)\*\* \(([\d.]+)-([\d.]+)\)", section)
+    if m is None:
+        return None
+    v = float(m.group(1))
+    return ["throughput ratio vs plain Celery with the db+postgresql backend, PostgreSQL store "
+            "(`python -m bench.dbbackend e2e`, section above)", ">= 0.95",
+            f"{v:.2f} ({m.group(2)}-{m.group(3)})", "met" if v >= 0.95 else "**MISSED**"]
+
+
 def _targets(out: Out, r: dict[str, Any]) -> None:
     rows: list[list[Any]] = []
 
@@ -499,41 +573,57 @@ def _targets(out: Out, r: dict[str, Any]) -> None:
     def verdict(ok: bool | None) -> str:
         return "n/a" if ok is None else ("met" if ok else "**MISSED**")
 
-    for system, goal in (("idem/redis", 0.95), ("idem/postgres", 0.90), (NOCHECK, 0.95)):
+    for system, goal in (("idem/redis", 0.95), (NOCHECK, 0.98), ("idem/postgres", 0.90)):
         v = ratio("prefork", system)
-        if v is None and system == NOCHECK:
+        if v is None and system != "idem/redis":
             continue
         rows.append([f"throughput ratio vs plain, prefork, {_label(system)}", f">= {goal:.2f}",
                      "n/a" if v is None else f"{v:.3f}", verdict(None if v is None else v >= goal)])
     for s in r.get("e2e", []):
         if s.workload == "unique" and s.pool == "prefork" and s.system.startswith("idem/") and s.cpu_ratio:
-            goal = 0.90 if s.system == "idem/postgres" else 0.95
+            goal = 0.90 if s.system == "idem/postgres" else 0.98 if s.system == NOCHECK else 0.95
             est = 1 / s.cpu_ratio
             rows.append([f"cross-check: plain / idempotent CPU per task, prefork, {_label(s.system)}",
                          f">= {goal:.2f}", f"{est:.3f}", verdict(est >= goal)])
     by = {(s.workload, s.pool, s.system): s for s in r.get("e2e", [])}
+    # Ahead of every peer on unique tasks in the same run (prefork), by the paired ratios.
+    idem_u = by.get(("unique", "prefork", "idem/redis"))
+    for peer in PEERS:
+        p = by.get(("unique", "prefork", peer))
+        if idem_u is None or p is None or idem_u.ratio is None or p.ratio is None:
+            continue
+        tie = " (within 5%: a tie on this machine)" if abs(idem_u.ratio / p.ratio - 1) < 0.05 else ""
+        rows.append([f"ahead of {peer}, unique, prefork (ratio vs plain in the same run)",
+                     "idem/redis > peer", f"{idem_u.ratio:.3f} vs {p.ratio:.3f}{tie}",
+                     verdict(idem_u.ratio > p.ratio)])
     for (workload, pool, system), s in by.items():
-        if system not in PEERS:
+        if workload != "duplicates" or not system.startswith("idem/") or s.ratio is None:
             continue
-        idem = by.get((workload, pool, "idem/redis"))
-        if idem is None:
-            continue
-        comparable = system == "powertools" and workload == "unique"
-        note = "comparable work" if comparable else "NOT comparable (lock only, no cached result)" if (
-            system != "powertools") else "NOT comparable (in-flight copies fail)"
-        tie = " (a tie: within 5%)" if abs(idem.rate / s.rate - 1) < 0.05 else ""
-        rows.append([f"faster than {system}, {workload}, {pool} ({note})", "idem/redis > peer",
-                     f"{idem.rate:.0f} vs {s.rate:.0f} tasks/s{tie}",
-                     verdict(idem.rate > s.rate) if comparable else
-                     ("met" if idem.rate > s.rate else "slower (not comparable)")])
-        nocheck = by.get((workload, pool, NOCHECK))
-        if comparable and nocheck is not None:
-            # Like for like: Powertools works in the worker only, as IdempotentTask does without
-            # the producer-side read.
-            tie = " (a tie: within 5%)" if abs(nocheck.rate / s.rate - 1) < 0.05 else ""
-            rows.append([f"faster than {system}, {workload}, {pool} (like for like: no producer read)",
-                         f"{NOCHECK} > peer", f"{nocheck.rate:.0f} vs {s.rate:.0f} tasks/s{tie}",
-                         verdict(nocheck.rate > s.rate)])
+        actions = s.messages // 4
+        if system == "idem/redis":  # the target is for the default settings (enqueue check on)
+            rows.append([f"duplicates x4, {pool}, {_label(system)}: throughput vs plain", ">= 2x",
+                         f"{s.ratio:.2f}x", verdict(s.ratio >= 2)])
+        rows.append([f"duplicates x4, {pool}, {_label(system)}: bodies run", f"{actions} (one per action)",
+                     f"{s.bodies}", verdict(s.bodies == actions)])
+    io_rows = [s for s in r.get("e2e", []) if s.workload == "io" and s.ratio is not None]
+    for s in io_rows:
+        rows.append([f"realistic row (10 ms body), {s.pool}, {s.system}: ratio vs plain", "reported",
+                     f"{s.ratio:.3f} ({s.rate:.0f} tasks/s)", "reported"])
+    for count, t in sorted(r.get("keys", {}).items()):
+        goal = 40.0
+        rows.append([f"key derivation CPU µs, {count} scalar arguments",
+                     "<= 40" if count <= 8 else "reported (<= 40 is for a handful)", f"{t.cpu_us:.1f}",
+                     verdict(t.cpu_us <= goal) if count <= 8 else
+                     ("met" if t.cpu_us <= goal else "reported")])
+    check = r.get("enqueue_check")
+    if check:
+        c, raw = check["check"], check["raw"]
+        rows.append(["enqueue check client CPU µs (one GET; client CPU excludes the server's time)",
+                     "<= 60", f"{c.cpu_us:.0f}", verdict(c.cpu_us <= 60)])
+        rows.append(["enqueue check client CPU µs beyond a raw-socket round trip (stricter reading)",
+                     "<= 60", f"{c.cpu_us - raw.cpu_us:.0f}", verdict(c.cpu_us - raw.cpu_us <= 60)])
+        rows.append(["raw-socket round trip (trivial EVALSHA), client CPU µs / wall µs: the floor",
+                     "reported", f"{raw.cpu_us:.0f} / {raw.median_us:.0f}", "reported"])
     g = r["gate"]["redis"]
     for kind, goal in (("first", 2), ("duplicate", 1)):
         v = g[kind].round_trips
@@ -541,11 +631,17 @@ def _targets(out: Out, r: dict[str, Any]) -> None:
     for kind in ("first", "duplicate"):
         t, ev = g[kind], g[f"floor/{kind}"]
         beyond = t.cpu_us - (t.round_trips or 0) * ev.cpu_us
-        rows.append([f"gate client CPU µs beyond its round trips, {kind} (Redis)", "<= 50", f"{beyond:.0f}",
-                     verdict(beyond <= 50)])
+        rows.append([f"worker-side gate client CPU µs beyond its round trips (redis-py), {kind}", "<= 60",
+                     f"{beyond:.0f}", verdict(beyond <= 60)])
+        rw = g.get(f"raw/{kind}")
+        if rw is not None:
+            raw_beyond = t.cpu_us - (t.round_trips or 0) * rw.cpu_us
+            rows.append([f"worker-side gate client CPU µs beyond its round trips (raw socket; "
+                         f"stricter reading), {kind}", "<= 60", f"{raw_beyond:.0f}",
+                         verdict(raw_beyond <= 60)])
         wall = t.median_us - (t.round_trips or 0) * ev.median_us
-        rows.append([f"gate wall µs beyond its round trips, {kind} (Redis; stricter reading)", "<= 50",
-                     f"{wall:.0f}", verdict(wall <= 50)])
+        rows.append([f"gate wall µs beyond its round trips, {kind} (Redis; stricter reading)", "<= 60",
+                     f"{wall:.0f}", verdict(wall <= 60)])
     mem = r["gate"]["memory"]["first"].median_us
     rows.append(["gate µs with the in-process store, first (cross-check)", "<= 50", f"{mem:.0f}",
                  verdict(mem <= 50)])
@@ -567,6 +663,9 @@ def _targets(out: Out, r: dict[str, Any]) -> None:
                          "within 25%", f"{lo.new.median_us:.0f} -> {hi.new.median_us:.0f} / "
                          f"{lo.duplicate.median_us:.0f} -> {hi.duplicate.median_us:.0f} µs",
                          verdict(_flat(lo, hi))])
+    db_row = _db_backend_row("".join(r.get("kept", {}).values()))
+    if db_row is not None:
+        rows.append(db_row)
     for row in rows:
         row.append(_why(row[0], row[-1], r) if "MISSED" in row[-1] else "")
     r["targets"] = rows
@@ -592,24 +691,38 @@ def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
         dw, dp = s.worker_cpu_us - plain.worker_cpu_us, s.producer_cpu_us - plain.producer_cpu_us
         base = plain.worker_cpu_us + plain.producer_cpu_us
         share = 0.10 if store == "postgres" else 0.05
-        text = (f"the run is CPU-bound (producer, worker and Redis on {os.cpu_count()} shared CPUs), so "
-                f"throughput follows total CPU per task: IdempotentTask adds {dw:.0f} µs worker CPU and "
-                f"{dp:.0f} µs in delay() on a {base:.0f} µs plain task; {share:.0%} would allow "
-                f"{share * base / (1 - share):.0f} µs in all. ")
+        ncpu = os.cpu_count() or 1
+        text = (f"IdempotentTask adds {dw:.0f} µs worker CPU and {dp:.0f} µs in delay() on a {base:.0f} µs "
+                f"plain task (CPU per task x{(base + dw + dp) / base:.2f}); ")
+        if max(s.load[1], plain.load[1]) >= ncpu:
+            # Saturated: every µs of CPU anywhere (producer, worker, Redis) delays the batch.
+            text += (f"the run is CPU-bound (1-minute load up to {max(s.load[1], plain.load[1]):.1f} on "
+                     f"{ncpu} shared CPUs), so throughput follows total CPU per task; {share:.0%} would "
+                     f"allow {share * base / (1 - share):.0f} µs in all. ")
+        else:
+            # Not saturated: the batch time is the critical path (the single producer's loop, then
+            # the workers), so added latency costs more than the CPU figure says.
+            text += (f"the machine was not saturated (load {s.load[0]:.1f}-{s.load[1]:.1f} on {ncpu} CPUs), "
+                     "so the batch time follows its critical path, not the CPU total: the single "
+                     "producer's delay() loop, which the workers wait on, then the workers. ")
+        late = by.get(("unique", "prefork", "plain+acks_late"))
         if system == NOCHECK:
-            text += ("Without the enqueue check the worker pays 2 store round trips per task (claim, and "
-                     "the record that also writes Celery's result, in place of the backend's GET and "
-                     "SET), plus acks_late.")
+            text += ("Without the enqueue check, delay() costs what plain's does; the worker pays 2 store "
+                     "round trips per task (the claim, and the record that also writes Celery's result, "
+                     "in place of the backend's GET and SET) and acks late")
+            text += (f" (the ack mode alone, plain+acks_late in the same run: {late.ratio:.2f})."
+                     if late is not None and late.ratio is not None else ".")
         elif store == "redis":
             nocheck = by.get(("unique", "prefork", NOCHECK))
             extra = ""
             if nocheck is not None and s.messages:
-                extra = (f" (enqueueing took {(s.enqueue - nocheck.enqueue) / s.messages * 1e6:.0f} µs "
-                         "more per task than without the check)")
-            text += ("The worker's share is the claim (its result write rides on the record); the rest "
-                     "is delay()'s read of the record (`store.get` in `_cached`), one more round trip "
-                     "that the single producer waits for before it publishes" + extra + ". With "
-                     "`idempotency_check_on_enqueue=False` see the row below.")
+                extra = (f": enqueueing took {(s.enqueue - nocheck.enqueue) / s.messages * 1e6:.0f} µs "
+                         f"more per task than without the check, and the run without it reached "
+                         f"{nocheck.ratio:.2f}" if nocheck.ratio is not None else "")
+            text += ("What the check costs is delay()'s read of the record (`store.get`): one round trip "
+                     "that the producer waits for before it publishes" + extra + ". It is what answers a "
+                     "done key without a message (the duplicate rows); "
+                     "`idempotency_check_on_enqueue=False` leaves it to the worker's claim.")
         else:
             paths = r.get("sql_paths")
             if paths:
@@ -625,36 +738,73 @@ def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
                          "tasks are slower); PostgreSQL's own CPU per statement runs on the same 2 CPUs. "
                          "The Redis result backend's GET + SET cannot ride on a PostgreSQL record.")
         return text
-    if target.startswith("faster than powertools") and "like for like" in target:
-        return ("both make 2 store round trips in the worker; Powertools' are plain SET/GET (no script), "
-                "it acks early and keeps no fencing token or lease; IdempotentTask's claim and record are "
-                "Lua scripts with fencing, and it acks late. Differences of a few per cent are within "
-                "this machine's noise (see the per-repetition figures).")
-    if target.startswith("faster than powertools"):
-        return ("Powertools works in the worker only (2 plain SET/GET round trips, no producer read, acks "
-                "early); IdempotentTask also reads the record in delay() (1 extra round trip on the "
-                "producer) and uses acks_late; that buys answering duplicates without publishing (the "
-                "duplicate workload) and waiting instead of failing on in-flight copies.")
-    if target.startswith(("gate client CPU", "gate µs with the in-process")) and verdict != "met":
+    if target.startswith("duplicates x4") and "throughput" in target:
+        pool = target.split(", ")[1]  # "duplicates x4, <pool>, redis store: throughput vs plain"
+        d, dp = by.get(("duplicates", pool, "idem/redis")), by.get(("duplicates", pool, "plain"))
+        if d is None or dp is None or not d.messages:
+            return ""
+        copies = d.messages - d.messages // 4
+        return (f"{d.cached} of the {copies} copies were answered by delay() itself (no message); "
+                f"{d.published - d.messages // 4} were published because their original was still "
+                f"queued when they were enqueued (no record yet, so nothing to answer from), and each "
+                f"of those costs a delivery and a claim answered from the record: about what a plain "
+                f"no-op costs (worker CPU per message: {d.worker_cpu_us:.0f} µs here, plain "
+                f"{dp.worker_cpu_us:.0f}). The rounds are enqueued back to back, so the ratio grows "
+                f"with how many originals are done before their copies arrive (more on a loaded "
+                f"machine, where the producer is slower); a fast producer outruns the workers.")
+    if target.startswith("ahead of"):
+        peer = target.split(",")[0][len("ahead of "):]
+        mine, theirs = by.get(("unique", "prefork", "idem/redis")), by.get(("unique", "prefork", peer))
+        cpu = ""
+        if mine is not None and theirs is not None:
+            a = mine.worker_cpu_us + mine.producer_cpu_us
+            b = theirs.worker_cpu_us + theirs.producer_cpu_us
+            cpu = (f"CPU per task (worker + delay(), less sensitive to other load): IdempotentTask "
+                   f"{a:.0f} µs, {peer} {b:.0f} µs ({'less' if a < b else 'more'}). ")
+        return (cpu + "the peers act in the worker only or hold a lock only (see \"Peers: what each one "
+                "does\"); IdempotentTask also reads the record in delay() (one more round trip on the "
+                "producer) and acks late. Differences of a few per cent are within this machine's noise "
+                "(see the per-repetition ratios).")
+    if target.startswith("enqueue check") and verdict != "met":
+        ref = r.get("cpu_ref_ms")
+        c = r["enqueue_check"]["check"]
+        if not ref:
+            return ""
+        return (f"on a core that runs the reference loop in {REFERENCE_MS:.0f} ms (this one: {ref:.0f} "
+                f"ms) it would be about {c.cpu_us * REFERENCE_MS / ref:.0f} µs; the raw-socket floor of "
+                f"the same round trip is {r['enqueue_check']['raw'].cpu_us:.0f} µs here.")
+    if target.startswith(("worker-side gate client CPU", "gate µs with the in-process")) and verdict != "met":
         ref = r.get("cpu_ref_ms")
         if not ref:
             return ""
-        kind = "first" if ", first " in target else "duplicate"
+        kind = "first" if target.endswith("first") or ", first " in target else "duplicate"
         g = r["gate"]["redis"]
         if target.startswith("gate µs"):
             value = r["gate"]["memory"]["first"].median_us
         else:
-            t, ev = g[kind], g[f"floor/{kind}"]
+            t = g[kind]
+            ev = g[f"raw/{kind}"] if "raw socket" in target else g[f"floor/{kind}"]
             value = t.cpu_us - (t.round_trips or 0) * ev.cpu_us
         scaled = value * REFERENCE_MS / ref
-        return (f"absolute CPU figures scale with the machine: this one runs the reference loop "
+        detail = ""
+        if "raw socket" in target:
+            comp = r["components"]
+            mem = r["gate"]["memory"][kind].cpu_us
+            verbs = ("store.claim (claimed)", "store.record") if kind == "first" else (
+                "store.claim (done, duplicate)",)
+            verb_cpu = sum(comp[v].cpu_us for v in verbs)
+            detail = (f"What is left beyond the raw round trips: the gate's own work ({mem:.0f} µs with "
+                      f"the in-process store: result encoding, the lease keeper's hold, events) and the "
+                      f"store verbs' own client CPU ({verb_cpu:.0f} µs for {' + '.join(verbs)}, of which "
+                      "redis-py's Connection send/read and parser, the arguments and the reply). ")
+        return detail + (f"absolute CPU figures scale with the machine: this one runs the reference loop "
                 f"(machine table) in {ref:.0f} ms; on a core that runs it in {REFERENCE_MS:.0f} ms this "
-                f"figure would be about {scaled:.0f} µs, {'within' if scaled <= 50 else 'still over'} "
+                f"figure would be about {scaled:.0f} µs, {'within' if scaled <= 60 else 'still over'} "
                 "the target.")
     if target.startswith("gate wall"):
         kind = "first" if ", first " in target else "duplicate"
         t, ev = r["gate"]["redis"][kind], r["gate"]["redis"][f"floor/{kind}"]
-        cpu_met = t.cpu_us - (t.round_trips or 0) * ev.cpu_us <= 50
+        cpu_met = t.cpu_us - (t.round_trips or 0) * ev.cpu_us <= 60
         return ("wall time includes waiting for a shared server on a loaded machine; the CPU reading of "
                 f"the same target is {'met' if cpu_met else 'missed too (see the row above)'}.")
     if target.startswith("done record bytes"):
@@ -712,29 +862,31 @@ def _findings(r: dict[str, Any]) -> list[str]:
     raw, py = floor["EVALSHA return 1 (raw socket)"], floor["EVALSHA return 1 (redis-py)"]
     gr = r["gate"]["redis"]
     g, ev = gr["first"], gr["floor/first"]
-    gd, evd = gr["duplicate"], gr["floor/duplicate"]
-    beyond, beyond_d = g.cpu_us - 2 * ev.cpu_us, gd.cpu_us - evd.cpu_us
+    gd = gr["duplicate"]
+    rw, rwd = gr.get("raw/first", raw), gr.get("raw/duplicate", raw)
+    beyond, beyond_d = g.cpu_us - 2 * rw.cpu_us, gd.cpu_us - rwd.cpu_us
+    mem = r["gate"]["memory"]
     f.append(
-        f"**Redis gate: round trips and redis-py dominate.** A first run takes {g.median_us:.0f} µs "
-        f"({g.cpu_us:.0f} µs CPU) for {g.round_trips:g} round trips, a trivial EVALSHA timed in turn with "
-        f"it {ev.median_us:.0f} µs ({ev.cpu_us:.0f} µs CPU). In the floor loops a trivial EVALSHA costs "
-        f"{py.cpu_us:.0f} µs of client CPU through redis-py and {raw.cpu_us:.0f} µs through a raw socket: "
-        f"most of a round trip's client cost is redis-py. Beyond its round trips the gate costs "
-        f"{beyond:.0f} µs CPU per first run and {beyond_d:.0f} µs per duplicate; with the in-process "
-        f"store the whole gate takes {r['gate']['memory']['first'].median_us:.0f} µs (first) and "
-        f"{r['gate']['memory']['duplicate'].median_us:.0f} µs (duplicate).")
+        f"**Redis gate: the round trips, then the gate's own work.** A first run takes "
+        f"{g.median_us:.0f} µs ({g.cpu_us:.0f} µs CPU) for {g.round_trips:g} round trips; a trivial "
+        f"EVALSHA timed in turn with it costs {rw.cpu_us:.0f} µs of client CPU on a raw socket (the "
+        f"floor) and {ev.cpu_us:.0f} µs through redis-py. The store's verbs do not take redis-py's "
+        f"command path (celery_idem/stores/redis_wire.py: a pooled connection kept per verb, the "
+        f"command packed by hiredis, the reply read by the connection's parser). Beyond two raw-socket "
+        f"round trips the gate costs {beyond:.0f} µs CPU per first run and {beyond_d:.0f} µs per "
+        f"duplicate; with the in-process store the whole gate takes {mem['first'].cpu_us:.0f} µs "
+        f"(first) and {mem['duplicate'].cpu_us:.0f} µs (duplicate) of CPU.")
     c = r["components"]
     claim, record = c["store.claim (claimed)"], c["store.record"]
-    eva = c["EVALSHA return 1 (in turn with claim and record)"]
     dclaim = c["store.claim (done, duplicate)"]
-    evb = c["EVALSHA return 1 (in turn with the two above)"]
-    xc, xr = claim.cpu_us - eva.cpu_us, record.cpu_us - eva.cpu_us
+    xc, xr = claim.cpu_us - raw.cpu_us, record.cpu_us - raw.cpu_us
     text = (f"**Where the CPU beyond the round trips goes** (first run): the two verbs cost more client "
-            f"CPU than a trivial EVALSHA timed in turn with them, `store.claim` +{xc:.0f} µs and "
-            f"`store.record` +{xr:.0f} µs (more arguments to pack, a 13-element reply to parse, the "
-            f"`Claim`/`Record` built from it); that leaves about {beyond - xc - xr:.0f} µs for the gate "
-            f"itself (result encoding, lease hold, decisions). A duplicate's `store.claim` on a done key "
-            f"costs +{dclaim.cpu_us - evb.cpu_us:.0f} µs CPU over its trivial EVALSHA")
+            f"CPU than a raw-socket trivial EVALSHA, `store.claim` +{xc:.0f} µs and `store.record` "
+            f"+{xr:.0f} µs (redis-py's Connection send and read, the arguments packed, a larger command "
+            f"and reply, the `Claim` built from it); the gate itself (result encoding, lease hold, "
+            f"events, decisions) is the in-process store's figure above. A duplicate's `store.claim` on "
+            f"a done key costs +{dclaim.cpu_us - raw.cpu_us:.0f} µs CPU over the floor (the record "
+            f"decoded, the result with it)")
     srv = [(name, t.server_us) for name, t in (("claim.lua", claim), ("record.lua", record),
                                                ("claim.lua on a done key", dclaim), ("`return 1`", py))]
     shown = [f"{name} {v:.1f} µs" for name, v in srv if v is not None]
@@ -757,7 +909,7 @@ def _findings(r: dict[str, Any]) -> list[str]:
         f"{first.median_us:.0f} µs and {first.round_trips:g} store round trips against "
         f"{plain.median_us:.0f} µs "
         f"for the plain task: `IdempotentTask.apply_async` derives the key and reads the record "
-        f"(`_cached` -> `store.get`) before publishing, then the worker's gate claims and records.")
+        f"(`store.get`) before publishing, then the worker's gate claims and records.")
     tr = r.get("tracer")
     if tr:
         pl, fo, un = tr[tracer.PLAIN], tr[tracer.FOLDED], tr[tracer.UNFOLDED]

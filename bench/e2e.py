@@ -171,6 +171,7 @@ class Plan:
     copies: int = 4
     warmup: int = 100
     peers: bool = True
+    io_tasks: int = 0  # messages per batch of the realistic row (0: not measured)
     notes: list[str] = field(default_factory=list)
 
 
@@ -219,7 +220,7 @@ def run_batch(system: System, calls: list[tuple[Any, ...]],
 
 def _calls(system: System, workload: str, tag: str, n: int, copies: int,
            counter: str | None) -> list[tuple[Any, ...]]:
-    if workload == "unique":
+    if workload in ("unique", "io"):
         return [(f"{tag}:{i}",) for i in range(n)]
     actions = [f"{tag}:{i}" for i in range(max(1, n // copies))]
     # Duplicates in rounds: every action once, then every action again, ... (copies rounds).
@@ -286,18 +287,26 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
             if plan.peers and task_name in base_app.tasks:
                 unique.append(System(peer, base_app, task_name, base_worker, peer=True))
                 dup.append(System(peer, base_app, task_name + "_count", base_worker, counted=True, peer=True))
+        # The realistic row: the unique systems again, each body sleeping IO_SECONDS.
+        io = [System(x.name, x.app, x.task_name + "_io", x.worker, peer=x.peer) for x in unique
+              if x.task_name + "_io" in x.app.tasks]
         timeout = 120 + plan.tasks / 10
         out: list[Batch] = []
-        for workload, systems in (("unique", unique), ("duplicates", dup)):
+        workloads = [("unique", unique), ("duplicates", dup)]
+        if plan.io_tasks:
+            workloads.append(("io", io))
+        for workload, systems in workloads:
             for s in systems:  # warm-up: connections, scripts, imports, the SQL table
                 tag = f"{prefix}{workload}:{pool}:{s.name}:warm"
                 counter = f"{tag}:bodies" if s.counted else None
-                run_batch(s, _calls(s, workload, tag, plan.warmup, plan.copies, counter), timeout)
+                warm = min(plan.warmup, plan.io_tasks) if workload == "io" else plan.warmup
+                run_batch(s, _calls(s, workload, tag, warm, plan.copies, counter), timeout)
             for rep in range(plan.reps):
                 for s in systems:
                     tag = f"{prefix}{workload}:{pool}:{s.name}:{rep}"
                     counter = f"{tag}:bodies" if s.counted else None
-                    calls = _calls(s, workload, tag, plan.tasks, plan.copies, counter)
+                    n = plan.io_tasks if workload == "io" else plan.tasks
+                    calls = _calls(s, workload, tag, n, plan.copies, counter)
                     wcpu = s.worker.cpu_seconds()
                     secs, enq, published, cached, pcpu, failed, rejected = run_batch(s, calls, timeout)
                     wcpu = s.worker.cpu_seconds() - wcpu

@@ -29,6 +29,7 @@ from celery import Celery
 
 from celery_idem import IdempotentTask
 from celery_idem.codec import KombuCodec
+from celery_idem.enqueue import answer_from_record
 from celery_idem.gate import Attempt, Gate
 from celery_idem.lease import keeper
 from celery_idem.stores.base import Store
@@ -159,11 +160,13 @@ OWNER = f"{socket.gethostname()}:{os.getpid()}"
 
 def gate_timings(store: Store, prefix: str, n: int, tag: str,
                  count: Callable[[], int] | None = None,
-                 floor: Callable[[int], Any] | None = None) -> dict[str, Timing]:
+                 floor: Callable[[int], Any] | None = None,
+                 raw_floor: Callable[[int], Any] | None = None) -> dict[str, Timing]:
     """``Gate.run`` with a no-op body: first runs (unique keys) and duplicates (one done key).
 
     With ``floor`` (one trivial round trip), it is timed in turn with the gate: the entries
-    ``floor/first`` and ``floor/duplicate`` are the floor measured alongside each.
+    ``floor/first`` and ``floor/duplicate`` are the floor measured alongside each; ``raw_floor``
+    (the same round trip on a raw socket) gives ``raw/first`` and ``raw/duplicate``.
     """
     gate, task = _gate_for(store, prefix)
     attempts = {i: Attempt(key=task.idempotency_key_for((f"{tag}:{i}",)), task_id=str(uuid.uuid4()),
@@ -175,7 +178,13 @@ def gate_timings(store: Store, prefix: str, n: int, tag: str,
         fns: dict[str, Callable[[int], Any]] = {kind: fn}
         if floor is not None:
             fns[f"floor/{kind}"] = floor
-        out.update(time_interleaved(fns, n, warm=50 if kind == "first" else 20, count=count))
+        if raw_floor is not None:
+            fns[f"raw/{kind}"] = raw_floor
+        timed = time_interleaved(fns, n, warm=50 if kind == "first" else 20, count=count)
+        for name, t in timed.items():
+            if name != kind:
+                t.round_trips = None  # the counter saw the gate's trips only (floors: 1 each)
+        out.update(timed)
     return out
 
 
@@ -624,3 +633,82 @@ def sql_claim_build(pg_url: str, prefix: str, table: str, n: int) -> Timing | No
         return timing
     except (ImportError, AttributeError, TypeError, RuntimeError):
         return None
+
+
+# -- the per-task CPU budget (issue 15) ---------------------------------------------------------
+
+#: Argument counts the key derivation is reported for.
+KEY_ARGS = (2, 8, 32)
+
+
+def key_timings(n: int) -> dict[int, Timing]:
+    """``idempotency_key_for`` of a task with 2, 8 and 32 scalar arguments (str, int, float in
+    turn), the whole call as ``apply_async`` makes it: binding, canonical JSON, hash."""
+    app = Celery("bench-keys", set_as_current=False)
+    app.conf.update(idempotency_store="memory://", result_backend=None)
+    fns: dict[str, Callable[[int], Any]] = {}
+    for count in KEY_ARGS:
+        namespace: dict[str, Any] = {}
+        params = ", ".join(f"a{i}" for i in range(count))
+        exec(f"def task_{count}({params}):\n    return None", namespace)  # a fixed text: n parameters
+        task = app.task(namespace[f"task_{count}"], base=IdempotentTask, shared=False,
+                        name=f"bench.keys.{count}")
+        args = tuple(f"ord_{i}" if i % 3 == 0 else i * 17 if i % 3 == 1 else i * 0.5
+                     for i in range(count))
+        fns[str(count)] = lambda i, t=task, a=args: t.idempotency_key_for(a)
+    out = time_interleaved(fns, n, warm=100)
+    app.close()
+    return {int(k): v for k, v in out.items()}
+
+
+class RawRedis:
+    """A raw-socket client (RESP by hand, no library): the floor of a Redis round trip here."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        kwargs = client.connection_pool.connection_kwargs
+        self.sock = socket.create_connection((kwargs.get("host", "127.0.0.1"), kwargs.get("port", 6379)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        db = int(kwargs.get("db", 0) or 0)
+        if db:
+            self.sock.sendall(f"*2\r\n$6\r\nSELECT\r\n${len(str(db))}\r\n{db}\r\n".encode())
+            self.sock.recv(64)
+        self.sha = client.script_load("return 1")
+        self.cmd = b"*3\r\n$7\r\nEVALSHA\r\n$40\r\n" + self.sha.encode() + b"\r\n$1\r\n0\r\n"
+
+    def evalsha(self, i: int = 0) -> None:
+        """A trivial EVALSHA (``return 1``)."""
+        self.sock.sendall(self.cmd)
+        if self.sock.recv(64) != b":1\r\n":
+            raise RuntimeError("unexpected reply to EVALSHA")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def enqueue_check_timings(store: RedisStore, client: redis.Redis, prefix: str, n: int,
+                          tag: str) -> dict[str, Timing]:
+    """The producer's enqueue check (:func:`celery_idem.enqueue.answer_from_record`, as
+    ``apply_async`` calls it, on a key never seen: one ``GET``), timed in turn with a
+    raw-socket round trip; with the server's time per ``GET``."""
+    _, task, _ = _bench_task(store, prefix)
+    keys = {i: task.idempotency_key_for((f"{tag}:q:{i}",)) for i in range(-50, n)}
+    raw = RawRedis(client)
+    try:
+        def check(i: int) -> None:
+            if answer_from_record(task, task._gate, task._result_writer, keys[i], (f"{tag}:q:{i}",),
+                                  {}, arguments_hash=str) is not None:
+                raise RuntimeError("a key never used was answered from the record")
+
+        out = time_interleaved({"check": check, "raw": raw.evalsha}, n, warm=50)
+        # Server time per GET, alone (INFO commandstats deltas; None if another client's GETs
+        # ran meanwhile, which on a shared server is likely: then only the CPU figure counts).
+        row0 = client.info("commandstats").get("cmdstat_get") or {}
+        for i in range(n):
+            store.get(keys[i])
+        row1 = client.info("commandstats").get("cmdstat_get") or {}
+        calls = int(row1.get("calls", 0)) - int(row0.get("calls", 0))
+        if calls == n:
+            out["check"].server_us = (int(row1.get("usec", 0)) - int(row0.get("usec", 0))) / n
+        return out
+    finally:
+        raw.close()

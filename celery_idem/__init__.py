@@ -1,22 +1,29 @@
 """Exactly-once effects for Celery tasks.
 
 Public API: :class:`IdempotentTask`, :func:`idempotency_key` and the exceptions. This module
-imports no store backend (neither ``redis`` nor ``sqlalchemy``).
+imports no store backend (neither ``redis`` nor ``sqlalchemy``), and no Celery until a name
+that needs it is used: :class:`IdempotentTask`, :class:`CachedResult` and
+:class:`ImproperlyConfigured` load the Celery seam (``celery_idem.task``) on first access, so
+``import celery_idem.gate`` (or any other core module) stays Celery-free.
 """
 
 from __future__ import annotations
+
+import typing as _typing
 
 from .exceptions import (
     CorruptRecord,
     IdempotencyError,
     IdempotencyKeyMismatch,
-    ImproperlyConfigured,
     LeaseLost,
     StoreUnavailable,
     TerminalError,
 )
 from .keys import idempotency_key
-from .task import CachedResult, IdempotentTask
+
+if _typing.TYPE_CHECKING:
+    from .exceptions import ImproperlyConfigured
+    from .task import CachedResult, IdempotentTask
 
 __version__ = "0.1.0"
 
@@ -33,3 +40,17 @@ __all__ = [
     "__version__",
     "idempotency_key",
 ]
+
+#: Names served by the Celery seam, loaded on first access. ImproperlyConfigured is the core's
+#: class, given Celery's ImproperlyConfigured as a base when the seam loads (see exceptions.py).
+_SEAM_NAMES = ("CachedResult", "IdempotentTask", "ImproperlyConfigured")
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name in _SEAM_NAMES:
+        from . import exceptions, task
+
+        globals().update(CachedResult=task.CachedResult, IdempotentTask=task.IdempotentTask,
+                         ImproperlyConfigured=exceptions.ImproperlyConfigured)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,9 @@ Terminal errors are stored as JSON ``{"module", "type", "message"}`` and re-rais
 type with the same message, for types whose module is already imported in the worker (the task
 module is). Other types come back as :class:`TerminalError` naming the original type, so a
 record can never make a worker import a module.
+
+The gate sees only the :class:`Codec` protocol; kombu is imported when a :class:`KombuCodec` is
+built (by the Celery seam), so importing this module loads neither kombu nor Celery.
 """
 
 from __future__ import annotations
@@ -16,9 +19,6 @@ import json
 import sys
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
-
-from kombu.exceptions import ContentDisallowed, DecodeError
-from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .exceptions import CorruptRecord, TerminalError
 
@@ -57,17 +57,46 @@ class KombuCodec:
 
     def __init__(self, serializer: str = "json", accept: Collection[str] | None = None,
                  prepare: Callable[[Any], Any] | None = None) -> None:
+        from kombu import exceptions, serialization
+
         self.serializer = serializer
         self.prepare = prepare
+        self._serialization = serialization
+        self._refused = exceptions.ContentDisallowed
+        self._unreadable = exceptions.DecodeError
         # Celery settings name serializers ("json"); kombu's loads() compares content types.
         self.accept: set[str] | None = None
         if accept is not None:
-            self.accept = prepare_accept_content(accept)  # type: ignore[no-untyped-call]
+            self.accept = serialization.prepare_accept_content(accept)  # type: ignore[no-untyped-call]
+        # The JSON fast path: kombu's registry entry for "json" calls json.dumps with kombu's
+        # JSONEncoder class, building an encoder per call. One encoder built here writes the same
+        # bytes for a third of the CPU (the gate's per-task budget, docs/benchmarks.md). Taken only
+        # while the registry still holds kombu's own entry: a serializer registered under "json"
+        # later (kombu's register()) is used as it is, through the registry.
+        self._json_entry: Any = None
+        self._json_encode: Callable[[Any], str] | None = None
+        self._encode_failed: type[Exception] = exceptions.EncodeError
+        if serializer == "json":
+            from kombu.utils import json as kombu_json
+
+            entry = getattr(serialization.registry, "_encoders", {}).get("json")
+            if entry is not None and getattr(entry, "encoder", None) is kombu_json.dumps:
+                self._json_entry = entry
+                self._json_encode = kombu_json.JSONEncoder().encode
+                self._json_type = f"{entry.content_type};{entry.content_encoding}"
+                self._json_charset = entry.content_encoding
 
     def encode_result(self, value: Any) -> tuple[str, bytes]:
         if self.prepare is not None:
             value = self.prepare(value)
-        content_type, encoding, data = dumps(value, serializer=self.serializer)  # type: ignore[no-untyped-call]
+        if (self._json_encode is not None
+                and self._serialization.registry._encoders.get("json") is self._json_entry):
+            try:
+                return self._json_type, self._json_encode(value).encode(self._json_charset)
+            except Exception as exc:  # as kombu's registry reports it (_reraise_errors)
+                raise self._encode_failed(exc) from exc
+        content_type, encoding, data = self._serialization.dumps(  # type: ignore[no-untyped-call]
+            value, serializer=self.serializer)
         if isinstance(data, str):
             data = data.encode(encoding)
         return f"{content_type};{encoding}", data
@@ -75,14 +104,15 @@ class KombuCodec:
     def decode_result(self, key: str, content_type: str, data: bytes) -> Any:
         mime, _, encoding = content_type.partition(";")
         try:
-            return loads(data, mime, encoding or "binary", accept=self.accept)  # type: ignore[no-untyped-call]
-        except ContentDisallowed as exc:
+            return self._serialization.loads(  # type: ignore[no-untyped-call]
+                data, mime, encoding or "binary", accept=self.accept)
+        except self._refused as exc:
             raise CorruptRecord(
                 f"the result recorded for {key!r} is {mime}, which this app does not accept "
                 f"(result_accept_content); it was not decoded",
                 key=key,
             ) from exc
-        except (DecodeError, ValueError, TypeError) as exc:
+        except (self._unreadable, ValueError, TypeError) as exc:
             raise CorruptRecord(f"the result recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
 
     def encode_error(self, exc: BaseException) -> tuple[str, bytes]:

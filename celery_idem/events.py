@@ -1,4 +1,7 @@
-"""What the gate decided, as an enum, and the one place decisions are logged."""
+"""What the gate decided, as an enum, the one place decisions are logged, and their observers.
+
+Celery-free: the gate imports it. Sending decisions as Celery events is ``celery_idem.app``'s.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ANSWERS", "EVENT_TYPE", "Emit", "Outcome", "log_outcome"]
+__all__ = ["ANSWERS", "EVENT_TYPE", "OBSERVERS", "Emit", "Observer", "Outcome", "add_observer",
+           "log_outcome", "notify_observers"]
 
 #: The Celery event type sent for every decision.
 EVENT_TYPE = "task-idempotency"
@@ -80,3 +84,26 @@ def log_outcome(
         level, "celery_idem %s key=%s task_id=%s token=%s original_task_id=%s%s",
         outcome.value, key, task_id, token, original_task_id, tail,
     )
+
+
+#: Called with every decision: ``(task_name, outcome_value, key, token, original_task_id, *,
+#: task_span)``; ``task_span`` is True in a worker (the current span is the task's run), False at
+#: enqueue (the caller's own).
+Observer = Callable[..., None]
+
+#: The registered observers (the bundled OpenTelemetry add-on, ``celery_idem.contrib.otel``,
+#: adds itself when the OpenTelemetry API is installed).
+OBSERVERS: list[Observer] = []
+
+
+def add_observer(observer: Observer) -> None:
+    """Register ``observer`` for every decision of this process (once; a repeat is ignored)."""
+    if observer not in OBSERVERS:
+        OBSERVERS.append(observer)
+
+
+def notify_observers(task: str, outcome: Outcome, key: str, token: int, original_task_id: str, *,
+                     task_span: bool) -> None:
+    """Pass one decision to every observer (none registered: one empty loop)."""
+    for observer in OBSERVERS:
+        observer(task, outcome.value, key, token, original_task_id, task_span=task_span)

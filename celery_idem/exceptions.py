@@ -8,15 +8,30 @@ Every exception derives from one root, so ``except IdempotencyError`` catches th
     ├── LeaseLost
     ├── StoreUnavailable
     ├── CorruptRecord
-    └── ImproperlyConfigured     (also a celery.exceptions.ImproperlyConfigured)
+    └── ImproperlyConfigured     (also a celery.exceptions.ImproperlyConfigured: see below)
 
 Each class calls ``super().__init__(message)`` so that ``str()`` and pickling work when Celery
 stores the exception in its result backend.
+
+This module imports no Celery, so the core (the gate, the stores) can use it without loading
+Celery. :class:`ImproperlyConfigured` is still Celery's ``ImproperlyConfigured`` wherever users
+catch it: :func:`adopt_celery_base` adds Celery's class to its bases, and runs when
+
+* the Celery seam (``celery_idem.task``) is imported: ``from celery_idem import
+  IdempotentTask``, and ``celery_idem.ImproperlyConfigured`` itself, load it;
+* this module is imported in a process that has already imported ``celery.exceptions``;
+* an ``ImproperlyConfigured`` is created in a process that has imported ``celery.exceptions``
+  (whoever writes ``except celery.exceptions.ImproperlyConfigured`` has).
+
+It is one class object throughout, so an ``except celery.exceptions.ImproperlyConfigured``
+around a task's definition, a store URL or a worker start catches it, and so does ``except
+celery_idem.ImproperlyConfigured`` in a process that never loads Celery.
 """
 
 from __future__ import annotations
 
-from celery.exceptions import ImproperlyConfigured as _CeleryImproperlyConfigured
+import sys
+from typing import Any
 
 __all__ = [
     "CorruptRecord",
@@ -87,5 +102,34 @@ class CorruptRecord(IdempotencyError):
         return (type(self), (str(self), self.key))
 
 
-class ImproperlyConfigured(IdempotencyError, _CeleryImproperlyConfigured):  # type: ignore[misc]
-    """Raised when a task or app is configured in a way celery_idem cannot honour."""
+class ImproperlyConfigured(IdempotencyError):
+    """Raised when a task or app is configured in a way celery_idem cannot honour.
+
+    Also a ``celery.exceptions.ImproperlyConfigured`` whenever Celery is loaded (see the module
+    docstring).
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ImproperlyConfigured:
+        if "celery.exceptions" in sys.modules:  # who catches Celery's class has imported it
+            adopt_celery_base()
+        return super().__new__(cls, *args, **kwargs)
+
+
+def adopt_celery_base() -> None:
+    """Make :class:`ImproperlyConfigured` a subclass of Celery's ``ImproperlyConfigured`` too.
+
+    Called by the Celery seam (``celery_idem.task``) when it is imported; idempotent. The
+    class object stays the same (its bases change), so exceptions raised before and after,
+    and every ``except`` naming either class, agree.
+    """
+    from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
+
+    if not issubclass(ImproperlyConfigured, CeleryImproperlyConfigured):
+        # Both are plain Exception subclasses (no __slots__), so the layouts agree and Python
+        # allows the new bases; the MRO becomes ImproperlyConfigured, IdempotencyError,
+        # Celery's ImproperlyConfigured, CeleryError, Exception.
+        ImproperlyConfigured.__bases__ = (IdempotencyError, CeleryImproperlyConfigured)
+
+
+if "celery.exceptions" in sys.modules:
+    adopt_celery_base()

@@ -18,7 +18,13 @@ A ``deadline`` (the caller's time limit, less a margin) bounds the wait too, and
 (the caller's soft time limit) that arrives while claiming or waiting raises Requeue.
 
 The task layer (``task.py``) supplies the key, the body and a codec, and turns :class:`Requeue`
-and :class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message.
+and :class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message. :meth:`Gate.run`
+answers with a :class:`RunOutcome`: the value, whether this attempt ran the body, and the
+backend write that rode on the record, if any. Calls go one way, down: the gate never calls back
+into the task layer except through the functions it is handed (the body, a pure ``fold``
+builder, ``emit``).
+
+This module imports no Celery and no kombu (``tests/unit/test_layering.py`` checks it).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .codec import Codec
 from .config import IdempotencyConfig
@@ -37,7 +43,7 @@ from .lease import LeaseKeeper, keeper
 from .records import Claim, ClaimStatus, Record, State
 from .stores.base import BackendWrite, Store
 
-__all__ = ["Attempt", "Gate", "Requeue"]
+__all__ = ["Attempt", "Gate", "Requeue", "RunOutcome"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -63,6 +69,25 @@ class Attempt:
     payload_hash: str | None = None
 
 
+@dataclass(frozen=True)
+class RunOutcome(Generic[T]):
+    """What :meth:`Gate.run` did for one attempt.
+
+    Attributes:
+        value: The body's result, or the recorded result of the attempt that ran it.
+        ran: True when this attempt ran the body (and recorded its result); False when it was
+            answered from the record (a duplicate, or after waiting for the holder).
+        write: The backend write built for the record by ``fold`` (None: none was built).
+        folded: True when ``write`` was made in the record's own store call; the caller then
+            skips the backend's own write. False: the caller stores the result itself.
+    """
+
+    value: T
+    ran: bool
+    write: BackendWrite | None = None
+    folded: bool = False
+
+
 class Requeue(Exception):
     """Raised by the gate when this attempt should go round again instead of running the body.
 
@@ -85,12 +110,12 @@ class Requeue(Exception):
 _OUTCOMES = frozenset({State.DONE, State.FAILED})
 
 
-def _build(also: Callable[[T], BackendWrite | None] | None, key: str, result: T) -> BackendWrite | None:
-    """``also(result)``, or None if it fails: the record must be written whatever happens here."""
-    if also is None:
+def _build(fold: Callable[[T], BackendWrite | None] | None, key: str, result: T) -> BackendWrite | None:
+    """``fold(result)``, or None if it fails: the record must be written whatever happens here."""
+    if fold is None:
         return None
     try:
-        return also(result)
+        return fold(result)
     except Exception as exc:
         logger.debug("celery_idem backend write not folded key=%s: %r", key, exc)
         return None
@@ -155,19 +180,19 @@ class Gate:
         self,
         attempt: Attempt,
         body: Callable[[int], T],
-        also: Callable[[T], BackendWrite | None] | None = None,
+        fold: Callable[[T], BackendWrite | None] | None = None,
         *,
         deadline: float | None = None,
-    ) -> T:
+    ) -> RunOutcome[T]:
         """Run ``body(token)`` if and only if this attempt wins the key.
 
         Args:
             attempt: Who runs, under which key.
             body: Called with the fencing token; its return value is recorded.
-            also: Called with the body's result just before it is recorded; a
-                :class:`~celery_idem.stores.base.BackendWrite` it returns goes into the same
-                store call (see :meth:`Store.record_with`), and its ``written`` tells the
-                caller whether it was made.
+            fold: Builds the result backend's write from the body's result, just before it is
+                recorded; a :class:`~celery_idem.stores.base.BackendWrite` it returns goes into
+                the same store call (see :meth:`Store.record_with`). The outcome says whether
+                it was made there. An error it raises only means no fold.
             deadline: ``monotonic()`` time by which this attempt must have stopped waiting,
                 because the caller's own time limit fires soon after (None: no limit). The wait
                 for a busy key ends there at the latest; and an attempt that has waited does
@@ -175,7 +200,8 @@ class Gate:
                 left of the limit. Both raise :class:`Requeue`.
 
         Returns:
-            The body's result, or the recorded result of the attempt that ran it.
+            A :class:`RunOutcome`: the body's result, or the recorded result of the attempt
+            that ran it, and whether the backend write rode on the record.
 
         Raises:
             Requeue: The key is still in progress after ``config.wait`` seconds (or at
@@ -195,12 +221,12 @@ class Gate:
             self.emit(Outcome.REQUEUED, attempt.key, 0, "", {"reason": type(exc).__name__})
             raise Requeue(attempt.key, None) from exc
         if claim.status.holds:
-            return self._run_held(attempt, claim, body, also)
+            return self._run_held(attempt, claim, body, fold)
         rec = claim.record
         assert rec is not None  # a DONE or FAILED claim carries its record
         self.emit(Outcome.WAITED if waited else Outcome.DUPLICATE, attempt.key, rec.token,
                   rec.task_id, {"record_state": rec.state.value})
-        return self.answer(rec)  # type: ignore[no-any-return]
+        return RunOutcome(self.answer(rec), ran=False)
 
     def _settle(self, attempt: Attempt, deadline: float | None) -> tuple[Claim, bool]:
         """Claim the key, waiting (bounded) while someone else holds it.
@@ -278,8 +304,8 @@ class Gate:
 
     def _run_held(
         self, attempt: Attempt, claim: Claim, body: Callable[[int], T],
-        also: Callable[[T], BackendWrite | None] | None,
-    ) -> T:
+        fold: Callable[[T], BackendWrite | None] | None,
+    ) -> RunOutcome[T]:
         key, token = attempt.key, claim.token
         # The claim id names this claim beside its token in every fenced call (a stale holder
         # is refused even if a token number was issued again after the store lost data). A
@@ -299,8 +325,9 @@ class Gate:
             except BaseException as exc:
                 self._after_error(attempt, token, exc, fence)
                 raise
-            self._record_result(attempt, token, result, _build(also, attempt.key, result), fence)
-        return result
+            write = _build(fold, attempt.key, result)
+            folded = self._record_result(attempt, token, result, write, fence)
+        return RunOutcome(result, ran=True, write=write, folded=folded)
 
     def _after_error(
         self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any] | None = None,
@@ -316,7 +343,7 @@ class Gate:
         if isinstance(exc, cfg.terminal_on):
             ctype, data = self.codec.encode_error(exc)
             try:
-                written = self._write(attempt, token, State.FAILED, ctype, data, fence=fence)
+                written, _ = self._write(attempt, token, State.FAILED, ctype, data, fence=fence)
             except LeaseLost:
                 return  # reported by _write; the body's own error is what the caller sees
             if written:
@@ -362,7 +389,8 @@ class Gate:
     def _record_result(
         self, attempt: Attempt, token: int, result: Any, also: BackendWrite | None = None,
         fence: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> bool:
+        """Record a body's result; return whether ``also`` was written in the same store call."""
         fence = fence or {}
         try:
             ctype, data = self.codec.encode_result(result)
@@ -375,13 +403,14 @@ class Gate:
                 "failed so no duplicate runs the body again", attempt.key, attempt.task_id, token, exc,
             )
             err_type, err = self.codec.encode_error(failure)
-            if self._write(attempt, token, State.FAILED, err_type, err, fence=fence):
+            if self._write(attempt, token, State.FAILED, err_type, err, fence=fence)[0]:
                 self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
                           {"error": "TypeError", "reason": "result_not_encodable"})
             raise
-        if self._write(attempt, token, State.DONE, ctype, data, also, fence=fence):
+        recorded, folded = self._write(attempt, token, State.DONE, ctype, data, also, fence=fence)
+        if recorded:
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
-            return
+            return folded
         # The store kept refusing the result. If it takes a small record now, the store is up
         # and the result itself is what it refuses (too large for it): record that instead, so a
         # duplicate raises rather than running the body again once the lease has run out.
@@ -394,7 +423,7 @@ class Gate:
             self.store.record(attempt.key, token, state=State.FAILED, content_type=err_type,
                               data=err, ttl=self.config.ttl, **fence)
         except (StoreUnavailable, LeaseLost):
-            return  # a real outage: reported loudly by _write, the result goes to the caller
+            return False  # a real outage: reported loudly by _write, the result goes to the caller
         self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
                   {"error": "TerminalError", "reason": "result_not_recordable"})
         logger.error("celery_idem %s", refused)
@@ -403,11 +432,12 @@ class Gate:
     def _write(
         self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes,
         also: BackendWrite | None = None, *, fence: dict[str, Any] | None = None,
-    ) -> bool:
+    ) -> tuple[bool, bool]:
         """Record with retries for ``record_timeout``; the lease keeps being renewed meanwhile.
 
         Returns:
-            True once written; False when the store stayed unreachable (reported loudly).
+            ``(recorded, folded)``: recorded is True once written, False when the store stayed
+            unreachable (reported loudly); folded is True when ``also`` was written with it.
 
         Raises:
             LeaseLost: Another holder took over.
@@ -421,10 +451,10 @@ class Gate:
                 if also is None:
                     self.store.record(key, token, state=state, content_type=ctype, data=data,
                                       ttl=self.config.ttl, **fence)
-                else:
-                    self.store.record_with(key, token, state=state, content_type=ctype,
-                                           data=data, ttl=self.config.ttl, also=also, **fence)
-                return True
+                    return True, False
+                folded = self.store.record_with(key, token, state=state, content_type=ctype,
+                                                data=data, ttl=self.config.ttl, also=also, **fence)
+                return True, bool(folded)
             except LeaseLost:
                 self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "record"})
                 raise
@@ -438,7 +468,7 @@ class Gate:
                         "in progress; when its lease expires a duplicate may run the body again.",
                         key, attempt.task_id, token, self.config.record_timeout, exc,
                     )
-                    return False
+                    return False, False
                 self.sleep(delay)
                 delay = min(delay * 2, 1.0)
 

@@ -57,6 +57,7 @@ __all__ = [
     "idempotency_key",
     "key_from_fields",
     "payload_hash",
+    "signature_of",
 ]
 
 #: Length of the hex digest kept in a key: 128 bits, collision-free for any realistic volume.
@@ -99,11 +100,14 @@ def key_from_fields(operation: str, fields: Mapping[str, Any], business_id: Any 
 
 def canonical_json(payload: Mapping[str, Any]) -> str:
     """Return the canonical JSON text of ``payload`` (see the module docstring for the forms)."""
-    return json.dumps(
-        {str(name): canonical(value, str(name)) for name, value in payload.items()},
-        sort_keys=True,
-        separators=(",", ":"),
-    )
+    out: dict[str, Any] = {}
+    for name, value in payload.items():
+        if type(name) is not str:
+            name = str(name)
+        # The scalars are their own canonical form: skip the type dispatch for them (the
+        # common case; exact types, so a subclass such as an Enum still goes through it).
+        out[name] = value if type(value) in _SCALARS else canonical(value, name)
+    return _ENCODE(out)
 
 
 def payload_hash(arguments: Mapping[str, Any]) -> str:
@@ -114,6 +118,38 @@ def payload_hash(arguments: Mapping[str, Any]) -> str:
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
 
+
+#: Types whose values are their own canonical form (exact types: subclasses are dispatched).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _make_encode() -> Callable[[Any], str]:
+    """``json.dumps(value, sort_keys=True, separators=(",", ":"))``, with its encoder built once.
+
+    ``json.dumps`` builds a ``JSONEncoder``, and ``encode`` its C encoder, on every call; the C
+    encoder is made here once instead. No circular-reference markers: a canonical value is
+    built fresh by :func:`canonical` (a cyclic input fails there), so it has no cycles.
+    """
+    slow = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has it
+        return slow.encode
+    try:
+        fast = make(None, slow.default, json.encoder.encode_basestring_ascii, None, ":", ",",
+                    True, False, True)
+        probe = {"b": [1.5, None, True], "a": "\u00e9\n", "c": {"y": 2, "x": -0.0}}
+        if "".join(fast(probe, 0)) != slow.encode(probe):  # pragma: no cover
+            return slow.encode
+    except Exception:  # pragma: no cover - another interpreter's C encoder takes other arguments
+        return slow.encode
+
+    def encode(value: Any) -> str:
+        return "".join(fast(value, 0))
+
+    return encode
+
+
+_ENCODE = _make_encode()
 
 _SUPPORTED = (
     "str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, datetime, "
@@ -137,6 +173,8 @@ def canonical(value: Any, path: str = "value") -> Any:
     Raises:
         TypeError: The value (or a value inside it) has no canonical form.
     """
+    if type(value) in _SCALARS:
+        return value
     # Order matters: bool before int (bool is an int), Enum before its mixin types (an IntEnum
     # is an int), datetime before date (a datetime is a date).
     if value is None or isinstance(value, (str, bool)):
@@ -164,7 +202,7 @@ def canonical(value: Any, path: str = "value") -> Any:
         return [canonical(item, f"{path}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, (set, frozenset)):
         items = [canonical(item, f"{path}{{}}") for item in value]
-        return sorted(items, key=lambda item: json.dumps(item, sort_keys=True, separators=(",", ":")))
+        return sorted(items, key=_ENCODE)
     if isinstance(value, dt.datetime):
         if value.tzinfo is not None and value.utcoffset() is not None:
             value = value.astimezone(dt.timezone.utc)
@@ -226,9 +264,97 @@ def bind_arguments(
     Raises:
         TypeError: The call does not match the signature (as calling the function would).
     """
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+    binder = _BINDERS.get(id(signature))
+    if binder is None or binder.signature is not signature:
+        binder = _binder(signature)
+    bound = binder.bind(args, kwargs)
+    if bound is not None:
+        return bound
+    # Anything the fast path does not take (*args, **kwargs, positional-only parameters, a call
+    # that does not match): inspect decides, and words the error.
+    full = signature.bind(*args, **kwargs)
+    full.apply_defaults()
+    return dict(full.arguments)
+
+
+class _Binder:
+    """:meth:`inspect.Signature.bind` + ``apply_defaults`` for the common signature, prepared once.
+
+    Only for signatures whose parameters are all positional-or-keyword or keyword-only (no
+    ``*args``, ``**kwargs`` or positional-only ones); :meth:`bind` returns None for any call it
+    does not bind exactly as inspect would, and the caller asks inspect.
+    """
+
+    __slots__ = ("defaults", "n_positional", "names", "signature", "simple")
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+        params = list(signature.parameters.values())
+        kinds = {p.kind for p in params}
+        self.simple = kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                inspect.Parameter.KEYWORD_ONLY}
+        self.names = tuple(p.name for p in params)
+        self.n_positional = sum(1 for p in params
+                                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+        n = len(args)
+        if not self.simple or n > self.n_positional:
+            return None
+        names, defaults = self.names, self.defaults
+        if kwargs:
+            given = names[:n]
+            for name in kwargs:
+                if name in given or name not in names:  # twice, or no such parameter
+                    return None
+        # In parameter order, as inspect's arguments after apply_defaults.
+        out = dict(zip(names, args, strict=False))  # args may be fewer than names
+        for name in names[n:]:
+            if name in kwargs:
+                out[name] = kwargs[name]
+            elif name in defaults:
+                out[name] = defaults[name]
+            else:
+                return None  # a required argument is missing: inspect raises
+        return out
+
+
+#: Prepared binders by ``id(signature)`` (each keeps its signature, so a reused id is noticed).
+_BINDERS: dict[int, _Binder] = {}
+_MAX_BINDERS = 1024
+
+
+def _binder(signature: inspect.Signature) -> _Binder:
+    if len(_BINDERS) >= _MAX_BINDERS:  # signatures made on the fly: never grow without bound
+        _BINDERS.clear()
+    binder = _BINDERS[id(signature)] = _Binder(signature)
+    return binder
+
+
+def signature_of(run: Any) -> inspect.Signature | None:
+    """The business signature of a task body: what a caller passes (``self`` left out).
+
+    Args:
+        run: A task's ``run`` (a function, a bound method or a ``staticmethod``), or None.
+
+    Returns:
+        The signature without the ``self`` of an unbound ``bind=True`` body, or None when
+        there is no body or its signature cannot be read (a builtin, say).
+    """
+    if isinstance(run, staticmethod):
+        run = run.__func__
+    if run is None:
+        return None
+    try:
+        sig = inspect.signature(run)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    if getattr(run, "__self__", None) is None and params and params[0].name == "self":
+        # An unbound ``bind=True`` body: ``self`` is the task, not a business argument.
+        sig = sig.replace(parameters=params[1:])
+    return sig
 
 
 def select_fields(

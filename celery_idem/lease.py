@@ -25,6 +25,9 @@ __all__ = ["Lease", "LeaseKeeper", "current_lease", "keeper"]
 logger = logging.getLogger("celery_idem")
 
 
+_LOST_LOCK = threading.Lock()
+
+
 @dataclass(eq=False)
 class Lease:
     """One held claim.
@@ -45,10 +48,24 @@ class Lease:
     key: str
     token: int
     duration: float
-    lost: threading.Event = field(default_factory=threading.Event)
     done: bool = False
     renewals: int = 0
     claim_id: str = ""
+    # Made on first use: almost no lease is ever lost, and an Event (a Condition and its lock)
+    # costs a few µs on every task's hot path (docs/benchmarks.md, the gate's CPU budget).
+    _lost: threading.Event | None = field(default=None, init=False, repr=False)
+
+    @property
+    def lost(self) -> threading.Event:
+        """Set when a renewal found that another holder took over."""
+        event = self._lost
+        if event is None:
+            # The keeper's thread (set) and the body's thread (is_set) may both come here first.
+            with _LOST_LOCK:
+                event = self._lost
+                if event is None:
+                    event = self._lost = threading.Event()
+        return event
 
 
 #: The lease held by the body running in this context (thread), for ``idempotency_lease_lost``.

@@ -34,14 +34,15 @@ from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import mysql, sqlite
 from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .codec import Codec
 from .exceptions import LeaseLost
-from .stores.sql import _text, db_now
+from .records import Receipt
+from .stores.sql import data_type, db_now, new_metadata, text_type
 
 __all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "purge_receipts",
            "receipts_table"]
@@ -71,19 +72,15 @@ def receipts_table(name: str = DEFAULT_RECEIPTS_TABLE) -> sa.Table:
     with _tables_lock:
         table = _tables.get(name)
         if table is None:
-            metadata = sa.MetaData(naming_convention={"ix": "ix_%(table_name)s_%(column_0_name)s"})
+            # The records table's column types (binary collation on MySQL, LONGBLOB results).
             table = sa.Table(
                 name,
-                metadata,
-                sa.Column("key", _text(255), primary_key=True),
+                new_metadata(),
+                sa.Column("key", text_type(255), primary_key=True),
                 sa.Column("token", sa.BigInteger, nullable=False),
-                sa.Column("task_id", _text(255), nullable=False),
-                sa.Column("content_type", _text(255), nullable=True),
-                sa.Column(
-                    "data",
-                    sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb"),
-                    nullable=True,
-                ),
+                sa.Column("task_id", text_type(255), nullable=False),
+                sa.Column("content_type", text_type(255), nullable=True),
+                sa.Column("data", data_type(), nullable=True),
                 sa.Column("created", sa.Double, nullable=False),
                 # After this (database clock) the receipt counts as absent, like a record
                 # after idempotency_ttl: the action may run again.
@@ -91,26 +88,6 @@ def receipts_table(name: str = DEFAULT_RECEIPTS_TABLE) -> sa.Table:
             )
             _tables[name] = table
         return table
-
-
-class Receipt:
-    """A committed receipt found by a later attempt.
-
-    Attributes:
-        key: The stored key (prefix + idempotency key).
-        token: Fencing token of the attempt that committed it.
-        task_id: Task id of the attempt that committed it.
-        value: Its result, decoded.
-    """
-
-    def __init__(self, key: str, token: int, task_id: str, value: Any) -> None:
-        self.key = key
-        self.token = token
-        self.task_id = task_id
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"Receipt(key={self.key!r}, token={self.token}, task_id={self.task_id!r})"
 
 
 def _ensure_table(conn: Connection, table: sa.Table) -> None:

@@ -1,11 +1,13 @@
-"""The values that travel between the gate and a store: record states, records, claim results."""
+"""The values that travel between the gate and a store: record states, records, claim results,
+and the receipt a later attempt finds."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Claim", "ClaimStatus", "Record", "State"]
+__all__ = ["Claim", "ClaimStatus", "Receipt", "Record", "State"]
 
 
 class State(str, enum.Enum):
@@ -104,3 +106,23 @@ class Claim:
     record: Record | None
     now: float
     claim_id: str = ""
+
+
+class Receipt:
+    """A committed receipt found by a later attempt (``idempotent_transaction``, SQLAlchemy or Django).
+
+    Attributes:
+        key: The stored key (prefix + idempotency key).
+        token: Fencing token of the attempt that committed it.
+        task_id: Task id of the attempt that committed it.
+        value: Its result, decoded.
+    """
+
+    def __init__(self, key: str, token: int, task_id: str, value: Any) -> None:
+        self.key = key
+        self.token = token
+        self.task_id = task_id
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Receipt(key={self.key!r}, token={self.token}, task_id={self.task_id!r})"

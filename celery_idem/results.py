@@ -38,6 +38,8 @@ import logging
 from typing import Any
 
 from celery.states import SUCCESS
+from kombu.utils.uuid import uuid
+from vine import barrier  # type: ignore[import-untyped, unused-ignore]
 
 try:  # Celery 5.7
     from celery.app.task import get_actual_ignore_result
@@ -53,7 +55,7 @@ except ImportError:  # pragma: no cover - older Celery
 
 from .stores.base import BackendWrite, Store
 
-__all__ = ["ResultWriter", "result_writer", "store_answer"]
+__all__ = ["ResultWriter", "answer_task_id", "fire_full_barriers", "result_writer", "store_answer"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -121,7 +123,6 @@ class ResultWriter:
             logger.debug("celery_idem direct result write of %s failed, left to Celery: %r",
                          write.key, exc)
             return False
-        write.written = True
         return True
 
 
@@ -135,11 +136,18 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
     Returns:
         A :class:`ResultWriter` when the result backend is Celery's Redis backend (or a subclass
         that stores results the same way); its ``folds`` says whether ``store`` can write the
-        result in the record's round trip. None otherwise, or when
-        ``idempotency_fold_results`` is False.
+        result in the record's round trip. A
+        :class:`~celery_idem.dbresults.DatabaseResultWriter` when it is Celery's database
+        backend on ``store``'s PostgreSQL database (the row rides on the record's statement).
+        None otherwise, or when ``idempotency_fold_results`` is False.
     """
     if task.app.conf.get("idempotency_fold_results") is False:
         return None
+    from .dbresults import database_result_writer  # it builds on this module
+
+    database = database_result_writer(task, store)
+    if database is not None:  # Celery's database backend on the store's PostgreSQL
+        return database
     try:
         from celery.backends.redis import RedisBackend
 
@@ -196,6 +204,50 @@ def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: An
                      request.id, exc)
         return False
     return True
+
+
+def answer_task_id(chosen: str | None, original: str) -> str | None:
+    """The task id an enqueue answered from the record hands back, or None: the original id.
+
+    A chosen id (``task_id=``, a frozen signature, a chain step) is kept, and the outcome is
+    stored under it. Without one, the original attempt's id is used: its own result is stored
+    under it. A body that ran in a direct call (``task(...)`` in-process, or Celery's
+    ``map``/``starmap`` calling it) has no task id and no stored result, so the answer gets a
+    new id, as every enqueue does in Celery, and the outcome is stored under that id as for a
+    chosen one: a ``ResultSet`` or anyone holding the id can then find it in the backend.
+
+    Args:
+        chosen: The task id the caller chose, or None.
+        original: The record's task id ("" for a direct call).
+    """
+    if chosen or original:
+        return chosen
+    return str(uuid())
+
+
+def fire_full_barriers(waiters: list[Any]) -> None:
+    """Fire each vine barrier in ``waiters`` that has counted all its results but not fired.
+
+    A ``ResultSet`` waits on a ``vine.barrier`` over its results' ``then``. A ready result
+    (an ``EagerResult``, so a ``CachedResult``) is counted while the barrier is built, before
+    the barrier is finalized, and a barrier whose every result was counted then never fires
+    by itself: ``join_native`` would wait forever. Celery's already-ready ``AsyncResult``
+    gets it fired by being counted a second time when the result consumer hands its meta back;
+    a second count also fires a barrier whose other results are still pending, and
+    ``join_native`` then returns before them (``None`` in their place). So the barrier is
+    fired only when it is full, and nothing is counted twice.
+
+    Args:
+        waiters: The callbacks a ready result was given through ``then``.
+    """
+    for waiter in waiters:
+        if (
+            isinstance(waiter, barrier) and waiter.finalized
+            and not (waiter.ready or waiter.cancelled) and waiter._value >= waiter.size
+        ):
+            # What barrier.__call__ does when the last result comes in, minus the count.
+            waiter.ready = True
+            waiter.p(*waiter.args, **waiter.kwargs)
 
 
 def _same_server(backend_client: Any, store_client: Any) -> bool:

@@ -7,54 +7,59 @@ Two hooks:
   publishing, when the key is already done.
 * ``__call__`` (worker side, every pool and eager mode): read the key from the header (or derive
   it, for ``send_task`` by name), and run the body through the gate.
+
+What the seam needs beside the gate lives in core modules of its own: the per-app store, the
+owner id, events and the worker-start checks in ``app.py``; the enqueue answer and
+:class:`CachedResult` in ``enqueue.py``; the re-queue loop and the result write in
+``delivery.py``. ``get_store`` and ``CachedResult`` are re-exported here for their old paths.
+Importing this module makes celery_idem's ``ImproperlyConfigured`` Celery's too
+(:func:`celery_idem.exceptions.adopt_celery_base`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-import logging
-import os
-import socket
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from celery import Celery, Task
+from celery import Task
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
-from celery.result import AsyncResult, EagerResult
-from celery.signals import worker_init
-from celery.states import FAILURE, SUCCESS
+from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
-from kombu.serialization import dumps
 
-from . import otel, timelimits
+from . import timelimits
+from .app import check_worker, emit_decision, get_store, owner_id
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
-from .durability import REQUIRE_DURABLE_SETTING, check_store
-from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome
-from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, StoreUnavailable
-from .gate import Attempt, Gate, Requeue
-from .keys import bind_arguments, key_from_fields, payload_hash, select_fields
+from .delivery import REQUEUES_HEADER, deliver
+from .enqueue import CachedResult, answer_from_record, restore_cached, unsendable
+from .exceptions import adopt_celery_base
+from .gate import Attempt, Gate
+from .keys import bind_arguments, key_from_fields, payload_hash, select_fields, signature_of
 from .lease import current_lease
-from .records import Record, State
-from .results import ResultWriter, result_writer, store_answer
-from .stores import store_from_url
-from .stores.base import BackendWrite, Store
+from .results import ResultWriter, result_writer
 
 if TYPE_CHECKING:
+    from .contrib.django.receipts import DjangoReceiptTransaction
     from .receipts import Receipt, ReceiptTransaction
 
-__all__ = ["HEADER", "CachedResult", "IdempotentTask"]
+__all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 
-logger = logging.getLogger("celery_idem")
+# An ``except celery.exceptions.ImproperlyConfigured`` around a task's configuration catches
+# celery_idem's: see celery_idem/exceptions.py.
+adopt_celery_base()
+
+#: Unpickles a CachedResult pickled when it lived in this module.
+_restore_cached = restore_cached
+#: The worker_init hook's old name (``celery_idem.app.check_worker``).
+_check_worker = check_worker
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
-#: Message header counting re-queues of a duplicate that found the key busy (not retries).
-REQUEUES_HEADER = "idempotency_requeues"
 #: Longest accepted key: it must fit the SQL store's key column with a prefix.
 MAX_KEY_LENGTH = 200
 #: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
@@ -62,49 +67,6 @@ MAX_KEY_LENGTH = 200
 UNBOUND_ARGS = "*args"
 UNBOUND_KWARGS = "**kwargs"
 ERRBACK_FIELD = "$errback"
-
-_stores: weakref.WeakKeyDictionary[Celery, Store] = weakref.WeakKeyDictionary()
-_events_on: weakref.WeakSet[Celery] = weakref.WeakSet()
-_OWNER = f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _owner() -> str:
-    global _OWNER
-    pid = os.getpid()
-    if not _OWNER.endswith(f":{pid}"):  # forked worker child
-        _OWNER = f"{socket.gethostname()}:{pid}"
-    return _OWNER
-
-
-def get_store(app: Celery) -> Store:
-    """The idempotency store of ``app`` (built once per app, from its settings).
-
-    ``idempotency_store`` (a URL or a :class:`Store`) wins; else the ``result_backend`` URL. An
-    always-eager app with no usable backend gets an in-process ``memory://`` store.
-
-    Raises:
-        ImproperlyConfigured: No supported store can be derived.
-    """
-    store = _stores.get(app)
-    if store is None:
-        conf = app.conf
-        configured = conf.get("idempotency_store")
-        prefix = conf.get("idempotency_key_prefix") or "celery-idem:"
-        if isinstance(configured, Store):
-            store = configured
-        else:
-            url = configured or conf.result_backend
-            if not url and conf.task_always_eager:
-                url = "memory://"
-            if not isinstance(url, str):
-                url = getattr(url, "url", None) or repr(url)  # a backend class or instance
-            # result_backend_transport_options: where Celery users already put a sentinel
-            # master_name; only the sentinel:// store reads it.
-            store = store_from_url(url, prefix=prefix, options=conf.get("idempotency_store_options"),
-                                   backend_transport_options=conf.get(
-                                       "result_backend_transport_options"))
-        _stores[app] = store
-    return store
 
 
 class ReceiptFound(BaseException):
@@ -125,79 +87,6 @@ class Replaced(Ignore):  # type: ignore[misc]
     The worker handles it as the ``Ignore`` it is (no state stored for the replaced task); the
     gate sees a hand-over (``handover_signals``) and releases the claim without recording.
     """
-
-
-class CachedResult(EagerResult):  # type: ignore[misc]
-    """The result of an enqueue that found its key already recorded: nothing was published.
-
-    Its value is known, so ``get()`` returns it (or raises the recorded error) at once. It is
-    bound to the app's result backend, so it works in a ``ResultSet`` or ``GroupResult`` like
-    any ``AsyncResult`` (``get``, ``join``, ``join_native``, ``collect``).
-
-    Attributes:
-        id: The task id the caller chose (``task_id=``, a frozen signature, a chain step, a
-            chord body), under which the outcome was also stored in the result backend; else
-            the task id of the attempt that ran the body (the original task id).
-        original_task_id: The task id of the attempt that ran the body.
-        idempotency_key: The key.
-    """
-
-    def __init__(self, record: Record, value: Any, state: str, name: str | None = None, *,
-                 task_id: str | None = None, app: Celery | None = None) -> None:
-        super().__init__(task_id or record.task_id, value, state, name=name)
-        self.idempotency_key = record.key
-        self.original_task_id = record.task_id
-        # EagerResult leaves both unset: a ResultSet holding it asks it for its backend.
-        self.app = app
-        self.backend = app.backend if app is not None else None
-        self._waited_on = False
-
-    def then(self, callback: Any, on_error: Any = None, weak: bool = False) -> Any:
-        """Call ``callback`` when ready (it is): at once, and again from the result consumer.
-
-        A ResultSet builds a vine barrier over its results' ``then``; a result that is ready
-        while the barrier is built is counted before the barrier is finalized and never
-        completes it. An AsyncResult that is already ready completes it when the backend's
-        result consumer hands it its id's stored meta again during ``join_native``; so does
-        this one (a chosen id has its outcome stored, the original id has the run's result).
-        """
-        if self.backend is not None and self.backend.is_async:
-            self._waited_on = True
-            self.backend.add_pending_result(self, weak=weak)
-        return self.on_ready.then(callback, on_error)
-
-    def _maybe_set_cache(self, meta: Any) -> Any:
-        # The result consumer found this id's meta (the same outcome: the value is known).
-        self.on_ready(self)
-        backend = self.backend
-        if self._waited_on and backend is not None:
-            self._waited_on = False
-            backend.remove_pending_result(self)
-        return meta
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _restore_cached, (self.id, self._result, self._state, self._name,
-                                 self.idempotency_key, self.original_task_id)
-
-    def __repr__(self) -> str:
-        return f"<CachedResult: {self.id} (original {self.original_task_id})>"
-
-    def __del__(self) -> None:
-        # Cancel only a wait this handle registered itself (AsyncResult's __del__ cancels
-        # unconditionally).
-        if getattr(self, "_waited_on", False):
-            super().__del__()
-
-
-def _restore_cached(task_id: str, value: Any, state: str, name: str | None, key: str,
-                    original_task_id: str) -> CachedResult:
-    """Unpickle (or copy) a :class:`CachedResult`, bound to the current app."""
-    from celery import current_app
-
-    rec = Record(key=key, state=State.DONE if state == SUCCESS else State.FAILED, token=0,
-                 task_id=original_task_id)
-    return CachedResult(rec, value, state, name, task_id=task_id,
-                        app=current_app._get_current_object())
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -250,7 +139,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         label = str(vars(cls).get("name") or cls.__qualname__)
         check_options(label, vars(cls))
         # Check the values now too, so a wrong option fails at definition, not at first call.
-        resolve(label, cls, _signature_of(vars(cls).get("run")))
+        resolve(label, cls, signature_of(vars(cls).get("run")))
         timelimits.check_definition(label, cls)
 
     # -- configuration -------------------------------------------------------------------------
@@ -262,7 +151,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @cached_property
     def _signature(self) -> inspect.Signature | None:
-        return _signature_of(self.run)
+        return signature_of(self.run)
 
     @cached_property
     def _call_signature(self) -> inspect.Signature | None:
@@ -277,6 +166,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _result_writer(self) -> ResultWriter | None:
         return result_writer(self, self._gate.store)
 
+    @property
+    def idempotency_gate(self) -> Gate:
+        """The task's gate: its store (``.store``), options (``.config``), codec and ``run``.
+
+        For add-ons built on the task (``celery_idem.contrib.saga`` runs its steps through a
+        gate of its own with this one's store, codec and events).
+        """
+        return self._gate
+
     @cached_property
     def _gate(self) -> Gate:
         app = self.app
@@ -288,7 +186,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # body returns is recorded as its as_tuple(), not refused by the serializer.
             KombuCodec(app.conf.result_serializer, accept,
                        prepare=lambda value: self.backend.prepare_value(value)),
-            emit=self._emit,
+            emit=functools.partial(emit_decision, self),
             # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
             retry_signals=(Retry, Reject),
             # Task.replace: the replacement, frozen with this task id, now carries the action.
@@ -404,8 +302,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return lease is not None and lease.lost.is_set()
 
     def idempotent_transaction(
-        self, session_or_connection: Any, *, commit: bool = True, table: str | None = None
-    ) -> ReceiptTransaction:
+        self, session_or_connection: Any = None, *, commit: bool = True, table: str | None = None,
+        using: str | None = None,
+    ) -> ReceiptTransaction | DjangoReceiptTransaction:
         """Write this action's receipt in the same SQL transaction as the body's own writes.
 
         Use it inside a bound body (``bind=True``)::
@@ -423,10 +322,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         Args:
             session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to PostgreSQL,
                 MySQL/MariaDB or SQLite (the business database; it need not be the store's).
+                None (on Django): the block is ``transaction.atomic(using=using)`` and the
+                receipt goes through that Django connection (docs/django.md).
             commit: True: the block ends with a commit. False: the receipt joins a transaction
                 the caller commits.
             table: The receipts table (default ``app.conf.idempotency_receipts_table``, else
-                ``celery_idem_receipts``); created on first use.
+                ``celery_idem_receipts``); created on first use (on Django: by ``migrate``).
+            using: On Django, the ``DATABASES`` alias of the writes (default ``"default"``).
 
         Raises:
             RuntimeError: Called outside a running body, inside a saga step, or again in one
@@ -435,8 +337,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ValueError: The prefixed key is longer than the receipt's 255-character column.
             LeaseLost: On exit, when another attempt took the claim over (rolled back).
         """
-        from .receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction  # needs sqlalchemy
-
         req = self.request
         key, token = self.idempotency_key, self.idempotency_token
         if key is None or token is None:
@@ -461,6 +361,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 f"{self.name}: idempotent_transaction was already used in this run of "
                 f"{key!r}; one action has one receipt, so put all its writes in one block"
             )
+        if session_or_connection is None:
+            # Django: the receipt goes through Django's connection (no SQLAlchemy needed).
+            from .contrib.django.receipts import DjangoReceiptTransaction
+
+            prefix = self.app.conf.get("idempotency_key_prefix") or "celery-idem:"
+            django_tx = DjangoReceiptTransaction(
+                using=using or "default", key=prefix + key, token=token, task_id=req.id or "",
+                codec=self._gate.codec, ttl=self.idempotency_config.ttl,
+                table=table or self.app.conf.get("idempotency_receipts_table") or "celery_idem_receipts",
+                lease_lost=lambda: self.idempotency_lease_lost, on_found=ReceiptFound,
+            )
+            req.idempotency_receipt_ = django_tx
+            return django_tx
+
+        from .receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction  # needs sqlalchemy
         prefix = self.app.conf.get("idempotency_key_prefix") or "celery-idem:"
         tx = ReceiptTransaction(
             session_or_connection,
@@ -518,7 +433,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
         if not republish and not canvas and self.idempotency_config.check_on_enqueue:
-            cached = self._cached(key, args, kwargs, task_id, options)
+            cached = answer_from_record(
+                self, self._gate, self._result_writer, key, args, kwargs, task_id, options,
+                arguments_hash=lambda: payload_hash(self._bound(args or (), kwargs or {})),
+            )
             if cached is not None:
                 return cached
         try:
@@ -527,108 +445,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 link_error=link_error, shadow=shadow, headers=headers, **options,
             )
         except EncodeError as exc:
-            raise self._encode_error(args, kwargs, options.get("serializer"), exc) from exc
+            serializer = options.get("serializer") or self.serializer or self.app.conf.task_serializer
+            try:
+                bound = self._bound(args or (), kwargs or {}, as_sent=False)
+            except TypeError:
+                bound = {}
+            raise unsendable(self.name, bound, serializer, exc) from exc
         # So a caller (an agent keeping a checkpoint, say) can store the key with the task id.
         result.idempotency_key = key
         return result
-
-    def _encode_error(
-        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-        serializer: str | None, exc: Exception,
-    ) -> TypeError:
-        """Name the argument the message serializer could not encode (nothing was sent)."""
-        serializer = serializer or self.serializer or self.app.conf.task_serializer
-        try:
-            bound = self._bound(args or (), kwargs or {}, as_sent=False)
-        except TypeError:
-            bound = {}
-        for name, value in bound.items():
-            try:
-                dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
-            except Exception:
-                return TypeError(
-                    f"{self.name}: argument {name!r} ({type(value).__qualname__}) cannot be "
-                    f"sent with the {serializer!r} serializer: {exc}; nothing was sent"
-                )
-        return TypeError(f"{self.name}: the message cannot be encoded: {exc}; nothing was sent")
-
-    def _cached(
-        self, key: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-        task_id: str | None = None, options: Mapping[str, Any] | None = None,
-    ) -> CachedResult | None:
-        """The answer from the record for an enqueue of a done (or failed) key, or None: publish.
-
-        One store round trip (the record's read), plus one to store the answer under a task id
-        the caller chose (see :func:`celery_idem.results.store_answer`).
-        """
-        try:
-            rec = self._gate.store.get(key)
-        except StoreUnavailable as exc:
-            # The worker's gate still guards the body; publishing is safe.
-            logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
-            return None
-        if rec is None or rec.state not in (State.DONE, State.FAILED):
-            return None
-        if (
-            self.idempotency_config.validate
-            and rec.payload_hash
-            and payload_hash(self._bound(args or (), kwargs or {})) != rec.payload_hash
-        ):
-            self._emit_enqueue(Outcome.MISMATCH, rec, task_id or rec.task_id)
-            raise IdempotencyKeyMismatch(
-                f"idempotency key {key!r} was first used with different arguments (task "
-                f"{rec.task_id}); use a new key for a new action. Nothing was sent.",
-                key=key,
-            )
-        codec = self._gate.codec
-        value: Any
-        if rec.state is State.FAILED:
-            state, value = FAILURE, codec.decode_error(rec.key, rec.content_type or "", rec.data or b"")
-        else:
-            state, value = SUCCESS, codec.decode_result(rec.key, rec.content_type or "", rec.data or b"")
-        options = options or {}
-        conf = self.app.conf
-        eager = conf.task_always_eager
-        if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
-            # Someone may be waiting on this id (the caller, a chain's result, a parent's
-            # children): Celery would store the outcome under it, so store it. If that fails,
-            # publish, and the worker answers the message from the record. (The original id
-            # holds the run's own result already, with its children: not overwritten.)
-            request = self._answer_request(task_id, args, kwargs, options)
-            if not store_answer(self, self._result_writer, request, value, state):
-                return None
-        result = CachedResult(rec, value, state, name=self.name, task_id=task_id, app=self.app)
-        self._emit_enqueue(Outcome.ANSWERED, rec, result.id)
-        if not eager and options.get("add_to_parent", True):
-            # As send_task does: the running task lists it among its children.
-            parent = self.app.current_worker_task
-            if parent:
-                parent.add_trail(result)
-        return result
-
-    def _answer_request(
-        self, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-        options: Mapping[str, Any],
-    ) -> Context:
-        """The request Celery's backend would store a result of ``task_id`` with."""
-        parent = self.app.current_worker_task
-        parent_id, root_id = options.get("parent_id"), options.get("root_id")
-        if parent:  # as send_task fills them in
-            parent_id = parent_id or parent.request.id
-            root_id = root_id or parent.request.root_id or parent.request.id
-        fields: dict[str, Any] = {
-            "id": task_id, "task": self.name, "args": list(args or ()),
-            "kwargs": dict(kwargs or {}), "called_directly": False, "is_eager": False,
-            "parent_id": parent_id, "root_id": root_id, "group": options.get("group_id"),
-            "group_index": options.get("group_index"),
-            # The rpc:// backend replies to the caller's queue, as send_task's reply_to does.
-            "reply_to": options.get("reply_to") or self.app.thread_oid,
-            "correlation_id": task_id,
-        }
-        ignore = options.get("ignore_result", self.ignore_result)
-        if ignore is not None:  # unset: get_actual_ignore_result falls back to the task's
-            fields["ignore_result"] = ignore
-        return Context(fields)
 
     # -- worker side ---------------------------------------------------------------------------
 
@@ -654,20 +479,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
             key=key,
             task_id=req.id or "",
             attempt=req.retries or 0,
-            owner=_owner(),
+            owner=owner_id(),
             payload_hash=payload_hash(self._bound(args, kwargs)) if cfg.validate else None,
         )
         req.idempotency_key_ = key
         call_body = super().__call__
-        writer = self._result_writer
-        built: list[BackendWrite] = []
-
-        def also(result: Any) -> BackendWrite | None:
-            assert writer is not None  # passed to the gate only when there is one
-            write = writer.build(req, result)
-            if write is not None:
-                built.append(write)
-            return write
+        if not (req.is_eager or req.called_directly) and \
+                getattr(call_body, "__func__", None) is Task.__call__:
+            # In a worker Celery's tracer has pushed this task and its request already; for a
+            # task without its own __call__ it calls run() itself. Do the same, instead of
+            # Task.__call__ pushing both again (a copy of the request: ~10-25 µs per task).
+            call_body = self.run
 
         def body(token: int) -> Any:
             req.idempotency_token_ = token
@@ -678,33 +500,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # record: its result is the action's, and the gate records it as usual.
                 return found.receipt.value
 
-        local = req.is_eager or req.called_directly
-        # No pool enforces a limit in the calling process (eager mode, a direct call).
-        deadline = None if local else timelimits.request_deadline(self, req, started)
-        while True:
-            try:
-                result = self._gate.run(attempt, body,
-                                        also if writer is not None and writer.folds else None,
-                                        deadline=deadline)
-            except Requeue as busy:
-                if local:
-                    if isinstance(busy.__cause__, SoftTimeLimitExceeded):
-                        # A direct call inside another task's body: that task's own limit.
-                        raise busy.__cause__ from None
-                    continue  # no broker to re-queue to: wait another round in place
-                # A freed key is claimed by the next delivery at once; a busy one is looked
-                # at again a second later.
-                self._requeue(countdown=0.0 if busy.freed else 1.0, reason=str(busy))
-            except StoreUnavailable as down:
-                if local:
-                    raise
-                self._emit(Outcome.REQUEUED, key, 0, req.id or "", {"reason": "store_unavailable"})
-                n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
-                self._requeue(countdown=min(2.0 ** n, 30.0), reason=str(down), exc=down)
-            else:
-                if writer is not None:
-                    self._write_result(writer, req, result, built[-1] if built else None)
-                return result
+        return deliver(self, self._gate, self._result_writer, attempt, body, started)
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise TypeError, without claiming the key, when the body cannot be called with these
@@ -724,7 +520,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if sig is None:
             return
         try:
-            sig.bind(*args, **kwargs)
+            bind_arguments(sig, args, kwargs)  # inspect's bind, prepared once per signature
         except TypeError as exc:
             raise TypeError(f"{self.name}(): {exc}") from None
 
@@ -764,101 +560,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except Ignore as ignore:
             raise Replaced(*ignore.args) from None
 
-    @staticmethod
-    def _write_result(
-        writer: ResultWriter, req: Any, result: Any, folded: BackendWrite | None
-    ) -> None:
-        """Store the result in one round trip (celery_idem/results.py), or leave it to Celery."""
-        if folded is None or not folded.written:
-            # Not folded (another server, a duplicate answered from its record, an ACL that
-            # refused the script's write): SET + PUBLISH without the backend's GET.
-            write = folded or writer.build(req, result)
-            if write is None or not writer.write(write):
-                return
-        # Stored: Celery must not write it again (mark_as_done skips the store when the
-        # request ignores results).
-        req.ignore_result = True
-
-    def _requeue(self, countdown: float, reason: str, exc: BaseException | None = None) -> None:
-        """Publish this message again (same task id, same ``retries``) and end this attempt."""
-        req = self.request
-        headers = dict(req.headers or {})
-        headers[REQUEUES_HEADER] = int(headers.get(REQUEUES_HEADER, 0)) + 1
-        sig = self.signature_from_request(req, countdown=countdown, retries=req.retries,
-                                          headers=headers)
-        try:
-            sig.apply_async()
-        except Exception as publish_error:
-            # Cannot publish: hand the message back to the broker instead of losing it.
-            raise Reject(publish_error, requeue=True) from publish_error
-        raise Retry(f"celery_idem re-queued: {reason}", exc=exc, when=countdown, sig=sig)
-
-    # -- events --------------------------------------------------------------------------------
-
-    def _emit(self, outcome: Outcome, key: str, token: int, original: str, extra: dict[str, Any]) -> None:
-        req = self.request
-        log_outcome(outcome, key, token, original, req.id or "", extra,
-                    answers=outcome not in ANSWERS or self._log_answers)
-        if otel.ENABLED:
-            otel.observe(self.name, outcome.value, key, token, original, task_span=True)
-        if req.is_eager or req.called_directly or self.app not in _events_on:
-            return
-        try:
-            self.send_event(
-                EVENT_TYPE, retry=False, idempotency_key=key, outcome=outcome.value,
-                original_task_id=original, token=token, **extra,
-            )
-        except Exception as exc:  # monitoring must never change the outcome
-            logger.debug("celery_idem event not sent key=%s: %s", key, exc)
-
-
-    @property
-    def _log_answers(self) -> bool:
-        """Whether answers log at INFO (``idempotency_log_answers``, on unless False)."""
-        return self.app.conf.get("idempotency_log_answers", True) is not False
-
-    def _emit_enqueue(self, outcome: Outcome, rec: Record, result_id: str) -> None:
-        """Report a decision ``apply_async`` made from the record: nothing was published.
-
-        A log line (INFO, like a worker's duplicate); a ``task-idempotency`` event (with the
-        task's name, under the returned result's id) only when this process sends events
-        (``idempotency_events``, ``task_send_sent_event``, or a worker started with ``-E``), so
-        with events off an answer costs one log call and no broker round trip.
-        """
-        conf = self.app.conf
-        extra = {"record_state": rec.state.value, "at": "enqueue"}
-        log_outcome(outcome, rec.key, rec.token, rec.task_id, result_id, extra,
-                    answers=self._log_answers)
-        if otel.ENABLED:
-            otel.observe(self.name, outcome.value, rec.key, rec.token, rec.task_id, task_span=False)
-        if not (conf.get("idempotency_events") or conf.task_send_sent_event
-                or self.app in _events_on) or conf.task_always_eager:
-            return
-        try:
-            with self.app.events.default_dispatcher() as dispatcher:
-                dispatcher.send(
-                    EVENT_TYPE, uuid=result_id, name=self.name, idempotency_key=rec.key,
-                    outcome=outcome.value, original_task_id=rec.task_id, token=rec.token, **extra,
-                )
-        except Exception as exc:  # monitoring must never change the answer
-            logger.debug("celery_idem event not sent key=%s: %s", rec.key, exc)
-
-
-def _signature_of(run: Any) -> inspect.Signature | None:
-    if isinstance(run, staticmethod):
-        run = run.__func__
-    if run is None:
-        return None
-    try:
-        sig = inspect.signature(run)
-    except (TypeError, ValueError):
-        return None
-    params = list(sig.parameters.values())
-    if getattr(run, "__self__", None) is None and params and params[0].name == "self":
-        # An unbound ``bind=True`` body: ``self`` is the task, not a business argument.
-        sig = sig.replace(parameters=params[1:])
-    return sig
-
 
 def _failed_request(args: Sequence[Any]) -> Context | None:
     """The failed task's request when ``args`` are those of a new-style errback call, else None.
@@ -879,27 +580,3 @@ def _check_key(task: str, key: Any) -> str:
             f"(hash long identities with celery_idem.idempotency_key)"
         )
     return key
-
-
-@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
-def _check_worker(sender: Any = None, **_: Any) -> None:
-    """Fail the worker at start-up, not the first message, when the store or a time limit is
-    misconfigured; warn once about time limits that only degrade."""
-    app = getattr(sender, "app", None)
-    if app is None:
-        return
-    if getattr(sender, "task_events", False) or app.conf.get("idempotency_events") \
-            or app.conf.worker_send_task_events:
-        _events_on.add(app)
-    tasks = [task for task in app.tasks.values() if isinstance(task, IdempotentTask)]
-    if tasks:
-        try:
-            store = get_store(app)
-            timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
-                                    getattr(sender, "soft_time_limit", None))
-            check_store(store, require=bool(app.conf.get(REQUIRE_DURABLE_SETTING)))
-        except ImproperlyConfigured as exc:
-            # Celery logs and swallows exceptions raised by signal handlers, and the worker would
-            # start consuming messages it can only fail: stop it here, with the reason.
-            logger.critical("celery_idem: %s", exc)
-            raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc

@@ -8,7 +8,7 @@ chat-completions client would. A real LLM client can replace it by implementing
 Tools are tagged ``read`` (run in the agent process, safe to repeat: ``lookup_order``) or
 ``write`` (a Celery task: ``charge_card``, ``create_shipment``, ``send_email``). The write tools
 come in two variants: ``idempotent`` (:mod:`example_app.tasks`, made into agent tools by
-:func:`celery_idem.tools.tool`) and ``naive`` (:mod:`example_app.naive`, wrapped by
+:func:`celery_idem.contrib.tools.tool`) and ``naive`` (:mod:`example_app.naive`, wrapped by
 :class:`NaiveTool`, what a runtime without the adapter does). Either way the model sees a tool
 result dict with a ``status``: ``ok``, ``duplicate`` (the action had already been done: its
 result), ``in_progress`` (the wait ran out; calling again is safe) or ``error``.
@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from celery.exceptions import TimeoutError as ResultTimeout
 
-from celery_idem.tools import Toolbox, tool
+from celery_idem.contrib.tools import Toolbox, tool
 
 Message = dict[str, Any]
 
@@ -54,7 +54,7 @@ Outcome = dict[str, Any]
 class NaiveTool:
     """A write tool on a plain Celery task, as an agent runtime without celery_idem runs it.
 
-    Same interface as :class:`celery_idem.tools.Tool` (``start`` then ``wait``), so the
+    Same interface as :class:`celery_idem.contrib.tools.Tool` (``start`` then ``wait``), so the
     runtime below treats both alike. A wait that runs out is reported as an error, as most
     runtimes do: the model cannot know whether calling again is safe (here it is not).
     """
@@ -219,7 +219,7 @@ class Agent:
     Args:
         tools: The tools by name (see :func:`toolbox`): anything with ``start(arguments)``
             returning a pending call with ``task_id``, ``idempotency_key``,
-            ``answered_at_enqueue`` and ``wait(timeout)`` (a :class:`celery_idem.tools.Tool`).
+            ``answered_at_enqueue`` and ``wait(timeout)`` (a :class:`celery_idem.contrib.tools.Tool`).
         model: Anything with ``next_step(messages, tools)``.
         checkpoint: JSON file the conversation is saved to after every step (None: no saving).
         timeouts: Seconds to wait for the first call of a write tool (default

@@ -139,24 +139,32 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) 
 
 
 def stop(proc: subprocess.Popen[Any], grace: float = 15.0) -> None:
-    """SIGTERM the process (a worker does a warm shutdown), then SIGKILL its group if needed."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
+    """SIGTERM the process (a worker does a warm shutdown), then SIGKILL its group if needed.
+
+    The pipes this side holds to it are closed too, rather than left to the garbage collector.
+    """
     try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    finally:
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
 
 def start_provider(db: str, table_prefix: str, log: Path) -> tuple[subprocess.Popen[str], str]:
     """Start ``python -m example_app.payments serve`` on a free loopback port; return its URL."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "example_app.payments", "serve", "--host", "127.0.0.1",
-         "--port", "0", "--db", db, "--table-prefix", table_prefix],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, start_new_session=True,
-    )
+    with log.open("w") as err:  # the child has its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "example_app.payments", "serve", "--host", "127.0.0.1",
+             "--port", "0", "--db", db, "--table-prefix", table_prefix],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+        )
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -175,9 +183,9 @@ def start_worker(run_id: str, pool: str, concurrency: int, log: Path) -> subproc
     cmd = [sys.executable, "-m", "celery", "-A", "example_app.celery_app", "worker",
            "-P", pool, "-c", str(concurrency), "-n", f"demo-{run_id}@%h", "-l", "INFO",
            "--without-gossip", "--without-mingle", "--without-heartbeat"]
-    fh = log.open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with log.open("w") as fh:  # the child has its own copy of the descriptor
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
     def ready() -> bool:
         if proc.poll() is not None:

@@ -5,6 +5,11 @@ Servers: Redis at ``CELERY_IDEM_TEST_REDIS`` (default redis://127.0.0.1:6379), P
 ``CELERY_IDEM_TEST_MYSQL`` and RabbitMQ at ``CELERY_IDEM_TEST_AMQP`` (default
 amqp://guest:guest@127.0.0.1:5672//). A server that does not answer skips its tests locally and FAILS
 them in CI (``CI=true``), so CI can never pass by skipping.
+
+Markers (registered, and enforced by ``--strict-markers``, in pyproject.toml): a test that needs a
+server is marked ``server`` so that ``make test-fast`` can leave it out instead of skipping it. The
+mark comes from the fixtures the test uses (``SERVER_FIXTURES``, added below at collection) or, for
+a fixture parametrized over store kinds, from :func:`store_kinds`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -22,6 +28,40 @@ PG_URL = os.environ.get("CELERY_IDEM_TEST_PG", "postgresql+psycopg://root@127.0.
 MYSQL_URL = os.environ.get("CELERY_IDEM_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
 AMQP_URL = os.environ.get("CELERY_IDEM_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# Fixtures that reach a server: the shared ones below, and the private redis-servers some store
+# tests start (tests/stores). A test using one, directly or through another fixture, is marked
+# `server` at collection. A fixture that picks its server at run time (getfixturevalue) cannot be
+# seen here: its parameters carry the mark instead (store_kinds).
+SERVER_FIXTURES = frozenset({
+    "redis_url", "pg_url", "mysql_url", "amqp_url", "private_server", "servers",
+})
+# Store kinds that run inside the test process (no server): every other kind gets `server`.
+IN_PROCESS_STORES = frozenset({"memory", "sqlite"})
+# Store kinds whose code uses no Celery, kombu or redis-py, the libraries a compat venv changes:
+# their runs are marked `celery_independent` (see the marker in pyproject.toml).
+CELERY_INDEPENDENT_STORES = frozenset({"memory", "sqlite", "postgresql", "mysql"})
+
+
+def store_kinds(*kinds: str) -> list[Any]:
+    """Parameters for a fixture over store kinds, marked ``server`` and ``celery_independent``
+    as the kind is (see ``IN_PROCESS_STORES`` and ``CELERY_INDEPENDENT_STORES``)."""
+    params = []
+    for kind in kinds:
+        marks = []
+        if kind not in IN_PROCESS_STORES:
+            marks.append(pytest.mark.server)
+        if kind in CELERY_INDEPENDENT_STORES:
+            marks.append(pytest.mark.celery_independent)
+        params.append(pytest.param(kind, marks=marks, id=kind))
+    return params
+
+
+def pytest_collection_modifyitems(items: Iterable[pytest.Item]) -> None:
+    """Mark ``server`` every test whose fixtures reach a server (see SERVER_FIXTURES)."""
+    for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
 
 
 def _answers(url: str, default_port: int) -> bool:
@@ -40,6 +80,28 @@ def require(url: str, default_port: int, what: str) -> None:
         if IN_CI:
             pytest.fail(message + " (CI must run every test; .ci/run starts the servers)")
         pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def _tasks_stay_in_their_test() -> Iterator[None]:
+    """Drop the app-finalize callbacks a test's own task definitions left behind.
+
+    ``app.task()`` is ``shared=True`` by default: Celery keeps a callback that adds the task to
+    every app finalized afterwards, in this process, for good. A task a test defines in its own
+    body (``<locals>`` in its qualified name) would then land in every later test's app; two such
+    tests using one name give Celery 5.7's ``DuplicateTaskNameWarning`` in an unrelated test
+    (an error here: filterwarnings). Module-level tasks stay: their module is imported once,
+    and the apps of later tests may rely on them.
+    """
+    from celery import _state
+
+    before = set(_state._on_app_finalizers)
+    yield
+    for callback in set(_state._on_app_finalizers) - before:
+        cells = getattr(callback, "__closure__", None) or ()
+        funs = [c.cell_contents for c in cells if callable(getattr(c, "cell_contents", None))]
+        if any("<locals>" in getattr(f, "__qualname__", "") for f in funs):
+            _state._on_app_finalizers.discard(callback)
 
 
 @pytest.fixture

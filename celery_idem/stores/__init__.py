@@ -29,6 +29,9 @@ _BACKENDS: dict[str, tuple[str, str, str | None]] = {
     "db+mysql": ("celery_idem.stores.sql", "SQLStore", "sql"),
     "db+mariadb": ("celery_idem.stores.sql", "SQLStore", "sql"),
     "memory": ("celery_idem.stores.memory", "MemoryStore", None),
+    # Django's own connection for a DATABASES alias; "django-db" (django-celery-results'
+    # result_backend) is read as "django://" (the default alias).
+    "django": ("celery_idem.contrib.django.store", "DjangoStore", "django"),
 }
 
 #: Every URL scheme a store exists for (``db+<dialect>+<driver>`` is accepted too).
@@ -36,6 +39,8 @@ SUPPORTED_SCHEMES = tuple(f"{scheme}://" for scheme in _BACKENDS)
 
 
 def _scheme(url: str) -> str:
+    if url.strip().lower() == "django-db":
+        return "django"
     scheme = urlsplit(url).scheme.lower()
     if scheme.startswith("db+") and scheme.count("+") > 1:
         scheme = "+".join(scheme.split("+")[:2])  # db+postgresql+psycopg -> db+postgresql
@@ -53,7 +58,8 @@ def store_from_url(
     Args:
         url: A result-backend style URL (``redis://``, ``rediss://``, ``unix://``,
             ``redis+cluster://``, ``rediss+cluster://``, ``sentinel://``,
-            ``db+postgresql://``, ``db+sqlite://``, ``db+mysql://``, ``memory://``).
+            ``db+postgresql://``, ``db+sqlite://``, ``db+mysql://``, ``memory://``,
+            ``django://[alias]`` or ``django-db``).
         prefix: Key prefix (Redis) or key column prefix (SQL) that keeps apps apart.
         options: Extra keyword arguments for the store's client (socket timeouts, pool size).
         backend_transport_options: The app's ``result_backend_transport_options``; a

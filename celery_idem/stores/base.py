@@ -92,7 +92,7 @@ class DurabilityFinding:
     level: int = logging.WARNING
 
 
-@dataclass
+@dataclass(frozen=True)
 class BackendWrite:
     """The result backend's write of one task result, for a store that can fold it into a record.
 
@@ -106,14 +106,15 @@ class BackendWrite:
         key: The backend's result key.
         value: The encoded result meta, exactly as the backend would write it.
         expires: Seconds the key lives (0: no expiry).
-        written: Set by the store once the write is made; the caller skips the backend's own
-            write only then.
+
+    Whether the write was made is :meth:`Store.record_with`'s return value (and, for the task,
+    :attr:`celery_idem.gate.RunOutcome.folded`): the caller skips the backend's own write only
+    then.
     """
 
     key: str
     value: bytes | str
     expires: int = 0
-    written: bool = False
 
 
 class Store(abc.ABC):
@@ -216,18 +217,20 @@ class Store(abc.ABC):
         ttl: float,
         also: BackendWrite,
         claim_id: str | None = None,
-    ) -> None:
+    ) -> bool:
         """:meth:`record`, and ``also`` in the same atomic step when the store can do that.
 
-        The default only records: ``also.written`` stays False and the caller leaves the result
-        to the backend. Raises what :meth:`record` raises; ``also`` is written only when the
-        record is (the same fence).
+        Returns:
+            True when ``also`` was written with the record; False when only the record was
+            (the default: the caller leaves the result to the backend). Raises what
+            :meth:`record` raises; ``also`` is written only when the record is (the same fence).
         """
         if claim_id is None:  # a store written before claim ids may not take the argument
             self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
         else:
             self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
                         claim_id=claim_id)
+        return False
 
     @abc.abstractmethod
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:

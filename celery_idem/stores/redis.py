@@ -37,7 +37,6 @@ import contextlib
 import itertools
 import logging
 import re
-import uuid
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any, ClassVar
@@ -55,8 +54,10 @@ from ..exceptions import (
 )
 from ..records import Claim, ClaimStatus, Record, State
 from .base import BackendWrite, DurabilityFinding, Store, new_claim_id
+from .redis_durability import DURABILITY_SETTINGS, config_get, durability_findings, text
+from .redis_wire import pack, wire_for
 
-__all__ = ["RedisStore"]
+__all__ = ["CLIENT_DEFAULTS", "RedisStore", "durability_findings", "store_options", "text"]
 
 #: The first byte of every record (format version 1): neither UTF-8 text nor msgpack ever starts
 #: with it, so a foreign string under the prefix is told apart at once.
@@ -86,7 +87,7 @@ _CONTROL = re.compile(r"[\x00-\x1f]")
 #: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
 #: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
 #: was lost would find its own claim and report it as busy).
-_CLIENT_DEFAULTS: dict[str, Any] = {
+CLIENT_DEFAULTS: dict[str, Any] = {
     "socket_timeout": 5.0,
     "socket_connect_timeout": 3.0,
     "health_check_interval": 30,
@@ -95,6 +96,18 @@ _CLIENT_DEFAULTS: dict[str, Any] = {
 
 #: A claim script's status reply -> ClaimStatus, without an Enum lookup per claim.
 _STATUSES = {status.value.encode(): status for status in ClaimStatus}
+
+#: The scripts' replies (celery_idem/stores/lua/): the fenced verbs answer REPLY_OK, a refusal
+#: (``fenced:<state>:<token>``, ``reissued:...``) or REPLY_MISSING; any script REPLY_CORRUPT
+#: for a value that is not a record; record.lua REPLY_OK_NOMETA when the backend's meta write
+#: was refused (recorded all the same).
+REPLY_OK = b"ok"
+REPLY_OK_NOMETA = b"ok:nometa"
+REPLY_CORRUPT = b"corrupt"
+REPLY_MISSING = "missing"
+REPLY_REISSUED = "reissued"
+#: The claim statuses that took the key (the claim is to be given back if not replicated).
+_TAKEN = (ClaimStatus.CLAIMED.value.encode(), ClaimStatus.TAKEOVER.value.encode())
 
 
 def _load(name: str) -> str:
@@ -118,8 +131,9 @@ _PACKED_ID = "\x01"
 
 
 def _pack_task_id(task_id: str) -> str:
-    if _UUID.match(task_id):
-        return _PACKED_ID + base64.urlsafe_b64encode(uuid.UUID(task_id).bytes).rstrip(b"=").decode()
+    if _UUID.match(task_id):  # the hex digits of the UUID are its 16 bytes, in order
+        raw = bytes.fromhex(task_id.replace("-", ""))
+        return _PACKED_ID + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
     if task_id.startswith(_PACKED_ID):
         raise ValueError(f"task_id must not start with a \\x01 character (it marks a packed UUID in "
                          f"the Redis record): {task_id!r}")
@@ -127,8 +141,11 @@ def _pack_task_id(task_id: str) -> str:
 
 
 def _unpack_task_id(raw: bytes) -> str:
-    if raw[:1] == b"\x01":
-        return str(uuid.UUID(bytes=base64.urlsafe_b64decode(raw[1:] + b"==")))
+    if raw[:1] == b"\x01":  # a packed UUID: its 16 bytes, written as str(uuid.UUID) writes them
+        h = base64.urlsafe_b64decode(raw[1:] + b"==").hex()
+        if len(h) != 32:
+            raise ValueError(f"a packed task id of {len(h) // 2} bytes")
+        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
     return raw.decode()
 
 
@@ -221,6 +238,9 @@ class RedisStore(Store):
         self._release = client.register_script(_load("release"))
         self._renew = client.register_script(_load("renew"))
         self._forget = client.register_script(_load("forget"))
+        # The hot path to the server without redis-py's per-call layers (see redis_wire), for a
+        # plain client; None for any other (Sentinel, Cluster, retries, RESP3): redis-py then.
+        self._wire = wire_for(client)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> RedisStore:
@@ -228,8 +248,8 @@ class RedisStore(Store):
 
         ``wait_replicas`` and ``wait_timeout`` in ``options`` are the store's own (see the class).
         """
-        store_opts = _store_options(options)
-        opts = {**_CLIENT_DEFAULTS, **options}
+        store_opts = store_options(options)
+        opts = {**CLIENT_DEFAULTS, **options}
         opts.setdefault("retry", Retry(NoBackoff(), 0))
         client = redis.Redis.from_url(url, **opts)
         return cls(client, prefix=prefix, **store_opts)
@@ -239,7 +259,7 @@ class RedisStore(Store):
 
     def _key_of(self, name: bytes | str) -> str:
         """The idempotency key of a Redis key name (the inverse of ``_k``)."""
-        return _text(name)[len(self.prefix):]
+        return text(name)[len(self.prefix):]
 
     def _node(self, name: str) -> redis.Redis:
         """The client that talks to the server holding ``name`` (cluster: that key's master)."""
@@ -253,6 +273,13 @@ class RedisStore(Store):
         name = self._k(key)
         keys = (name,) if other is None else (name, other)
         if not self.wait_replicas:
+            wire = self._wire
+            if wire is not None:
+                try:
+                    return wire.call(pack(("EVALSHA", script.sha, len(keys), *keys, *args)))
+                except redis.exceptions.NoScriptError:
+                    script.sha = self.client.script_load(script.script)  # a restarted server
+                    return wire.call(pack(("EVALSHA", script.sha, len(keys), *keys, *args)))
             # What redis-py's Script.__call__ does, inlined: it costs several µs per call in
             # argument shuffling and a Pipeline type check that never applies here.
             client = script.registered_client
@@ -267,7 +294,7 @@ class RedisStore(Store):
         for _ in range(2):
             pipe = node.pipeline(transaction=False)
             pipe.evalsha(script.sha, len(keys), *keys, *args)
-            pipe.execute_command(  # type: ignore[no-untyped-call]
+            pipe.execute_command(  # type: ignore[no-untyped-call, unused-ignore]
                 "WAIT", self.wait_replicas, _ms(self.wait_timeout))
             # raise_on_error=False: a raised pipeline error has its message rewritten
             # ("Command # 1 (EVALSHA ...) of pipeline caused error: ..."), which would hide a
@@ -279,7 +306,7 @@ class RedisStore(Store):
             for outcome in (reply, acked):
                 if isinstance(outcome, Exception):
                     raise outcome
-            if reply == b"corrupt" or (isinstance(reply, list) and reply[0] == b"corrupt"):
+            if reply == REPLY_CORRUPT or (isinstance(reply, list) and reply[0] == REPLY_CORRUPT):
                 return reply  # not a record: nothing was written, so nothing to wait for
             if int(acked) < self.wait_replicas:
                 raise _NotReplicated(
@@ -317,12 +344,12 @@ class RedisStore(Store):
         except _NotReplicated as short:
             # The claim is on the master only. Give it back (best effort, no WAIT) so the
             # re-queued message can claim again at once instead of finding it busy for a lease.
-            if short.reply[0] in (b"claimed", b"takeover"):
+            if short.reply[0] in _TAKEN:
                 with contextlib.suppress(redis.RedisError):
                     self._release(keys=[self._k(key)], args=[int(short.reply[1]), claim_id])
             raise
         raw, token, now, value = reply
-        if raw == b"corrupt":
+        if raw == REPLY_CORRUPT:
             self._decode(key, value)  # raises CorruptRecord saying what is wrong with it
             raise self._unreadable(key, value)  # pragma: no cover - the script and _decode agree
         status = _STATUSES.get(raw) or ClaimStatus(raw.decode())
@@ -344,17 +371,17 @@ class RedisStore(Store):
             )
         except _REDIS_ERRORS as exc:
             raise _translated(self, key, exc) from exc
-        if reply != b"ok":
+        if reply != REPLY_OK:
             self._check_fence(reply, key, token, "record")
 
     def record_with(
         self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
         also: BackendWrite, claim_id: str | None = None,
-    ) -> None:
+    ) -> bool:
         """Record, and write ``also`` (SET + PUBLISH) in the same script, only if the fence holds.
 
-        The caller must know that ``also.key`` lives on this store's server and database (the
-        task layer checks that the result backend's connection is this store's).
+        Returns whether ``also`` was written. The caller must know that ``also.key`` lives on
+        this store's server and database (the task checks the backend's connection is this).
         """
         code = _STATE_CODE.get(state)
         if code is None:
@@ -362,7 +389,7 @@ class RedisStore(Store):
         if self._fold_refused:
             self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
                         claim_id=claim_id)
-            return
+            return False
         args = [token, code, _content_code(content_type), data, _ms(ttl), claim_id or "",
                 also.value, max(0, also.expires)]
         try:
@@ -373,13 +400,14 @@ class RedisStore(Store):
             self._fold_refused = True
             self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
                         claim_id=claim_id)
-            return
+            return False
         except _REDIS_ERRORS as exc:
             raise _translated(self, key, exc) from exc
-        if reply == b"ok":
-            also.written = True
-        elif reply != b"ok:nometa":  # recorded; the backend writes its meta itself
+        if reply == REPLY_OK:
+            return True
+        if reply != REPLY_OK_NOMETA:  # recorded; the backend writes its meta itself
             self._check_fence(reply, key, token, "record")
+        return False
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         with _translate_errors(self, key):
@@ -395,8 +423,14 @@ class RedisStore(Store):
         raise AssertionError("unreachable")  # pragma: no cover - _check_fence raised
 
     def get(self, key: str) -> Record | None:
-        with _translate_errors(self, key):
-            value: bytes | None = self.client.get(self._k(key))  # type: ignore[assignment]
+        # The producer's read (the enqueue check): a plain try, as claim and record do.
+        try:
+            if self._wire is not None:
+                value: bytes | None = self._wire.call(pack(("GET", self._k(key))))
+            else:
+                value = self.client.get(self._k(key))  # type: ignore[assignment, unused-ignore]
+        except _REDIS_ERRORS as exc:
+            raise _translated(self, key, exc) from exc
         return None if value is None else self._decode(key, value)
 
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
@@ -456,7 +490,7 @@ class RedisStore(Store):
         findings: list[DurabilityFinding] = []
         for client, where in self._config_clients():
             try:
-                settings = _config_get(client, _DURABILITY_SETTINGS)
+                settings = config_get(client, DURABILITY_SETTINGS)
             except redis.ResponseError as exc:  # NoPermissionError is one too
                 return [DurabilityFinding(
                     "CONFIG", None,
@@ -475,23 +509,25 @@ class RedisStore(Store):
         return [(self.client, self.location)]
 
     def close(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
         self.client.close()
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _check_fence(self, reply: Any, key: str, token: int, verb: str) -> None:
-        if reply == b"ok":
+        if reply == REPLY_OK:
             return
-        if reply == b"corrupt":
+        if reply == REPLY_CORRUPT:
             raise self._unreadable(key, None)
         detail = reply.decode() if isinstance(reply, bytes) else repr(reply)
-        if detail == "missing":
+        if detail == REPLY_MISSING:
             why = "the record is gone (expired, removed by an operator, or lost by the server)"
         else:
             verdict, code, current = detail.split(":", 2)
             state = _STATE_OF.get(ord(code[:1] or "?"))
             why = f"the record is {state.value if state else code} with token {current}"
-            if verdict == "reissued":
+            if verdict == REPLY_REISSUED:
                 why += " of another claim (the token was issued again after the store lost data)"
         raise LeaseLost(f"{verb} of {key!r} with token {token} refused: {why}", key=key, token=token)
 
@@ -544,53 +580,6 @@ class RedisStore(Store):
             raise self._unreadable(key, value, str(exc) or type(exc).__name__) from exc
 
 
-#: The settings :meth:`RedisStore.check_durability` reads.
-_DURABILITY_SETTINGS = ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory")
-
-
-def _config_get(client: Any, names: tuple[str, ...]) -> dict[str, str]:
-    """``CONFIG GET`` of each name, one call each (Redis before 7 takes one pattern per call).
-
-    At worker start only, never on the hot path.
-    """
-    found: dict[str, str] = {}
-    for name in names:
-        reply = client.config_get(name)
-        for k, v in dict(reply).items():
-            found[_text(k)] = _text(v)
-    return found
-
-
-def durability_findings(settings: dict[str, str], where: str) -> list[DurabilityFinding]:
-    """What Redis ``settings`` (``CONFIG GET`` values) mean for records kept at ``where``."""
-    findings: list[DurabilityFinding] = []
-    appendonly = settings.get("appendonly", "").lower()
-    if appendonly == "no":
-        findings.append(DurabilityFinding(
-            "appendonly", "no",
-            f"{where}: appendonly is no, so a restart of redis-server (a crash, an upgrade, a "
-            f"reboot) loses every record written since the last RDB snapshot: finished actions "
-            f"run again on their next duplicate, and claims held at the time are issued again",
-        ))
-    elif settings.get("appendfsync", "").lower() == "no":
-        findings.append(DurabilityFinding(
-            "appendfsync", "no",
-            f"{where}: appendfsync is no, so the kernel decides when the AOF reaches the disk and "
-            f"a host crash or power loss can lose the last ~30 s of records (everysec: ~1 s)",
-        ))
-    policy = settings.get("maxmemory-policy", "").lower()
-    if policy and policy != "noeviction":
-        unlimited = settings.get("maxmemory", "") == "0"
-        findings.append(DurabilityFinding(
-            "maxmemory-policy", policy,
-            f"{where}: maxmemory-policy is {policy}, so under memory pressure Redis evicts keys, "
-            f"records included (every record has a TTL, so volatile-* policies evict them "
-            f"too); an evicted record runs its action again"
-            + (" (maxmemory is 0 now: nothing is evicted until a limit is set)" if unlimited else ""),
-        ))
-    return findings
-
-
 class _NotReplicated(StoreUnavailable):
     """A write the master made but too few replicas confirmed (``wait_replicas``)."""
 
@@ -599,13 +588,9 @@ class _NotReplicated(StoreUnavailable):
         self.reply = reply
 
 
-def _store_options(options: dict[str, Any]) -> dict[str, Any]:
+def store_options(options: dict[str, Any]) -> dict[str, Any]:
     """Take the store's own settings out of ``options`` (the rest go to the client)."""
     return {name: options.pop(name) for name in ("wait_replicas", "wait_timeout") if name in options}
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _ms(seconds: float) -> int:

@@ -31,7 +31,7 @@ from redis.sentinel import Sentinel
 
 from ..exceptions import ImproperlyConfigured, StoreUnavailable
 from .base import Store
-from .redis import _CLIENT_DEFAULTS, RedisStore, _store_options, _text
+from .redis import CLIENT_DEFAULTS, RedisStore, store_options, text
 
 __all__ = ["RedisClusterStore", "RedisSentinelStore"]
 
@@ -63,7 +63,7 @@ def _client_kwargs(auth: str, path: str, query: str, tls: bool) -> dict[str, Any
     """Typed client settings from the URL's auth, path (db) and query, via redis-py's parser."""
     scheme = "rediss" if tls else "redis"
     auth_part = f"{auth}@" if auth else ""
-    kwargs: dict[str, Any] = parse_url(  # type: ignore[no-untyped-call]
+    kwargs: dict[str, Any] = parse_url(  # type: ignore[no-untyped-call, unused-ignore]
         f"{scheme}://{auth_part}localhost:1/{path}?{query}")
     for name in ("host", "port", "connection_class"):
         kwargs.pop(name, None)
@@ -90,8 +90,8 @@ class RedisClusterStore(RedisStore):
 
     def __init__(self, client: RedisCluster, prefix: str = "celery-idem:", *,
                  wait_replicas: int = 0, wait_timeout: float = 1.0) -> None:
-        nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_primaries())  # type: ignore[no-untyped-call]
-        super().__init__(client, prefix, wait_replicas=wait_replicas,  # type: ignore[arg-type]
+        nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_primaries())  # type: ignore[no-untyped-call, unused-ignore]
+        super().__init__(client, prefix, wait_replicas=wait_replicas,  # type: ignore[arg-type, unused-ignore]
                          wait_timeout=wait_timeout, location=f"cluster {nodes}")
         self.cluster = client
 
@@ -113,12 +113,12 @@ class RedisClusterStore(RedisStore):
             raise ImproperlyConfigured(
                 f"a Redis Cluster has only database 0; drop '/{path}' from the store URL"
             )
-        store_opts = _store_options(options)
-        opts = {**_CLIENT_DEFAULTS, **kwargs, **options}
-        # No blind retries, as for one Redis (see _CLIENT_DEFAULTS); MOVED/ASK redirections
+        store_opts = store_options(options)
+        opts = {**CLIENT_DEFAULTS, **kwargs, **options}
+        # No blind retries, as for one Redis (see CLIENT_DEFAULTS); MOVED/ASK redirections
         # after a failover or resharding are still followed inside the client.
         opts.setdefault("retry", Retry(NoBackoff(), 0))
-        seeds = [ClusterNode(h, p) for h, p in hosts]  # type: ignore[no-untyped-call]
+        seeds = [ClusterNode(h, p) for h, p in hosts]  # type: ignore[no-untyped-call, unused-ignore]
         try:
             # Unlike redis.Redis, RedisCluster connects at once: it needs the slot map.
             client = RedisCluster(startup_nodes=seeds, **opts)
@@ -133,17 +133,17 @@ class RedisClusterStore(RedisStore):
         return f"{self.prefix}{{{key}}}"
 
     def _key_of(self, name: bytes | str) -> str:
-        return _text(name)[len(self.prefix) + 1:-1]
+        return text(name)[len(self.prefix) + 1:-1]
 
     def _node(self, name: str) -> redis.Redis:
-        node = self.cluster.get_node_from_key(name)  # type: ignore[no-untyped-call]
+        node = self.cluster.get_node_from_key(name)  # type: ignore[no-untyped-call, unused-ignore]
         return self.cluster.get_redis_connection(node)
 
     def _config_clients(self) -> list[tuple[Any, str]]:
         # Every master holds a share of the records: each one's settings count.
         return [
             (self.cluster.get_redis_connection(node), f"cluster master {node.host}:{node.port}")
-            for node in self.cluster.get_primaries()  # type: ignore[no-untyped-call]
+            for node in self.cluster.get_primaries()  # type: ignore[no-untyped-call, unused-ignore]
         ]
 
     # A Celery result key hashes to another slot than the record: no script can write both.
@@ -184,7 +184,7 @@ class RedisSentinelStore(RedisStore):
                  client_options: Mapping[str, Any] | None = None) -> None:
         self.sentinel = sentinel
         self.master_name = master_name
-        client = sentinel.master_for(  # type: ignore[no-untyped-call]
+        client = sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
             master_name, **dict(client_options or {}))
         nodes = ",".join(
             f"{c.connection_pool.connection_kwargs.get('host')}:"
@@ -233,7 +233,7 @@ class RedisSentinelStore(RedisStore):
         # master_name is ours, not a client setting: keep it out of redis-py's URL parser.
         url_master = params.pop("master_name", None)
         kwargs = _client_kwargs(auth, path, urlencode(params), tls=False)
-        store_opts = _store_options(options)
+        store_opts = store_options(options)
         backend = dict(backend_transport_options or {})
         master_name = options.pop("master_name", None) or url_master or backend.get("master_name")
         if not master_name:
@@ -244,12 +244,12 @@ class RedisSentinelStore(RedisStore):
             )
         sentinel_kwargs = options.pop("sentinel_kwargs", None) or backend.get("sentinel_kwargs")
         min_other = options.pop("min_other_sentinels", backend.get("min_other_sentinels", 0))
-        client_opts = {**_CLIENT_DEFAULTS, **kwargs, **options}
+        client_opts = {**CLIENT_DEFAULTS, **kwargs, **options}
         client_opts.setdefault("retry", Retry(NoBackoff(), 0))
         sentinel_conn = {
             k: v for k, v in client_opts.items() if k in ("socket_timeout", "socket_connect_timeout")
         }
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             hosts,
             min_other_sentinels=int(min_other),
             sentinel_kwargs={**sentinel_conn, **dict(sentinel_kwargs or {})},

@@ -34,7 +34,7 @@ from typing import Any
 
 import redis
 
-import celery_idem.task as idem_task
+import celery_idem.app as idem_app
 from celery_idem.stores.redis import _load as _load_script
 from tests.integration import app as app_module
 from tests.integration.harness import Worker, free_port, wait_for
@@ -432,7 +432,7 @@ _CONF_KEYS = ("broker_url", "result_backend", "idempotency_store", "idempotency_
 
 def reset_app(app: Any) -> None:
     """Forget every cached connection of ``app``: store, gates, result backend, broker pools."""
-    store = idem_task._stores.pop(app, None)
+    store = idem_app.forget_store(app)
     if store is not None:
         with contextlib.suppress(Exception):
             store.close()
@@ -515,7 +515,7 @@ class Stack:
 
     @property
     def store(self) -> Any:
-        return idem_task.get_store(self.app)
+        return idem_app.get_store(self.app)
 
     # workers ------------------------------------------------------------------------------
 

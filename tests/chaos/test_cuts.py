@@ -22,7 +22,7 @@ import pytest
 from tests.chaos.support import Stack, load_scripts, lua_sha, pids, wait_for
 from tests.integration import app as tasks
 
-pytestmark = [pytest.mark.worker, pytest.mark.crash]
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from celery_idem import CachedResult
 from tests.chaos.support import Stack, wait_for
 from tests.integration import app as tasks
 
-pytestmark = [pytest.mark.worker, pytest.mark.crash]
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow]
 
 
 def test_many_concurrent_duplicates_across_two_workers_run_each_body_once(

@@ -24,6 +24,9 @@ from celery_idem.stores.redis import RedisStore
 from tests.chaos.support import ChaosRedis, Stack, wait_for
 from tests.integration import app as tasks
 
+# Part of the chaos/scale suites: long-running, deselected with -m "not slow".
+pytestmark = pytest.mark.slow
+
 MB = 1024 * 1024
 
 
@@ -324,7 +327,7 @@ def test_key_prefixes_keep_two_apps_on_one_redis_apart() -> None:
                 return {"by": who}
 
             # The same task name and the same arguments: the same key, in both apps
-            charges[who] = app.task(base=IdempotentTask, bind=True, name="shop.charge",
+            charges[who] = app.task(base=IdempotentTask, bind=True, name="shop.charge", shared=False,
                                     idempotency_fields=("order_id",))(body)
         assert charges["a"].idempotency_key_for(("o1",)) == charges["b"].idempotency_key_for(("o1",))
         for who in ("a", "b", "a", "b"):

@@ -16,7 +16,7 @@ import pytest
 from tests.chaos.support import Stack, pid_alive, pids, wait_for
 from tests.integration import app as tasks
 
-pytestmark = [pytest.mark.worker, pytest.mark.crash]
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow]
 
 
 def test_child_killed_after_the_record_before_the_ack_the_redelivery_returns_the_cached_result(

@@ -18,7 +18,7 @@ from celery_idem import CachedResult
 from tests.chaos.support import wait_for
 from tests.integration import app as tasks
 
-pytestmark = [pytest.mark.worker, pytest.mark.crash]
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow]
 
 
 def requeues_for_store(stack: Any) -> int:

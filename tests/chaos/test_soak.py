@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import PG_URL, require
 from tests.integration.harness import ROOT
 
-pytestmark = [pytest.mark.worker, pytest.mark.crash]
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow]
 
 
 def test_soak_with_random_faults_runs_nothing_twice_and_loses_nothing() -> None:

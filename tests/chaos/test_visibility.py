@@ -16,7 +16,7 @@ import pytest
 from tests.chaos.support import pids, wait_for
 from tests.integration import app as tasks
 
-pytestmark = [pytest.mark.worker, pytest.mark.crash]
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("kind", ["redis", "sql"])

@@ -19,6 +19,9 @@ from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
 from tests.integration.harness import ROOT, free_port, wait_for
 
+# Every command runs as a `celery` subprocess (about 2 s of imports each): the slow group.
+pytestmark = pytest.mark.slow
+
 CHARGE = "tests.integration.app.charge"
 
 

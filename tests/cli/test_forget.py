@@ -15,6 +15,9 @@ from celery_idem.cli import EXIT_CHANGED, EXIT_NOT_FOUND, EXIT_REFUSED
 from celery_idem.records import ClaimStatus, State
 from tests.cli.conftest import LONG, Idem
 
+# Every command runs as a `celery` subprocess (about 2 s of imports each): the slow group.
+pytestmark = pytest.mark.slow
+
 
 def test_forget_turns_a_done_record_into_a_tombstone_so_the_next_claim_runs_with_the_next_token(
     idem: Idem,
@@ -93,9 +96,11 @@ def test_a_missing_sql_driver_gets_the_pip_hint(idem_redis: Idem) -> None:
 
 def _reset(app: object) -> None:
     """Drop the app's cached store and gates, so a changed prefix takes effect."""
-    from celery_idem.task import _stores
+    from celery_idem.app import forget_store
 
-    _stores.pop(app, None)
+    store = forget_store(app)
+    if store is not None:
+        store.close()  # not left to the garbage collector (ResourceWarning, docs/contributing.md)
     for task in app.tasks.values():  # type: ignore[attr-defined]
         task.__dict__.pop("_gate", None)
 

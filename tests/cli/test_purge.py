@@ -12,6 +12,9 @@ from celery_idem.records import State
 from tests.cli.conftest import Idem, _idem
 from tests.integration.harness import free_port, wait_for
 
+# Every command runs as a `celery` subprocess (about 2 s of imports each): the slow group.
+pytestmark = pytest.mark.slow
+
 SHORT_TTL = 0.5
 
 

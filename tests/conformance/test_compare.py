@@ -56,3 +56,15 @@ def test_lists_are_well_formed() -> None:
     assert not set(lists["by_design.txt"]) & set(lists["known_bugs.txt"])
     subset = compare.read_list(HERE / "subset.txt")
     assert subset, "subset.txt is empty"
+
+
+def test_a_test_without_an_outcome_counts_as_an_error(tmp_path: Path) -> None:
+    """pytest's INTERNALERROR leaves a test with no report (outcome null): still comparable."""
+    plain = _run({"a::x": "passed"})
+    idem = _run({"a::x": "passed"})
+    idem["tests"]["a::x"]["outcome"] = None  # type: ignore[index]
+    (tmp_path / "p.json").write_text(json.dumps(plain))
+    (tmp_path / "i.json").write_text(json.dumps(idem))
+    argv = [str(tmp_path / "p.json"), str(tmp_path / "i.json"), "--json", str(tmp_path / "d.json")]
+    assert compare.main(argv) == 0
+    assert json.loads((tmp_path / "d.json").read_text())["differences"]["a::x"]["idem"] == "error"

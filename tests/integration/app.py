@@ -16,6 +16,7 @@ import time
 import redis
 from celery import Celery
 
+import celery_idem.delivery
 from celery_idem import IdempotentTask, TerminalError
 
 PREFIX = os.environ.get("IDEM_PREFIX", "itest:")
@@ -307,15 +308,23 @@ class ChaosTask(IdempotentTask):
     which is not the scenario these tests are after.
     """
 
-    @staticmethod
-    def _write_result(writer, req, result, folded):  # type: ignore[no-untyped-def]
-        _kill_after_record(req.args or (), req.kwargs or {})
-        IdempotentTask._write_result(writer, req, result, folded)
-
     def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         result = super().__call__(*args, **kwargs)
-        _kill_after_record(args, kwargs)  # results left to Celery: no _write_result call
+        _kill_after_record(args, kwargs)  # results left to Celery: no write_result call
         return result
+
+
+def _write_result_after_a_kill(writer, req, outcome):  # type: ignore[no-untyped-def]
+    """celery_idem.delivery.write_result, after ChaosTask's ``kill="after_record"`` point."""
+    if isinstance(app.tasks.get(getattr(req, "task", None) or ""), ChaosTask):
+        _kill_after_record(req.args or (), req.kwargs or {})
+    _write_result(writer, req, outcome)
+
+
+# The seam writes the result through delivery.write_result once the gate recorded: the kill
+# goes between the two (a test-only patch of this worker's module, like a debugger breakpoint).
+_write_result = celery_idem.delivery.write_result
+celery_idem.delivery.write_result = _write_result_after_a_kill
 
 
 def _kill_after_record(args, kwargs):  # type: ignore[no-untyped-def]

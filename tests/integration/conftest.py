@@ -11,7 +11,7 @@ import pytest
 import redis
 from celery.signals import before_task_publish
 
-import celery_idem.task as idem_task
+import celery_idem.app as idem_app
 from tests.integration import app as app_module
 from tests.integration.harness import Worker
 
@@ -40,7 +40,11 @@ class Cluster:
 
     def forget(self) -> None:
         """Drop the process's cached store and gates so the new settings take effect."""
-        idem_task._stores.pop(self.app, None)
+        store = idem_app.forget_store(self.app)
+        if store is not None:
+            # Closed, not just dropped: an SQL store's engine left to the garbage collector
+            # closes nothing, and psycopg warns (ResourceWarning, an error under filterwarnings).
+            store.close()
         for task in self.app.tasks.values():
             task.__dict__.pop("_gate", None)
         self.app.__dict__.pop("backend", None)
@@ -65,7 +69,7 @@ class Cluster:
 
     @property
     def store(self) -> Any:
-        return idem_task.get_store(self.app)
+        return idem_app.get_store(self.app)
 
     def close(self) -> None:
         for w in self.workers:

@@ -103,6 +103,7 @@ class Worker:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+        self._fh.close()  # the log stays readable by path; the handle is not left to the GC
 
 
 class RedisServer:

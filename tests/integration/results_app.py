@@ -6,12 +6,15 @@ tests/integration/app.py are registered too (the same app object).
 
 from __future__ import annotations
 
+import time
+
 from celery.result import AsyncResult, GroupResult
 
 from celery_idem import IdempotentTask, TerminalError
 from tests.integration.app import app, effect
 
-__all__ = ["app", "echo", "echo_declined", "plain_spawn", "spawn", "spawn_group"]
+__all__ = ["app", "echo", "echo_declined", "fail_held", "fail_released", "note", "plain_spawn",
+           "spawn", "spawn_group"]
 
 
 @app.task(base=IdempotentTask, bind=True)
@@ -47,3 +50,29 @@ def spawn_group(self, name):  # type: ignore[no-untyped-def]
     effect(f"spawn_group:{name}", self.request.id)
     return GroupResult(f"{name}-group", [AsyncResult(f"{name}-a", app=app),
                                          AsyncResult(f"{name}-b", app=app)], app=app)
+
+
+#: The lease of ``fail_held``: short, so a test can wait it out.
+HELD_LEASE = 3.0
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_lease=HELD_LEASE)
+def fail_held(self, tag):  # type: ignore[no-untyped-def]
+    """Fails with an ordinary bug (unclassified): the claim is held for the lease."""
+    effect(f"fail_held:{tag}", time.time())
+    raise ValueError(f"bug {tag}")
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_release_on=(Exception,))
+def fail_released(self, tag):  # type: ignore[no-untyped-def]
+    """Fails with an ordinary bug, and says any error means "no effect": the claim is released
+    (the default lease, 60 s, is never waited for)."""
+    effect(f"fail_released:{tag}", time.time())
+    raise ValueError(f"bug {tag}")
+
+
+@app.task(base=IdempotentTask, bind=True)
+def note(self, tag, label):  # type: ignore[no-untyped-def]
+    """An errback (immutable): one effect per (tag, label)."""
+    effect(f"note:{tag}", label)
+    return label

@@ -121,14 +121,17 @@ def test_the_redis_extra_runs_a_redis_broker_worker(
     _run_worker(py, workdir, {"WB": base, "WR": base, "WQ": f"wheel-{tag}", "WP": f"wheel-{tag}:"})
 
 
-def test_the_sql_extra_runs_an_sqlite_worker_and_the_demo(
+# A fresh venv's install (pip's own bound is 600 s), a worker and the demo (about a minute): the
+# suite's 300 s per test was overrun on a loaded 2-core machine once [tools] joined the install.
+@pytest.mark.timeout(900)
+def test_the_sql_and_tools_extras_run_an_sqlite_worker_and_the_demo(
     wheel: Path, workdir: Path, tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    py = _venv(tmp_path_factory.mktemp("venv-sql"), f"celery-idem[sql] @ {wheel.as_uri()}")
+    py = _venv(tmp_path_factory.mktemp("venv-sql"), f"celery-idem[sql,tools] @ {wheel.as_uri()}")
     db = workdir / "db.sqlite"
     _run_worker(py, workdir, {"WB": f"sqla+sqlite:///{db}", "WR": f"db+sqlite:///{db}",
                               "WQ": "wheel", "WP": "wheel:"})
-    # What `make demo` installs (.[sql]) is all the demo needs: run it from that venv
+    # What `make demo` installs (.[sql,tools]) is all the demo needs: run it from that venv
     clean = {k: v for k, v in _fresh_env().items() if not k.startswith(("CELERY_", "EXAMPLE_"))}
     out = subprocess.run([str(py), "-m", "example_app.demo", "--quiet"], cwd=ROOT, env=clean,
                          capture_output=True, text=True, timeout=180)

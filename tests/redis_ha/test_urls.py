@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from celery import Celery
 
-import celery_idem.task as idem_task
+import celery_idem.app as idem_app
 from celery_idem.exceptions import ImproperlyConfigured
 from celery_idem.stores import SUPPORTED_SCHEMES, store_from_url
 from celery_idem.stores.redis_ha import RedisSentinelStore
@@ -69,11 +69,11 @@ def test_the_app_store_takes_the_master_name_from_result_backend_transport_optio
     app = Celery("t", broker="memory://", backend=CELERY_URL)
     app.conf.result_backend_transport_options = {"master_name": "celery-master"}
     try:
-        store = idem_task.get_store(app)
+        store = idem_app.get_store(app)
         assert isinstance(store, RedisSentinelStore)
         assert store.master_name == "celery-master"
     finally:
-        idem_task._stores.pop(app, None)
+        idem_app.forget_store(app)
 
 
 @pytest.mark.parametrize("url, problem", [

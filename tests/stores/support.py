@@ -54,8 +54,23 @@ def poll(store: Store, check: Callable[[], T], what: str, timeout: float = DEADL
         time.sleep(INTERVAL)
 
 
+def _django_sql(store: Any, sql: str, params: list[Any]) -> None:
+    """Run one statement on a DjangoStore's table (``{t}`` in ``sql``) through its connection."""
+    q = store.connection.ops.quote_name
+    with store.connection.cursor() as cursor:
+        cursor.execute(sql.format(t=q(store.table_name), key=q("key"), token=q("token")), params)
+
+
 def drop_table(store: Any) -> None:
-    """Drop a SQLStore's table (each test has its own), if the test created it."""
+    """Drop a SQLStore's table (each test has its own), if the test created it.
+
+    A DjangoStore's table is the migrated one, shared by the session: only this store's
+    prefix's rows go.
+    """
+    if hasattr(store, "using"):
+        _django_sql(store, "DELETE FROM {t} WHERE substr({key}, 1, %s) = %s",
+                    [len(store.prefix), store.prefix])
+        return
     import sqlalchemy as sa
 
     sa.Table(store._table.name, sa.MetaData()).drop(store._engine, checkfirst=True)
@@ -72,6 +87,8 @@ def lose(store: Any, key: str) -> None:
             store._records.pop(key, None)
     elif isinstance(store, RedisStore):
         store.client.delete(store._k(key))
+    elif hasattr(store, "using"):  # DjangoStore
+        _django_sql(store, "DELETE FROM {t} WHERE {key} = %s", [store._stored(key)])
     else:
         import sqlalchemy as sa
 
@@ -103,6 +120,8 @@ def set_token(store: Any, key: str, token: int) -> None:
         digits = head[2:].partition(b".")
         head = head[:2] + str(token).encode() + digits[1] + digits[2]
         store.client.set(name, head + sep + rest, keepttl=True)
+    elif hasattr(store, "using"):  # DjangoStore
+        _django_sql(store, "UPDATE {t} SET {token} = %s WHERE {key} = %s", [token, store._stored(key)])
     else:
         import sqlalchemy as sa
 

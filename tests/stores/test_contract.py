@@ -1,6 +1,8 @@
 """The store contract (celery_idem/stores/base.py), run against every store.
 
-Each test runs once per store: memory, Redis, PostgreSQL, MariaDB/MySQL and SQLite. Every store
+Each test runs once per store: memory, Redis, PostgreSQL, MariaDB/MySQL and SQLite, and the
+Django store (celery_idem.contrib.django) on SQLite and PostgreSQL through Django's connections
+(one migrated table per database for the whole session; tests keep apart by prefix). Every store
 gets a key prefix no other test uses (Redis: its keys are deleted by prefix afterwards, never
 FLUSHDB) and, for SQL, a table of its own that is dropped afterwards. A server that does not
 answer skips its tests locally and fails them in CI, through tests/conftest.py's ``require``.
@@ -26,10 +28,13 @@ from celery_idem.exceptions import LeaseLost
 from celery_idem.records import Claim, ClaimStatus, State
 from celery_idem.stores import store_from_url
 from celery_idem.stores.base import Store
+from tests.conftest import store_kinds
+from tests.django.support import django_databases  # noqa: F401 - a fixture used by name
 
 from .support import LONG, claim, drop_table, lose, poll, set_token
 
-STORES = ["memory", "redis", "postgresql", "mysql", "sqlite"]
+STORES = store_kinds("memory", "redis", "postgresql", "mysql", "sqlite", "django-sqlite",
+                     "django-postgresql", "django-mysql")
 
 MakeStore = Callable[..., Store]
 
@@ -47,6 +52,15 @@ def make_store(request: pytest.FixtureRequest, prefix: str, tmp_path: Path) -> I
     elif kind == "redis":
         url = request.getfixturevalue("redis_url")
         request.getfixturevalue("redis_cleanup")  # SCAN + DEL of this test's prefix afterwards
+    elif kind.startswith("django-"):
+        pytest.importorskip("django")  # the [django] extra (make test-compat's venvs lack it)
+        request.getfixturevalue("django_databases")
+        url = {"django-sqlite": "django://", "django-postgresql": "django://pg",
+               "django-mysql": "django://mysql"}[kind]
+        if kind == "django-mysql":
+            from tests.django.support import require_mysql
+
+            require_mysql()
     else:
         if kind == "sqlite":
             url = f"db+sqlite:///{tmp_path / 'idem.db'}"
@@ -62,7 +76,7 @@ def make_store(request: pytest.FixtureRequest, prefix: str, tmp_path: Path) -> I
 
     yield make
     try:
-        if "table_name" in options and stores:
+        if ("table_name" in options or kind.startswith("django-")) and stores:
             drop_table(stores[0])
     finally:
         for store in stores:

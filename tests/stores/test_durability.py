@@ -1,7 +1,7 @@
 """The durability check at worker start (issue 13): does the store's Redis keep records?
 
 Each test starts a ``redis-server`` of its own with the settings under test (the shared Redis is
-never reconfigured). The worker-start hook (``_check_worker``, Celery's ``worker_init``) reads
+never reconfigured). The worker-start hook (``celery_idem.app.check_worker``, Celery's ``worker_init``) reads
 ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` and logs one WARNING naming the risk; with
 ``idempotency_require_durable_store = True`` the worker refuses to start (checked with a real
 ``celery worker`` process); a server that refuses ``CONFIG`` gets one INFO line.
@@ -23,8 +23,8 @@ import redis
 from celery import Celery
 
 from celery_idem import IdempotentTask
+from celery_idem.app import check_worker
 from celery_idem.stores.redis import RedisStore
-from celery_idem.task import _check_worker
 from tests.integration.harness import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def worker_start(
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="celery_idem"):
         try:
-            _check_worker(sender=SimpleNamespace(app=app, task_events=False))
+            check_worker(sender=SimpleNamespace(app=app, task_events=False))
         finally:
             from celery_idem.task import get_store
 

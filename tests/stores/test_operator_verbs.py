@@ -8,6 +8,7 @@ import pytest
 from celery_idem.exceptions import LeaseLost
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores.base import Store
+from tests.django.support import django_databases  # noqa: F401 - a fixture used by name
 
 from .support import LONG, claim
 from .test_contract import done, make_store, store  # noqa: F401 (fixtures)

@@ -27,11 +27,15 @@ from celery_idem.exceptions import CorruptRecord, StoreUnavailable
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores import store_from_url
 from celery_idem.stores.sql import SQLStore
+from tests.conftest import store_kinds
 
 from .support import DEADLINE, LONG, claim, drop_table, poll
 
+# SQLAlchemy and the database drivers only: no Celery, kombu or redis-py (make test-compat).
+pytestmark = pytest.mark.celery_independent
 
-@pytest.fixture(params=["postgresql", "mysql", "sqlite"])
+
+@pytest.fixture(params=store_kinds("postgresql", "mysql", "sqlite"))
 def backend_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"db+sqlite:///{tmp_path / 'idem.db'}"

@@ -34,6 +34,7 @@ from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores import store_from_url
 from celery_idem.stores.base import Store
+from tests.conftest import store_kinds
 from tests.integration.harness import RedisServer
 
 from .support import DEADLINE, claim, drop_table, lose
@@ -41,7 +42,7 @@ from .support import DEADLINE, claim, drop_table, lose
 KEY = "charge:loss"
 
 
-@pytest.fixture(params=["redis", "postgresql", "mysql", "sqlite", "memory"])
+@pytest.fixture(params=store_kinds("redis", "postgresql", "mysql", "sqlite", "memory"))
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -124,7 +125,7 @@ def test_after_the_store_loses_a_held_claim_the_next_token_is_higher_and_the_sta
         # When the store loses the record, and a duplicate claims the key and records
         lose_everything(store, kind)
         assert store.get(KEY) is None
-        fresh = gate.run(Attempt(KEY, "task-fresh", owner="host:fresh"), fresh_body)
+        fresh = gate.run(Attempt(KEY, "task-fresh", owner="host:fresh"), fresh_body).value
         # Then the duplicate's token is above the stale holder's
         assert fresh["charged_by"] == "fresh"
         assert fresh["token"] > stale_token
@@ -140,7 +141,7 @@ def test_after_the_store_loses_a_held_claim_the_next_token_is_higher_and_the_sta
     # Every later duplicate answers with that one result, without running the body
     again = claim(store, KEY, who="late")
     assert again.status is ClaimStatus.DONE and again.token == fresh["token"]
-    assert gate.run(Attempt(KEY, "task-late", owner="host:late"), fresh_body) == fresh
+    assert gate.run(Attempt(KEY, "task-late", owner="host:late"), fresh_body).value == fresh
     # The body ran twice: after a loss, the fence holds, "at most once" does not
     assert effects == [("stale", stale_token), ("fresh", fresh["token"])]
     assert [(outcome, original) for outcome, _, original in events] == [

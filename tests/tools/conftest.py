@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-import celery_idem.task as idem_task
+import celery_idem.app as idem_app
 from tests.conftest import REDIS_URL, require
 from tests.integration.harness import Worker
 from tests.tools import app as app_module
@@ -41,7 +41,7 @@ def _configure(url: str, prefix: str, queue: str) -> None:
     conf.idempotency_key_prefix = prefix
     conf.task_default_queue = queue
     # Drop what was built with the previous settings (the store, the gates, the backend).
-    idem_task._stores.pop(app_module.app, None)
+    idem_app.forget_store(app_module.app)
     for task in app_module.app.tasks.values():
         task.__dict__.pop("_gate", None)
     app_module.app.__dict__.pop("backend", None)

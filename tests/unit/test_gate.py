@@ -35,7 +35,7 @@ from celery_idem.exceptions import (
 from celery_idem.gate import Attempt, Gate, Requeue
 from celery_idem.lease import Lease, LeaseKeeper
 from celery_idem.records import Claim, ClaimStatus, Record, State
-from celery_idem.stores.base import Store
+from celery_idem.stores.base import BackendWrite, Store
 from celery_idem.stores.memory import MemoryStore
 
 KEY = "charge_card:0123456789abcdef0123456789abcdef"
@@ -331,7 +331,7 @@ def attempt(task_id: str = "t1", retries: int = 0, payload_hash: str | None = No
 def test_a_first_attempt_claims_runs_the_body_once_and_records_its_result(world: World) -> None:
     body = Body(result={"charge": "ch_1", "amount": 4200})
 
-    result = world.gate().run(attempt("t1"), body)
+    result = world.gate().run(attempt("t1"), body).value
 
     assert result == {"charge": "ch_1", "amount": 4200}
     assert world.ordinals(body.tokens) == [1]
@@ -340,6 +340,58 @@ def test_a_first_attempt_claims_runs_the_body_once_and_records_its_result(world:
     assert (rec.state, world.ordinal(rec.token), rec.task_id, rec.owner) == (State.DONE, 1, "t1", "me:1")
     assert rec.lease_expires is None
     assert world.result_of(rec) == result
+
+
+class FoldingMemory(IssuingMemory):
+    """A memory store that folds the backend write into the record (as one Redis server does)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.folded: list[BackendWrite] = []
+
+    def record_with(self, key: str, token: int, *, also: BackendWrite, **kwargs: Any) -> bool:
+        self.record(key, token, **kwargs)
+        self.folded.append(also)
+        return True
+
+
+def test_the_outcome_says_the_body_ran_and_no_write_was_folded_without_a_fold(world: World) -> None:
+    outcome = world.gate().run(attempt("t1"), Body(result="ran"))
+
+    assert (outcome.value, outcome.ran, outcome.write, outcome.folded) == ("ran", True, None, False)
+
+
+def test_the_outcome_of_a_duplicate_says_it_was_answered_from_the_record(world: World) -> None:
+    world.gate().run(attempt("t1"), Body(result="first"))
+    duplicate = Body(result="second")
+
+    outcome = world.gate().run(attempt("t2"), duplicate, lambda result: BackendWrite("k", b"m"))
+
+    assert (outcome.value, outcome.ran, outcome.write, outcome.folded) == ("first", False, None, False)
+    assert duplicate.tokens == []
+
+
+def test_the_outcome_carries_the_write_built_for_the_record_and_whether_it_rode_on_it(
+    world: World,
+) -> None:
+    # A store that cannot fold: the write is built and handed back for the caller to make
+    plain = world.gate().run(attempt("t1"), Body(result="v"), lambda result: BackendWrite("k", result))
+    assert (plain.write, plain.folded) == (BackendWrite("k", "v"), False)
+    # One that can: the same write goes into the record's own store call
+    world.memory = world.store = FoldingMemory(prefix="unit:", clock=world.clock)  # type: ignore[assignment]
+    folded = world.gate().run(attempt("t2"), Body(result="w"), lambda result: BackendWrite("k", result))
+    assert (folded.write, folded.folded) == (BackendWrite("k", "w"), True)
+    assert world.memory.folded == [BackendWrite("k", "w")]  # type: ignore[attr-defined]
+
+
+def test_a_fold_that_fails_only_means_no_fold(world: World) -> None:
+    def broken(result: Any) -> BackendWrite:
+        raise ValueError("no meta")
+
+    outcome = world.gate().run(attempt("t1"), Body(result="v"), broken)
+
+    assert (outcome.value, outcome.ran, outcome.write, outcome.folded) == ("v", True, None, False)
+    assert world.record().state is State.DONE
 
 
 def test_the_lease_is_held_for_exactly_the_body_and_the_record(world: World) -> None:
@@ -372,7 +424,7 @@ def test_a_duplicate_of_a_done_key_returns_the_cached_result_without_running(
     world.events.clear()
     # When a duplicate arrives
     duplicate = Body(result="must not be returned")
-    result = world.gate().run(attempt(task_id, retries), duplicate)
+    result = world.gate().run(attempt(task_id, retries), duplicate).value
     # Then it gets the recorded result, and the body did not run
     assert result == [1, "two"]
     assert duplicate.runs == 0
@@ -414,7 +466,7 @@ def test_a_duplicate_of_a_key_in_progress_waits_and_gets_the_holders_result(
     gate.sleep = sleep
     duplicate = Body()
     # When the duplicate runs through the gate
-    result = gate.run(attempt("t2"), duplicate)
+    result = gate.run(attempt("t2"), duplicate).value
     # Then it returns the holder's result without running the body
     assert result == {"charge": "ch_holder"}
     assert duplicate.runs == 0
@@ -441,7 +493,7 @@ def test_a_waiting_duplicate_claims_and_runs_when_the_holder_releases(world: Wor
     gate.sleep = lambda s: (world.clock.sleep(s), world.memory.release(KEY, world.T(1)))
     duplicate = Body(result="mine")
 
-    assert gate.run(attempt("t2"), duplicate) == "mine"
+    assert gate.run(attempt("t2"), duplicate).value == "mine"
 
     assert world.ordinals(duplicate.tokens) == [2]
     assert world.events == [(Outcome.CLAIMED, KEY, 2, "t2"), (Outcome.RECORDED, KEY, 2, "t2")]
@@ -491,7 +543,7 @@ def test_a_duplicate_waiting_past_the_holders_lease_takes_over(world: World) -> 
     world.clock.advance(LEASE - 5)
     duplicate = Body(result="taken over")
     # When the duplicate waits
-    assert world.gate().run(attempt("t2"), duplicate) == "taken over"
+    assert world.gate().run(attempt("t2"), duplicate).value == "taken over"
     # Then it took over with token + 1 as soon as the lease expired
     assert world.ordinals(duplicate.tokens) == [2]
     assert world.clock.now - START == pytest.approx(LEASE, abs=Gate.poll_max)
@@ -541,7 +593,7 @@ def test_under_a_deadline_a_key_freed_during_the_wait_is_left_for_the_next_deliv
     assert world.ordinal(world.record().token) == 1
     # And the next delivery, with its whole limit ahead, takes over at once
     retaken = Body(result="next")
-    assert world.gate().run(attempt("t2"), retaken, deadline=world.clock.now + 2) == "next"
+    assert world.gate().run(attempt("t2"), retaken, deadline=world.clock.now + 2).value == "next"
     assert world.ordinals(retaken.tokens) == [2]
 
 
@@ -551,7 +603,7 @@ def test_under_a_deadline_a_key_done_during_the_wait_is_answered(world: World) -
     gate.sleep = lambda s: (world.clock.sleep(s), world.finish_elsewhere(held.token, "theirs"))
     duplicate = Body()
 
-    assert gate.run(attempt("t2"), duplicate, deadline=START + 5) == "theirs"
+    assert gate.run(attempt("t2"), duplicate, deadline=START + 5).value == "theirs"
 
     assert duplicate.runs == 0
     assert world.events == [(Outcome.WAITED, KEY, 1, "t-holder")]
@@ -643,7 +695,7 @@ def test_an_expired_lease_is_taken_over_at_once_with_token_plus_one(world: World
     world.clock.advance(LEASE + 1)
     survivor = Body(result="second")
 
-    assert world.gate().run(attempt("t2"), survivor) == "second"
+    assert world.gate().run(attempt("t2"), survivor).value == "second"
 
     assert world.ordinals(survivor.tokens) == [2]
     assert world.clock.sleeps == []
@@ -658,7 +710,7 @@ def test_a_lease_is_live_until_the_instant_it_expires(world: World) -> None:
     with pytest.raises(Requeue):
         world.gate(wait=0).run(attempt("t2"), Body())
     world.clock.advance(0.001)
-    assert world.gate(wait=0).run(attempt("t2"), Body(result="now")) == "now"
+    assert world.gate(wait=0).run(attempt("t2"), Body(result="now")).value == "now"
 
 
 def test_the_stale_holders_record_is_refused_with_lease_lost(world: World) -> None:
@@ -667,7 +719,7 @@ def test_the_stale_holders_record_is_refused_with_lease_lost(world: World) -> No
 
     def stall(token: int) -> None:
         world.clock.advance(LEASE + 1)
-        assert world.gate().run(attempt("t2"), takeover) == "from t2"
+        assert world.gate().run(attempt("t2"), takeover).value == "from t2"
 
     stale = Body(result="from t1", during=stall)
     # When t1's body finally returns
@@ -720,7 +772,7 @@ def test_a_retry_of_the_same_task_id_takes_its_claim_over_at_once(world: World) 
     world.hold_elsewhere("t1", attempt=0)
     retry = Body(result="retried")
     # When attempt 1 of the same task id arrives
-    assert world.gate().run(attempt("t1", retries=1), retry) == "retried"
+    assert world.gate().run(attempt("t1", retries=1), retry).value == "retried"
     # Then it took over without waiting
     assert world.ordinals(retry.tokens) == [2]
     assert world.clock.sleeps == []
@@ -756,7 +808,7 @@ def test_a_retry_signal_releases_the_claim_for_the_published_retry(world: World)
     assert world.events[-1] == (Outcome.RELEASED, KEY, 1, "t1")
     assert world.extras[-1]["error"] == "TimeoutError"
     retry = Body(result="second try")
-    assert world.gate().run(attempt("t1", retries=1), retry) == "second try"
+    assert world.gate().run(attempt("t1", retries=1), retry).value == "second try"
     assert world.ordinals(retry.tokens) == [2]
 
 
@@ -767,7 +819,7 @@ def test_a_retry_signal_after_the_retry_took_over_is_a_hand_over_not_a_lost_leas
     retry = Body(result="from the retry")
 
     def publish_retry(token: int) -> None:
-        assert world.gate().run(attempt("t1", retries=1), retry) == "from the retry"
+        assert world.gate().run(attempt("t1", retries=1), retry).value == "from the retry"
 
     first = Body(raises=FakeRetry(), during=publish_retry)
     # When attempt 0 raises the retry signal
@@ -796,7 +848,7 @@ def test_a_handover_signal_releases_the_claim_and_records_nothing(world: World) 
     assert world.extras[-1] == {"error": "FakeReplaced", "reason": "handed_over"}
     # And a duplicate does not wait: it claims with token + 1 and runs
     again = Body(result="again")
-    assert world.gate(wait=0).run(attempt("t2"), again) == "again"
+    assert world.gate(wait=0).run(attempt("t2"), again).value == "again"
     assert world.ordinals(again.tokens) == [2]
 
 
@@ -834,7 +886,7 @@ def test_a_timeout_class_error_releases_the_claim_and_the_next_attempt_runs(
     assert (rec.state, world.ordinal(rec.token)) == (State.RELEASED, 1)
     # And the next attempt claims with token + 1 and runs at once
     retry = Body(result="second")
-    assert world.gate().run(attempt("t1", retries=1), retry) == "second"
+    assert world.gate().run(attempt("t1", retries=1), retry).value == "second"
     assert world.ordinals(retry.tokens) == [2]
     assert world.clock.sleeps == []
     assert world.events[-2:] == [(Outcome.CLAIMED, KEY, 2, "t1"), (Outcome.RECORDED, KEY, 2, "t1")]
@@ -852,7 +904,7 @@ def test_a_release_that_cannot_reach_the_store_leaves_the_lease_to_expire(world:
     assert [event[0] for event in world.events] == [Outcome.CLAIMED]
     world.clock.advance(LEASE)
     retry = Body(result="after expiry")
-    assert world.gate().run(attempt("t1", retries=1), retry) == "after expiry"
+    assert world.gate().run(attempt("t1", retries=1), retry).value == "after expiry"
     assert world.ordinals(retry.tokens) == [2]
 
 
@@ -914,7 +966,7 @@ def test_an_unclassified_error_holds_the_claim_until_its_lease_expires(
     # And after expiry it takes over with token + 1
     world.clock.advance(1)
     late = Body(result="after the hold")
-    assert world.gate().run(attempt("t2"), late) == "after the hold"
+    assert world.gate().run(attempt("t2"), late).value == "after the hold"
     assert world.ordinals(late.tokens) == [2]
     assert (Outcome.TAKEOVER, KEY, 2, "t2") in world.events
 
@@ -941,7 +993,7 @@ def test_the_same_key_with_a_different_payload_raises_mismatch_without_running(
 def test_the_same_key_with_the_same_payload_is_a_plain_duplicate(world: World) -> None:
     world.gate(validate=True).run(attempt("t1", payload_hash="hash-a"), Body(result="a"))
     again = Body()
-    assert world.gate(validate=True).run(attempt("t2", payload_hash="hash-a"), again) == "a"
+    assert world.gate(validate=True).run(attempt("t2", payload_hash="hash-a"), again).value == "a"
     assert again.runs == 0
     assert world.events[-1][0] is Outcome.DUPLICATE
 
@@ -999,7 +1051,7 @@ def test_a_record_that_keeps_failing_returns_the_result_and_keeps_the_claim(
     world.store = flaky
     body = Body(result={"charge": "ch_1"})
     # When the body succeeds
-    result = world.gate(record_timeout=5.0).run(attempt("t1"), body)
+    result = world.gate(record_timeout=5.0).run(attempt("t1"), body).value
     # Then the caller still gets the result (the effect happened)
     assert result == {"charge": "ch_1"}
     assert body.runs == 1
@@ -1024,7 +1076,7 @@ def test_a_record_that_fails_once_is_retried_and_recorded(world: World) -> None:
     flaky.fail_next["record"] = 1
     world.store = flaky
 
-    assert world.gate().run(attempt("t1"), Body(result=7)) == 7
+    assert world.gate().run(attempt("t1"), Body(result=7)).value == 7
 
     assert flaky.calls["record"] == 2
     assert len(world.clock.sleeps) == 1
@@ -1038,7 +1090,7 @@ def test_a_record_whose_reply_was_lost_is_retried_without_a_lease_lost(world: Wo
     flaky.lose_reply["record"] = 1
     world.store = flaky
     # Then retrying the same record succeeds (record is idempotent for its holder)
-    assert world.gate().run(attempt("t1"), Body(result="once")) == "once"
+    assert world.gate().run(attempt("t1"), Body(result="once")).value == "once"
     assert world.events[-1] == (Outcome.RECORDED, KEY, 1, "t1")
     assert world.result_of(world.record()) == "once"
 
@@ -1181,7 +1233,7 @@ def test_the_keeper_renews_the_lease_while_a_long_body_runs() -> None:
                                          ttl=TTL).status
         return "long"
 
-    assert gate.run(attempt("t1"), body) == "long"
+    assert gate.run(attempt("t1"), body).value == "long"
 
     assert seen["elapsed"] > 2 * lease
     assert seen["concurrent"] is ClaimStatus.BUSY

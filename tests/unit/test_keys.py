@@ -480,3 +480,48 @@ def test_binding_a_call_that_does_not_match_raises_type_error() -> None:
 
     with pytest.raises(TypeError):
         bind_arguments(inspect.signature(f), (1, 2), {})
+
+
+def _inspect_bind(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        return ("TypeError", str(exc))
+    bound.apply_defaults()
+    return list(bound.arguments.items())  # the order too
+
+
+def _fast_bind(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        return list(bind_arguments(sig, args, kwargs).items())
+    except TypeError as exc:
+        return ("TypeError", str(exc))
+
+
+def test_the_prepared_binder_binds_every_call_shape_as_inspect_does() -> None:
+    # bind_arguments prepares a binder per signature (a fast path) and leaves what it does
+    # not take to inspect: the mapping, its order and every error must be inspect's.
+    def plain(a: int, b: int, c: int = 3, *, d: int = 4, e: int) -> None: ...
+    def var(a: int, *rest: int, k: int = 1, **extra: int) -> None: ...
+    def posonly(a: int, /, b: int = 2) -> None: ...
+    def empty() -> None: ...
+
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((), {}), ((1,), {}), ((1, 2), {}), ((1, 2), {"e": 5}), ((1,), {"b": 2, "e": 5}),
+        ((1, 2, 3), {"e": 5, "d": 0}), ((1, 2, 3, 4), {"e": 5}), ((1, 2), {"a": 1, "e": 5}),
+        ((1, 2), {"e": 5, "zz": 0}), ((), {"a": 1, "b": 2, "e": 5}), ((1, 2), {"c": None, "e": 5}),
+        ((1,), {"k": 2, "z": 3}), ((1, 2, 3), {}), ((), {"a": 1}),
+    ]
+    for func in (plain, var, posonly, empty):
+        sig = inspect.signature(func)
+        for args, kwargs in calls:
+            for _ in range(2):  # the second call uses the prepared binder
+                assert _fast_bind(sig, args, kwargs) == _inspect_bind(sig, args, kwargs), (
+                    func.__name__, args, kwargs)
+
+
+def test_canonical_json_is_json_dumps_sorted_and_compact() -> None:
+    payload = {"b": [1.5, None, True, "é"], "a": "x\n\"", "c": {"y": 2, "x": -0.0}, 1: float("inf")}
+    expected = json.dumps({str(k): v for k, v in payload.items()}, sort_keys=True,
+                          separators=(",", ":"))
+    assert canonical_json(payload) == expected

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+import celery_idem.delivery
 from celery_idem import IdempotentTask, ImproperlyConfigured, timelimits
 from celery_idem.timelimits import check_worker, margin, request_deadline
 
@@ -186,11 +187,11 @@ def test_a_worker_duplicate_re_queues_within_its_soft_limit(
                            lease=holder_lease, ttl=600)
     calls: list[float] = []
 
-    def requeue(countdown: float, reason: str, exc: BaseException | None = None) -> None:
+    def requeue(task: Any, countdown: float, reason: str, exc: BaseException | None = None) -> None:
         calls.append(countdown)
         raise Requeued(reason)
 
-    monkeypatch.setattr(task, "_requeue", requeue)
+    monkeypatch.setattr(celery_idem.delivery, "requeue", requeue)
     task.push_request(id="t2", headers={}, is_eager=False, called_directly=False, timelimit=None)
     started = time.monotonic()
     try:

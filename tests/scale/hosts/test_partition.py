@@ -39,7 +39,7 @@ from tests.scale.hosts import app as host_app
 from tests.scale.hosts.netns import Host, Hosts, netns_unavailable
 
 # The waits below add up past pytest-timeout's 300 s default on a loaded machine.
-pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow, pytest.mark.timeout(900)]
 
 HOSTS = 3
 VISIBILITY = 8  # seconds: the broker redelivers a cut host's unacknowledged messages after it

@@ -30,7 +30,7 @@ from tests.chaos.support import ChaosRedis, Ledger, Stack, reset_app, wait_for
 from tests.conftest import PG_URL
 from tests.integration import app as tasks
 
-pytestmark = [pytest.mark.worker]
+pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
 WORKERS = 4
 CONCURRENCY = 2  # 4 x 2 = 8 worker processes

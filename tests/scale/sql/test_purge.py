@@ -19,6 +19,9 @@ from celery_idem.stores.sql import SQLStore
 from celery_idem.task import get_store
 from tests.integration.harness import wait_for
 
+# Part of the chaos/scale suites: long-running, deselected with -m "not slow".
+pytestmark = pytest.mark.slow
+
 BIG = 200_000
 
 

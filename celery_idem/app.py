@@ -1,0 +1,247 @@
+"""What celery_idem keeps per Celery app and per process: the store, the owner, events, start checks.
+
+* :func:`get_store`: the app's idempotency store, built once from its settings.
+* :func:`owner_id`: who runs an attempt (``host:pid``), fork-aware.
+* The events switch: whether this process sends ``task-idempotency`` events for an app
+  (:func:`events_enabled`), and :func:`emit_decision` / :func:`emit_answer`, which report a
+  decision to the log, to the observers (``celery_idem.events.OBSERVERS``; the bundled
+  OpenTelemetry add-on is one) and, when the switch is on, as a Celery event.
+* :func:`check_worker`: the ``worker_init`` hook that refuses to start a worker whose store or
+  time limits are misconfigured.
+
+The task seam (``celery_idem.task``) and the add-ons (``celery_idem.contrib``) reach the store
+and the owner through these public names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import socket
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from celery.signals import worker_init
+
+from . import timelimits
+from .durability import REQUIRE_DURABLE_SETTING, check_store
+from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers
+from .exceptions import ImproperlyConfigured
+from .records import Record
+from .stores import store_from_url
+from .stores.base import Store
+
+if TYPE_CHECKING:
+    from celery import Task
+
+__all__ = [
+    "check_worker",
+    "emit_answer",
+    "emit_decision",
+    "events_enabled",
+    "forget_store",
+    "get_store",
+    "owner_id",
+]
+
+logger = logging.getLogger("celery_idem")
+
+#: Add-ons loaded with the core because they observe every decision when their optional
+#: dependency is installed (each registers itself in ``celery_idem.events.OBSERVERS``). Named,
+#: not imported, so the core's modules import nothing from ``celery_idem.contrib``.
+BUNDLED_OBSERVERS = ("celery_idem.contrib.otel",)
+
+
+def _load_bundled_observers() -> None:
+    for name in BUNDLED_OBSERVERS:
+        importlib.import_module(name)
+
+
+_load_bundled_observers()
+
+_stores: weakref.WeakKeyDictionary[Celery, Store] = weakref.WeakKeyDictionary()
+_events_on: weakref.WeakSet[Celery] = weakref.WeakSet()
+_owner = f"{socket.gethostname()}:{os.getpid()}"
+
+
+# -- the store -----------------------------------------------------------------------------------
+
+
+def get_store(app: Celery) -> Store:
+    """The idempotency store of ``app`` (built once per app, from its settings).
+
+    ``idempotency_store`` (a URL or a :class:`Store`) wins; else the ``result_backend`` URL. An
+    always-eager app with no usable backend gets an in-process ``memory://`` store.
+
+    Raises:
+        ImproperlyConfigured: No supported store can be derived.
+    """
+    store = _stores.get(app)
+    if store is None:
+        conf = app.conf
+        configured = conf.get("idempotency_store")
+        prefix = conf.get("idempotency_key_prefix") or "celery-idem:"
+        if isinstance(configured, Store):
+            store = configured
+        else:
+            url = configured or conf.result_backend
+            if not url and conf.task_always_eager:
+                url = "memory://"
+            if not isinstance(url, str):
+                url = getattr(url, "url", None) or repr(url)  # a backend class or instance
+            # result_backend_transport_options: where Celery users already put a sentinel
+            # master_name; only the sentinel:// store reads it.
+            store = store_from_url(url, prefix=prefix, options=conf.get("idempotency_store_options"),
+                                   backend_transport_options=conf.get(
+                                       "result_backend_transport_options"))
+            # A store built here with its own pool is ours to close: when the app is collected,
+            # its pooled connections are closed rather than left to the garbage collector
+            # (psycopg warns about each). A Store the user passed is theirs; the Django store
+            # uses Django's connection of whichever thread the collection runs in, which is not
+            # ours to close. The finalizer holds the store, and no store refers back to its
+            # app, so the app can still be collected.
+            if type(store).__module__.startswith("celery_idem.stores."):
+                weakref.finalize(app, _close_quietly, store)
+        _stores[app] = store
+    return store
+
+
+def _close_quietly(store: Store) -> None:
+    # Runs at garbage collection or interpreter exit, where an exception can only be printed.
+    # A server already gone has nothing left to close.
+    with contextlib.suppress(Exception):
+        store.close()
+
+
+def forget_store(app: Celery) -> Store | None:
+    """Drop ``app``'s cached store (not closed), so the next :func:`get_store` builds it anew.
+
+    For tests and tools that change an app's settings after its store was built. Tasks keep the
+    store their gate was built with until their ``_gate`` is rebuilt.
+
+    Returns:
+        The store that was cached, or None.
+    """
+    return _stores.pop(app, None)
+
+
+# -- the owner -----------------------------------------------------------------------------------
+
+
+def owner_id() -> str:
+    """Who runs an attempt, as stored in its claim: ``host:pid`` of the current process.
+
+    Fork-aware: a worker's pool child gets its own pid, not the parent's.
+    """
+    global _owner
+    pid = os.getpid()
+    if not _owner.endswith(f":{pid}"):  # forked worker child
+        _owner = f"{socket.gethostname()}:{pid}"
+    return _owner
+
+
+# -- events --------------------------------------------------------------------------------------
+
+
+def events_enabled(app: Celery) -> bool:
+    """Whether this worker process sends ``task-idempotency`` events for ``app``.
+
+    Switched on at worker start (:func:`check_worker`) by ``-E``, ``worker_send_task_events``
+    or ``idempotency_events``.
+    """
+    return app in _events_on
+
+
+def log_answers(app: Celery) -> bool:
+    """Whether answers log at INFO (``idempotency_log_answers``, on unless False)."""
+    return app.conf.get("idempotency_log_answers", True) is not False
+
+
+def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: str,
+                  extra: dict[str, Any]) -> None:
+    """Report one decision of ``task``'s gate, in a worker (or an eager or direct call).
+
+    A log line, the observers, and a ``task-idempotency`` event from the running task when the
+    events switch is on (never in eager mode or a direct call). Monitoring never changes the
+    outcome: an event that cannot be sent is logged at DEBUG.
+    """
+    req = task.request
+    app = task.app
+    log_outcome(outcome, key, token, original, req.id or "", extra,
+                answers=outcome not in ANSWERS or log_answers(app))
+    notify_observers(task.name, outcome, key, token, original, task_span=True)
+    if req.is_eager or req.called_directly or not events_enabled(app):
+        return
+    try:
+        task.send_event(
+            EVENT_TYPE, retry=False, idempotency_key=key, outcome=outcome.value,
+            original_task_id=original, token=token, **extra,
+        )
+    except Exception as exc:  # monitoring must never change the outcome
+        logger.debug("celery_idem event not sent key=%s: %s", key, exc)
+
+
+def emit_answer(task: Task, outcome: Outcome, rec: Record, result_id: str) -> None:
+    """Report a decision ``apply_async`` made from the record: nothing was published.
+
+    A log line (INFO, like a worker's duplicate); a ``task-idempotency`` event (with the
+    task's name, under the returned result's id) only when this process sends events
+    (``idempotency_events``, ``task_send_sent_event``, or a worker started with ``-E``), so
+    with events off an answer costs one log call and no broker round trip.
+    """
+    app = task.app
+    conf = app.conf
+    extra = {"record_state": rec.state.value, "at": "enqueue"}
+    log_outcome(outcome, rec.key, rec.token, rec.task_id, result_id, extra,
+                answers=log_answers(app))
+    notify_observers(task.name, outcome, rec.key, rec.token, rec.task_id, task_span=False)
+    if not (conf.get("idempotency_events") or conf.task_send_sent_event
+            or events_enabled(app)) or conf.task_always_eager:
+        return
+    try:
+        with app.events.default_dispatcher() as dispatcher:
+            dispatcher.send(
+                EVENT_TYPE, uuid=result_id, name=task.name, idempotency_key=rec.key,
+                outcome=outcome.value, original_task_id=rec.task_id, token=rec.token, **extra,
+            )
+    except Exception as exc:  # monitoring must never change the answer
+        logger.debug("celery_idem event not sent key=%s: %s", rec.key, exc)
+
+
+# -- worker start --------------------------------------------------------------------------------
+
+
+@worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+def check_worker(sender: Any = None, **_: Any) -> None:
+    """Celery's ``worker_init`` hook: switch events on, and check the store and time limits.
+
+    Fails the worker at start-up, not at the first message, when the store or a time limit is
+    misconfigured; warns once about time limits that only degrade.
+
+    Raises:
+        SystemExit: The store or a time limit is misconfigured (the reason is logged at
+            CRITICAL): Celery logs and swallows other exceptions raised by signal handlers.
+    """
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    if getattr(sender, "task_events", False) or app.conf.get("idempotency_events") \
+            or app.conf.worker_send_task_events:
+        _events_on.add(app)
+    from .task import IdempotentTask  # the seam imports this module
+
+    tasks = [task for task in app.tasks.values() if isinstance(task, IdempotentTask)]
+    if tasks:
+        try:
+            store = get_store(app)
+            timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
+                                    getattr(sender, "soft_time_limit", None))
+            check_store(store, require=bool(app.conf.get(REQUIRE_DURABLE_SETTING)))
+        except ImproperlyConfigured as exc:
+            # Celery logs and swallows exceptions raised by signal handlers, and the worker would
+            # start consuming messages it can only fail: stop it here, with the reason.
+            logger.critical("celery_idem: %s", exc)
+            raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc

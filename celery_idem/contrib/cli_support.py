@@ -1,0 +1,232 @@
+"""What the ``celery -A proj idem`` commands share: exit codes, options, the store, formatting.
+
+The commands themselves are in :mod:`celery_idem.contrib.cli`; this module holds the pieces
+they have in common (split out so that neither module is over 600 lines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections import Counter
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, NoReturn
+
+import click
+from celery import Celery
+from celery.bin.base import CeleryOption
+
+from .. import ops
+from ..app import get_store
+from ..events import EVENT_TYPE
+from ..exceptions import CorruptRecord, ImproperlyConfigured, StoreUnavailable
+from ..records import Record, State
+from ..stores.base import Store
+from ..task import IdempotentTask
+
+__all__ = [
+    "ERROR_NAMES", "EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE",
+    "SCAN_BATCH", "STATE_CHOICES", "SUMMARY_LENGTH", "Run", "ago_text", "expiry_text",
+    "fail_with", "json_option", "lease_text", "live_decisions", "operation_of", "outcome_of",
+    "record_doc", "run_for", "scan_records", "store_location", "task_option", "utc_text",
+]
+
+EXIT_OK = 0
+EXIT_NOT_FOUND = 1
+EXIT_REFUSED = 2
+EXIT_CHANGED = 3
+EXIT_UNAVAILABLE = 4
+
+ERROR_NAMES = {
+    EXIT_NOT_FOUND: "not_found",
+    EXIT_REFUSED: "refused",
+    EXIT_CHANGED: "changed",
+    EXIT_UNAVAILABLE: "store_unavailable",
+}
+
+#: Longest result summary ``show`` prints (the JSON output has the whole value).
+SUMMARY_LENGTH = ops.SUMMARY_LENGTH
+#: Records fetched per store round trip by ``list`` and ``stats``.
+SCAN_BATCH = 500
+
+STATE_CHOICES = click.Choice([s.value for s in State])
+
+logger = logging.getLogger("celery_idem")
+
+
+def fail_with(exit_code: int, message: str, as_json: bool, error: str | None = None) -> NoReturn:
+    """End the command with ``exit_code``, the reason on stderr (a JSON object with --json)."""
+    if as_json:
+        doc = {"error": error or ERROR_NAMES.get(exit_code, "error"), "message": message}
+        click.echo(json.dumps(doc), err=True)
+    else:
+        click.echo(f"Error: {message}", err=True)
+    raise click.exceptions.Exit(exit_code)
+
+
+@dataclass
+class Run:
+    """One command's context: the app, its store, the output mode."""
+
+    app: Celery
+    as_json: bool
+
+    def fail(self, exit_code: int, message: str, error: str | None = None) -> NoReturn:
+        fail_with(exit_code, message, self.as_json, error)
+
+    @contextlib.contextmanager
+    def store(self) -> Iterator[Store]:
+        """The app's store, with store errors turned into exit codes."""
+        try:
+            yield get_store(self.app)
+        except StoreUnavailable as exc:
+            self.fail(EXIT_UNAVAILABLE, str(exc))
+        except ImproperlyConfigured as exc:
+            self.fail(EXIT_REFUSED, f"the idempotency store is misconfigured: {exc}")
+        except CorruptRecord as exc:
+            self.fail(EXIT_REFUSED, str(exc))
+
+    def emit(self, doc: Any, text: str) -> None:
+        click.echo(json.dumps(doc, indent=2, default=str) if self.as_json else text)
+
+
+def run_for(ctx: click.Context, as_json: bool) -> Run:
+    return Run(ctx.obj.app, as_json)
+
+
+def json_option(f: Any) -> Any:
+    return click.option(
+        "--json", "as_json", cls=CeleryOption, is_flag=True, help_group="Output Options",
+        help="Print one JSON document (errors go to stderr as JSON).",
+    )(f)
+
+
+def task_option(f: Any) -> Any:
+    return click.option(
+        "--task", "task_name", cls=CeleryOption, metavar="NAME", help_group="Filter Options",
+        help="Only keys of this task: keys that start with its operation (the task name, or "
+             "its idempotency_operation) and ':'. Per-call keys do not match.",
+    )(f)
+
+
+# -- formatting ------------------------------------------------------------------------------
+
+
+def utc_text(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def ago_text(seconds: float) -> str:
+    seconds = abs(seconds)
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def lease_text(rec: Record, now: float) -> str:
+    if rec.state is not State.IN_PROGRESS or rec.lease_expires is None:
+        return "-"
+    left = rec.lease_expires - now
+    return f"live, {ago_text(left)} left" if left > 0 else f"expired {ago_text(left)} ago"
+
+
+def expiry_text(rec: Record, expires: float | None, now: float) -> str:
+    """When the record goes (its TTL), and what that means for the next attempt."""
+    if expires is None:
+        return "-"
+    after = {State.DONE: "the next attempt runs the body again",
+             State.FAILED: "the next attempt runs the body again",
+             State.IN_PROGRESS: "unless the holder records or renews it first"}.get(rec.state, "")
+    return f"{utc_text(expires)} (in {ago_text(expires - now)}" + (f"; {after})" if after else ")")
+
+
+def record_doc(rec: Record, now: float) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "key": rec.key,
+        "state": rec.state.value,
+        "token": rec.token,
+        "owner": rec.owner,
+        "task_id": rec.task_id,
+        "attempt": rec.attempt,
+        "lease_expires": rec.lease_expires,
+        "lease_remaining": None,
+        "lease_expired": None,
+        "updated": rec.updated,
+        "payload_hash": rec.payload_hash,
+    }
+    if rec.state is State.IN_PROGRESS and rec.lease_expires is not None:
+        doc["lease_remaining"] = round(rec.lease_expires - now, 3)
+        doc["lease_expired"] = rec.lease_expires <= now
+    return doc
+
+
+def outcome_of(app: Celery, rec: Record) -> tuple[dict[str, Any], str]:
+    """The recorded result or error: for JSON, and as a one-line summary (celery_idem.ops)."""
+    conf = app.conf
+    return ops.outcome(rec, conf.result_serializer, conf.result_accept_content or conf.accept_content)
+
+
+def store_location(store: Store) -> str:
+    location = getattr(store, "location", None)
+    return f"{store!r} at {location}" if location else repr(store)
+
+
+def operation_of(app: Celery, task_name: str) -> str:
+    """The key operation of ``task_name``: its ``idempotency_operation``, else the name."""
+    app.loader.import_default_modules()
+    task = app.tasks.get(task_name)
+    if isinstance(task, IdempotentTask):
+        return str(task.idempotency_config.operation)
+    return task_name
+
+
+def scan_records(
+    store: Store, state: State | None, operation: str | None
+) -> Generator[Record, None, None]:
+    prefix = None if operation is None else operation + ":"
+    for rec in store.scan(state, count=SCAN_BATCH):
+        if prefix is None or rec.key.startswith(prefix):
+            yield rec
+
+
+def live_decisions(app: Celery, seconds: float, task_name: str | None) -> Counter[tuple[str, str]]:
+    """Count ``task-idempotency`` events by (task, outcome) for ``seconds``, from the broker.
+
+    The producer's own decisions (``answered``: an enqueue of a done key that published
+    nothing) leave no record to count; their events are the only trace, so the live count is
+    where ``stats`` shows them. Worker events do not name the task: ``task-received`` does.
+    """
+    names: dict[str, str] = {}
+    counts: Counter[tuple[str, str]] = Counter()
+    deadline = time.monotonic() + seconds
+
+    def on_event(event: dict[str, Any]) -> None:
+        kind, uuid = event.get("type"), event.get("uuid") or ""
+        if kind == "task-received" and event.get("name"):
+            names[uuid] = event["name"]
+        elif kind == EVENT_TYPE:
+            name = event.get("name") or names.get(uuid) or "?"
+            if task_name is None or name == task_name:
+                counts[(name, str(event.get("outcome")))] += 1
+
+    def on_iteration() -> None:
+        # Called before each wait for events (at most 1 s each): stop at the deadline, busy
+        # or idle. capture()'s own timeout only counts consecutive idle seconds.
+        if time.monotonic() >= deadline:
+            receiver.should_stop = True
+
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"*": on_event})
+        receiver.on_iteration = on_iteration
+        with contextlib.suppress(socket.timeout, TimeoutError):
+            receiver.capture(limit=None, timeout=seconds + 1, wakeup=False)
+    return counts

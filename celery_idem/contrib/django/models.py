@@ -1,0 +1,73 @@
+"""The records and receipts tables as Django models, column for column as the SQL store has them.
+
+The models exist for migrations and the admin; the store and the receipts never write through
+the ORM (each verb is one conditional statement, see :mod:`.store`). The table, column and type
+choices match :func:`celery_idem.stores.sql._build_table` and
+:func:`celery_idem.receipts.receipts_table`: ``VARCHAR(255)`` keys (binary collation on MySQL),
+``BIGINT`` tokens, ``DOUBLE`` clock values (epoch seconds, database clock) and ``BYTEA`` /
+``LONGBLOB`` / ``BLOB`` data. A table made by either path is used as it is by the other
+(``migrate celery_idem --fake-initial`` adopts tables SQLAlchemy created).
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+from .fields import KeyTextField
+
+RECORDS_TABLE = "celery_idem_records"
+RECEIPTS_TABLE = "celery_idem_receipts"
+
+
+class IdempotencyRecord(models.Model):  # type: ignore[misc]
+    """One key's record: who holds it, its fencing token, its outcome (see records.Record)."""
+
+    key = KeyTextField(max_length=255, primary_key=True)
+    state = KeyTextField(max_length=16)
+    token = models.BigIntegerField()
+    owner = KeyTextField(max_length=255)
+    task_id = KeyTextField(max_length=255)
+    attempt = models.IntegerField()
+    lease_expires = models.FloatField(null=True)
+    payload_hash = KeyTextField(max_length=255, null=True)
+    content_type = KeyTextField(max_length=255, null=True)
+    data = models.BinaryField(null=True)
+    updated = models.FloatField()
+    expires = models.FloatField()
+    claim_id = KeyTextField(max_length=64, null=True)
+
+    class Meta:
+        db_table = RECORDS_TABLE
+        # The SQL store's index names, so the two paths make the same schema.
+        indexes = [  # noqa: RUF012 - Django reads it as a class attribute
+            models.Index(fields=["state"], name="ix_celery_idem_records_state"),
+            models.Index(fields=["expires"], name="ix_celery_idem_records_expires"),
+        ]
+        verbose_name = "idempotency record"
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.state}, token {self.token})"
+
+
+class IdempotencyReceipt(models.Model):  # type: ignore[misc]
+    """A receipt: the key of an action whose transaction committed, and its result."""
+
+    key = KeyTextField(max_length=255, primary_key=True)
+    token = models.BigIntegerField()
+    task_id = KeyTextField(max_length=255)
+    content_type = KeyTextField(max_length=255, null=True)
+    data = models.BinaryField(null=True)
+    created = models.FloatField()
+    expires = models.FloatField()
+
+    class Meta:
+        db_table = RECEIPTS_TABLE
+        # SQLAlchemy names it ix_celery_idem_receipts_expires: 31 characters, one more than
+        # Django allows an index name (models.E034). The name is all that differs.
+        indexes = [  # noqa: RUF012
+            models.Index(fields=["expires"], name="ix_celery_idem_receipts_exp"),
+        ]
+        verbose_name = "idempotency receipt"
+
+    def __str__(self) -> str:
+        return f"{self.key} (token {self.token})"

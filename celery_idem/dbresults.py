@@ -1,0 +1,147 @@
+"""Celery's database result backend, its result row written in the record's own statement.
+
+With ``result_backend = "db+postgresql://..."`` and the idempotency store in the same database
+(the default: the store is derived from ``result_backend``), a plain Celery worker stores each
+result through the backend's ORM session (a pre-ping, a SELECT, an INSERT, an UPDATE, a COMMIT)
+after an ``IdempotentTask`` has recorded it in its own transaction. Here the record's fenced
+UPDATE writes Celery's row too (:mod:`celery_idem.stores.sql.taskmeta`): one statement, one
+commit, and the tracer's own write is skipped, as with the Redis fold.
+
+The row's values are Celery's own: the backend's ``encode_result`` and ``_update_result`` fill a
+transient instance of its model (``task_cls``), and each column is read off it; the table is
+the model's (``database_table_names`` and ``database_table_schemas`` included). Celery creates
+its tables as usual, through its own session, before the first fold.
+
+Left to Celery, as for the Redis fold: eager runs, ignored results, callbacks, chains and
+chords, a backend class that stores results its own way, a store in another database or of
+another dialect, and ``idempotency_fold_results = False``. An answer for a duplicate (the
+record was written earlier) is stored by the backend's own ``store_result``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+from celery.states import SUCCESS
+
+try:  # Celery 5.7 (the fallbacks as in celery_idem.results)
+    from celery.app.task import get_actual_ignore_result
+except ImportError:  # pragma: no cover - older Celery
+    try:  # Celery 5.6
+        from celery.app.trace import get_actual_ignore_result
+    except ImportError:  # Celery 5.4-5.5
+
+        def get_actual_ignore_result(task: Any, req: Any) -> bool:
+            """Whether no result is stored (the task's or the request's ``ignore_result``)."""
+            return bool(task.ignore_result or getattr(req, "ignore_result", False))
+
+from .results import ResultWriter
+from .stores.base import BackendWrite, Store
+
+__all__ = ["DatabaseResultWriter", "database_result_writer"]
+
+logger = logging.getLogger("celery_idem")
+
+#: The backend methods between the tracer and the row. A subclass that overrides one of them
+#: stores results its own way, so its results are left to Celery.
+_STORE_PATH: Final = ("mark_as_done", "store_result", "_store_result", "_update_result",
+                      "_get_result_meta", "encode_result", "encode")
+
+#: URL parts that must be equal for the backend and the store to be one database and one user.
+_SAME_DATABASE: Final = ("host", "database", "username", "password")
+
+
+class DatabaseResultWriter(ResultWriter):
+    """Builds Celery's result row for the record's statement; never writes it itself.
+
+    Attributes:
+        folds: Always True: the store writes the row in the record's statement.
+    """
+
+    def __init__(self, task: Any, backend: Any) -> None:
+        # Not ResultWriter.__init__: its expiry and size limit are the Redis backend's.
+        self._task = task
+        self._backend = backend
+        self.folds = True
+        self._table: Any = None  # Celery's result table, once its tables are known to exist
+        self._columns: tuple[str, ...] = ()
+
+    def _prepare(self) -> None:
+        """Let Celery create its tables (its own session does it once per engine)."""
+        if self._table is None:
+            backend = self._backend
+            backend.ResultSession().close()
+            table = backend.task_cls.__table__
+            # id comes from the table's sequence; children and stamps are set by
+            # _update_result when the table has them, like every other column.
+            self._columns = tuple(c.name for c in table.columns if c.name != "id")
+            self._table = table
+
+    def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
+        """Celery's row of ``result`` for ``request``, or None: leave it to Celery.
+
+        Args:
+            request: The task's request (its ``id`` is the row's ``task_id``).
+            result: The value, or for ``FAILURE`` the exception.
+            state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
+        """
+        from .stores.sql.taskmeta import TaskMetaWrite
+
+        # The same cases as the Redis writer: Celery's own path is needed for these.
+        if (
+            request.is_eager or request.called_directly or not request.id
+            or request.callbacks or request.chain or request.chord
+            or get_actual_ignore_result(self._task, request)
+        ):
+            return None
+        backend = self._backend
+        self._prepare()
+        model = backend.task_cls(request.id)
+        backend._update_result(model, backend.encode_result(result, state), state,
+                               traceback=None, request=request)
+        model.task_id = request.id
+        row = {name: getattr(model, name, None) for name in self._columns}
+        return TaskMetaWrite(key=request.id, value=b"", table=self._table, row=row)
+
+    def write(self, write: BackendWrite, state: str = SUCCESS) -> bool:
+        """Not folded (a duplicate's answer, another store): Celery's own write follows."""
+        return False
+
+
+def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | None:
+    """``task``'s writer when its backend is Celery's database backend on ``store``'s database.
+
+    Args:
+        task: The Celery task (its ``backend`` is read).
+        store: The task's idempotency store.
+
+    Returns:
+        A :class:`DatabaseResultWriter` when the backend is exactly Celery's
+        ``DatabaseBackend`` on PostgreSQL and ``store`` is a :class:`SQLStore` of the same
+        database and user; None otherwise (results are left to Celery).
+    """
+    try:
+        from celery.backends.database import DatabaseBackend
+        from sqlalchemy.engine import make_url
+
+        from .stores.sql import SQLStore
+    except ImportError:  # no SQLAlchemy: neither the backend nor the store can exist
+        return None
+    backend = task.backend
+    cls = type(backend)
+    if not isinstance(backend, DatabaseBackend) or any(
+        getattr(cls, name, None) is not getattr(DatabaseBackend, name) for name in _STORE_PATH
+    ):
+        return None
+    if type(store) is not SQLStore or store.dialect != "postgresql":
+        return None
+    try:
+        theirs = make_url(backend.url)
+    except Exception:  # a URL Celery accepts and SQLAlchemy cannot parse: not ours to judge
+        return None
+    ours = store.url
+    if theirs.get_backend_name() != "postgresql" or (theirs.port or 5432) != (ours.port or 5432) \
+            or any(getattr(theirs, part) != getattr(ours, part) for part in _SAME_DATABASE):
+        return None
+    return DatabaseResultWriter(task, backend)

@@ -1,0 +1,126 @@
+"""The worker side of the seam: one delivery through the gate, its re-queue, its result write.
+
+``IdempotentTask.__call__`` builds the :class:`~celery_idem.gate.Attempt` and the body, and
+hands them to :func:`deliver`, which
+
+* runs them through the gate, under the request's time limit (``celery_idem.timelimits``);
+* turns the gate's :class:`~celery_idem.gate.Requeue` and
+  :class:`~celery_idem.exceptions.StoreUnavailable` into a re-published message
+  (:func:`requeue`), or, in a process with no broker to go back to (eager mode, a direct
+  call), into another round in place or the error;
+* stores the result in the result backend in one round trip when it can
+  (:func:`write_result`, see ``celery_idem/results.py``), folded into the record's own store
+  call when the store and the backend are one Redis.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
+
+from . import timelimits
+from .app import emit_decision
+from .events import Outcome
+from .exceptions import StoreUnavailable
+from .gate import Attempt, Gate, Requeue, RunOutcome
+from .results import ResultWriter
+
+if TYPE_CHECKING:
+    from celery import Task
+
+__all__ = ["REQUEUES_HEADER", "deliver", "requeue", "write_result"]
+
+#: Message header counting re-queues of a duplicate that found the key busy (not retries).
+REQUEUES_HEADER = "idempotency_requeues"
+
+
+def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attempt,
+            body: Callable[[int], Any], started: float) -> Any:
+    """Run ``body`` through ``gate`` for the current request of ``task``, and return its result.
+
+    Args:
+        task: The running task (its ``request`` is this delivery's).
+        gate: The task's gate.
+        writer: The task's result writer, or None (results left to Celery).
+        attempt: The attempt, with its key.
+        body: Called with the fencing token when this attempt wins the key.
+        started: ``time.monotonic()`` when the request started (time limits count from there).
+
+    Returns:
+        The body's result, or the recorded result of the attempt that ran it.
+
+    Raises:
+        Retry: The message was published again (busy key, store down); this attempt ends.
+        Reject: It could not be published again: handed back to the broker.
+        BaseException: What the gate raises otherwise.
+    """
+    req = task.request
+    local = req.is_eager or req.called_directly
+    # No pool enforces a limit in the calling process (eager mode, a direct call).
+    deadline = None if local else timelimits.request_deadline(task, req, started)
+    fold = functools.partial(writer.build, req) if writer is not None and writer.folds else None
+    while True:
+        try:
+            outcome = gate.run(attempt, body, fold, deadline=deadline)
+        except Requeue as busy:
+            if local:
+                if isinstance(busy.__cause__, SoftTimeLimitExceeded):
+                    # A direct call inside another task's body: that task's own limit.
+                    raise busy.__cause__ from None
+                continue  # no broker to re-queue to: wait another round in place
+            # A freed key is claimed by the next delivery at once; a busy one is looked
+            # at again a second later.
+            requeue(task, countdown=0.0 if busy.freed else 1.0, reason=str(busy))
+        except StoreUnavailable as down:
+            if local:
+                raise
+            emit_decision(task, Outcome.REQUEUED, attempt.key, 0, req.id or "",
+                          {"reason": "store_unavailable"})
+            n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
+            requeue(task, countdown=min(2.0 ** n, 30.0), reason=str(down), exc=down)
+        else:
+            if writer is not None:
+                write_result(writer, req, outcome)
+            return outcome.value
+
+
+def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> None:
+    """Store the result in one round trip (celery_idem/results.py), or leave it to Celery.
+
+    Args:
+        writer: The task's result writer.
+        req: The request the result is stored for.
+        outcome: What the gate did: a write that rode on the record needs nothing more.
+    """
+    if not outcome.folded:
+        # Not folded (another server, a duplicate answered from its record, an ACL that
+        # refused the script's write): SET + PUBLISH without the backend's GET.
+        write = outcome.write or writer.build(req, outcome.value)
+        if write is None or not writer.write(write):
+            return
+    # Stored: Celery must not write it again (mark_as_done skips the store when the
+    # request ignores results).
+    req.ignore_result = True
+
+
+def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None) -> NoReturn:
+    """Publish the current message again (same task id, same ``retries``) and end this attempt.
+
+    Raises:
+        Retry: Always, once published (Celery then acknowledges this delivery).
+        Reject: The message could not be published: handed back to the broker (requeue).
+    """
+    req = task.request
+    headers = dict(req.headers or {})
+    headers[REQUEUES_HEADER] = int(headers.get(REQUEUES_HEADER, 0)) + 1
+    sig = task.signature_from_request(req, countdown=countdown, retries=req.retries,
+                                      headers=headers)
+    try:
+        sig.apply_async()
+    except Exception as publish_error:
+        # Cannot publish: hand the message back to the broker instead of losing it.
+        raise Reject(publish_error, requeue=True) from publish_error
+    raise Retry(f"celery_idem re-queued: {reason}", exc=exc, when=countdown, sig=sig)

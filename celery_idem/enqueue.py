@@ -1,0 +1,243 @@
+"""The producer side of the seam: an enqueue answered from the record, and unsendable arguments.
+
+``IdempotentTask.apply_async`` asks :func:`answer_from_record` before publishing: a key that is
+already done (or failed terminally) is answered with a :class:`CachedResult`, and nothing is
+published. :func:`unsendable` names the argument the message serializer refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from celery.app.task import Context
+from celery.result import EagerResult
+from celery.states import FAILURE, SUCCESS
+from kombu.serialization import dumps
+
+from .app import emit_answer
+from .events import Outcome
+from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
+from .gate import Gate
+from .records import Record, State
+from .results import ResultWriter, answer_task_id, fire_full_barriers, store_answer
+
+if TYPE_CHECKING:
+    from celery import Task
+
+__all__ = ["CachedResult", "answer_from_record", "answer_request", "restore_cached", "unsendable"]
+
+logger = logging.getLogger("celery_idem")
+
+
+class CachedResult(EagerResult):  # type: ignore[misc]
+    """The result of an enqueue that found its key already recorded: nothing was published.
+
+    Its value is known, so ``get()`` returns it (or raises the recorded error) at once. It is
+    bound to the app's result backend, so it works in a ``ResultSet`` or ``GroupResult`` like
+    any ``AsyncResult`` (``get``, ``join``, ``join_native``, ``collect``).
+
+    Attributes:
+        id: The task id the caller chose (``task_id=``, a frozen signature, a chain step, a
+            chord body), under which the outcome was also stored in the result backend; else
+            the task id of the attempt that ran the body (the original task id), or a new id
+            with the outcome stored under it when the body ran in a direct call.
+        original_task_id: The task id of the attempt that ran the body ("" for a direct call).
+        idempotency_key: The key.
+    """
+
+    def __init__(self, record: Record, value: Any, state: str, name: str | None = None, *,
+                 task_id: str | None = None, app: Celery | None = None) -> None:
+        super().__init__(task_id or record.task_id, value, state, name=name)
+        self.idempotency_key = record.key
+        self.original_task_id = record.task_id
+        # EagerResult leaves both unset: a ResultSet holding it asks it for its backend.
+        self.app = app
+        self.backend = app.backend if app is not None else None
+        self._waited_on = False
+        self._waiters: list[Any] = []
+        # Set while then() registers this handle with the result consumer (see then()).
+        self._registering = False
+        self._resolved_early = False
+
+    def then(self, callback: Any, on_error: Any = None, weak: bool = False) -> Any:
+        """Call ``callback`` now (the result is ready); a barrier it completes fires later.
+
+        A ResultSet builds a vine barrier over its results' ``then``, and counts this one now.
+        A barrier whose results are all ready while it is built never fires by itself; the
+        backend's result consumer hands this id's stored meta back during ``join_native``
+        (a chosen id has the outcome stored, the original id has the run's result), and then
+        the barrier is fired if it counted every result (see
+        :func:`celery_idem.results.fire_full_barriers`). It is never counted twice: that
+        would fire it while other results of the set are still pending.
+        """
+        if self.backend is not None and self.backend.is_async:
+            self._waited_on = True
+            self._waiters.append(callback)
+            self._registering = True
+            try:
+                self.backend.add_pending_result(self, weak=weak)
+            finally:
+                self._registering = False
+            if self._resolved_early:
+                # The consumer had this id's meta buffered (an earlier get() of the same id,
+                # say) and handed it over at once, before the barrier was finalized, and
+                # then did not register this handle. Register it now (the buffer is empty),
+                # so that the join's own fetch hands the meta over again, when the barrier
+                # can fire. Measured on Celery 5.4: join_native of such a set timed out.
+                self._resolved_early = False
+                self.backend.add_pending_result(self, weak=weak)
+        return self.on_ready.then(callback, on_error)
+
+    def _maybe_set_cache(self, meta: Any) -> Any:
+        if self._registering:
+            self._resolved_early = True
+            return meta
+        # The result consumer found this id's meta (the same outcome: the value is known).
+        fire_full_barriers(self._waiters)
+        self._waiters.clear()
+        backend = self.backend
+        if self._waited_on and backend is not None:
+            self._waited_on = False
+            backend.remove_pending_result(self)
+        return meta
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return restore_cached, (self.id, self._result, self._state, self._name,
+                                 self.idempotency_key, self.original_task_id)
+
+    def __repr__(self) -> str:
+        return f"<CachedResult: {self.id} (original {self.original_task_id})>"
+
+    def __del__(self) -> None:
+        # Cancel only a wait this handle registered itself (AsyncResult's __del__ cancels
+        # unconditionally).
+        if getattr(self, "_waited_on", False):
+            super().__del__()
+
+
+def restore_cached(task_id: str, value: Any, state: str, name: str | None, key: str,
+                    original_task_id: str) -> CachedResult:
+    """Unpickle (or copy) a :class:`CachedResult`, bound to the current app."""
+    from celery import current_app
+
+    rec = Record(key=key, state=State.DONE if state == SUCCESS else State.FAILED, token=0,
+                 task_id=original_task_id)
+    return CachedResult(rec, value, state, name, task_id=task_id,
+                        app=current_app._get_current_object())
+
+
+def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: Exception) -> TypeError:
+    """Name the argument the message serializer could not encode (nothing was sent).
+
+    Args:
+        task_name: The task's name, for the message.
+        bound: The call's arguments by name (empty when they do not bind).
+        serializer: The message serializer.
+        exc: The serializer's error.
+    """
+    for name, value in bound.items():
+        try:
+            dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
+        except Exception:
+            return TypeError(
+                f"{task_name}: argument {name!r} ({type(value).__qualname__}) cannot be "
+                f"sent with the {serializer!r} serializer: {exc}; nothing was sent"
+            )
+    return TypeError(f"{task_name}: the message cannot be encoded: {exc}; nothing was sent")
+
+
+def answer_from_record(
+    task: Task, gate: Gate, writer: ResultWriter | None, key: str,
+    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+    task_id: str | None = None, options: Mapping[str, Any] | None = None, *,
+    arguments_hash: Callable[[], str],
+) -> CachedResult | None:
+    """The answer from the record for an enqueue of a done (or failed) key, or None: publish.
+
+    One store round trip (the record's read), plus one to store the answer under a task id
+    the caller chose (see :func:`celery_idem.results.store_answer`).
+
+    Args:
+        task: The task being enqueued.
+        gate: The task's gate (its store and codec are used).
+        writer: The task's result writer, or None.
+        key: The idempotency key.
+        args: The call's positional arguments.
+        kwargs: The call's keyword arguments.
+        task_id: The task id the caller chose, if any.
+        options: The other ``apply_async`` options.
+        arguments_hash: Computes the call's payload hash (called only when validating).
+
+    Raises:
+        IdempotencyKeyMismatch: The task validates and the record was made with other arguments.
+    """
+    try:
+        rec = gate.store.get(key)
+    except StoreUnavailable as exc:
+        # The worker's gate still guards the body; publishing is safe.
+        logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
+        return None
+    if rec is None or rec.state not in (State.DONE, State.FAILED):
+        return None
+    if gate.config.validate and rec.payload_hash and arguments_hash() != rec.payload_hash:
+        emit_answer(task, Outcome.MISMATCH, rec, task_id or rec.task_id)
+        raise IdempotencyKeyMismatch(
+            f"idempotency key {key!r} was first used with different arguments (task "
+            f"{rec.task_id}); use a new key for a new action. Nothing was sent.",
+            key=key,
+        )
+    codec = gate.codec
+    value: Any
+    if rec.state is State.FAILED:
+        state, value = FAILURE, codec.decode_error(rec.key, rec.content_type or "", rec.data or b"")
+    else:
+        state, value = SUCCESS, codec.decode_result(rec.key, rec.content_type or "", rec.data or b"")
+    options = options or {}
+    app = task.app
+    conf = app.conf
+    eager = conf.task_always_eager
+    task_id = answer_task_id(task_id, rec.task_id)
+    if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
+        # Someone may be waiting on this id (the caller, a chain's result, a parent's
+        # children): Celery would store the outcome under it, so store it. If that fails,
+        # publish, and the worker answers the message from the record. (The original id
+        # holds the run's own result already, with its children: not overwritten.)
+        request = answer_request(task, task_id, args, kwargs, options)
+        if not store_answer(task, writer, request, value, state):
+            return None
+    result = CachedResult(rec, value, state, name=task.name, task_id=task_id, app=app)
+    emit_answer(task, Outcome.ANSWERED, rec, result.id)
+    if not eager and options.get("add_to_parent", True):
+        # As send_task does: the running task lists it among its children.
+        parent = app.current_worker_task
+        if parent:
+            parent.add_trail(result)
+    return result
+
+
+def answer_request(
+    task: Task, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+    options: Mapping[str, Any],
+) -> Context:
+    """The request Celery's backend would store a result of ``task_id`` with."""
+    parent = task.app.current_worker_task
+    parent_id, root_id = options.get("parent_id"), options.get("root_id")
+    if parent:  # as send_task fills them in
+        parent_id = parent_id or parent.request.id
+        root_id = root_id or parent.request.root_id or parent.request.id
+    fields: dict[str, Any] = {
+        "id": task_id, "task": task.name, "args": list(args or ()),
+        "kwargs": dict(kwargs or {}), "called_directly": False, "is_eager": False,
+        "parent_id": parent_id, "root_id": root_id, "group": options.get("group_id"),
+        "group_index": options.get("group_index"),
+        # The rpc:// backend replies to the caller's queue, as send_task's reply_to does.
+        "reply_to": options.get("reply_to") or task.app.thread_oid,
+        "correlation_id": task_id,
+    }
+    ignore = options.get("ignore_result", task.ignore_result)
+    if ignore is not None:  # unset: get_actual_ignore_result falls back to the task's
+        fields["ignore_result"] = ignore
+    return Context(fields)

@@ -1,0 +1,64 @@
+"""What a Redis server's settings mean for the records it keeps (``RedisStore.check_durability``).
+
+Read once at worker start (``CONFIG GET``), never on a task's path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import DurabilityFinding
+
+__all__ = ["DURABILITY_SETTINGS", "config_get", "durability_findings", "text"]
+
+
+def text(value: bytes | str) -> str:
+    """``value`` as str (a reply of a client without ``decode_responses``)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+#: The settings :meth:`RedisStore.check_durability` reads.
+DURABILITY_SETTINGS = ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory")
+
+
+def config_get(client: Any, names: tuple[str, ...]) -> dict[str, str]:
+    """``CONFIG GET`` of each name, one call each (Redis before 7 takes one pattern per call).
+
+    At worker start only, never on the hot path.
+    """
+    found: dict[str, str] = {}
+    for name in names:
+        reply = client.config_get(name)
+        for k, v in dict(reply).items():
+            found[text(k)] = text(v)
+    return found
+
+
+def durability_findings(settings: dict[str, str], where: str) -> list[DurabilityFinding]:
+    """What Redis ``settings`` (``CONFIG GET`` values) mean for records kept at ``where``."""
+    findings: list[DurabilityFinding] = []
+    appendonly = settings.get("appendonly", "").lower()
+    if appendonly == "no":
+        findings.append(DurabilityFinding(
+            "appendonly", "no",
+            f"{where}: appendonly is no, so a restart of redis-server (a crash, an upgrade, a "
+            f"reboot) loses every record written since the last RDB snapshot: finished actions "
+            f"run again on their next duplicate, and claims held at the time are issued again",
+        ))
+    elif settings.get("appendfsync", "").lower() == "no":
+        findings.append(DurabilityFinding(
+            "appendfsync", "no",
+            f"{where}: appendfsync is no, so the kernel decides when the AOF reaches the disk and "
+            f"a host crash or power loss can lose the last ~30 s of records (everysec: ~1 s)",
+        ))
+    policy = settings.get("maxmemory-policy", "").lower()
+    if policy and policy != "noeviction":
+        unlimited = settings.get("maxmemory", "") == "0"
+        findings.append(DurabilityFinding(
+            "maxmemory-policy", policy,
+            f"{where}: maxmemory-policy is {policy}, so under memory pressure Redis evicts keys, "
+            f"records included (every record has a TTL, so volatile-* policies evict them "
+            f"too); an evicted record runs its action again"
+            + (" (maxmemory is 0 now: nothing is evicted until a limit is set)" if unlimited else ""),
+        ))
+    return findings

@@ -1,0 +1,132 @@
+"""Building the store's SQLAlchemy engine: URLs, driver fallbacks, pool settings, forks.
+
+Internal to the SQL store package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any, Final
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL, Engine, make_url
+
+from ...exceptions import ImproperlyConfigured
+
+__all__ = ["BACKENDS", "build_engine", "importable", "sqlalchemy_url"]
+
+# URL backend -> (DBAPI module SQLAlchemy uses when the URL names no driver, fallback driver).
+# A project that installed the fallback (psycopg 3, PyMySQL) but not the default driver gets a
+# working store from a plain ``db+postgresql://`` or ``db+mysql://`` URL.
+DRIVER_FALLBACKS: Final = {
+    "postgresql": ("psycopg2", "psycopg"),
+    "mysql": ("MySQLdb", "pymysql"),
+    "mariadb": ("mariadb", "pymysql"),
+}
+BACKENDS: Final = ("postgresql", "mysql", "mariadb", "sqlite")
+
+# Workers fork after the store is built: a child must never reuse the parent's sockets (two
+# processes talking over one connection corrupt both). Engines are held weakly so a closed
+# store can be collected; os.register_at_fork hooks cannot be unregistered.
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _forget_inherited_connections() -> None:
+    for engine in list(_ENGINES):
+        engine.dispose(close=False)  # drop the parent's connections without closing them
+
+
+os.register_at_fork(after_in_child=_forget_inherited_connections)
+
+
+def sqlalchemy_url(url: str) -> URL:
+    """``db+<dialect>[+driver]://...`` (or a plain SQLAlchemy URL) -> the URL to connect to."""
+    if url[:3].lower() == "db+":
+        url = url[3:]  # like Celery's database result backend
+    try:
+        sa_url = make_url(url)
+    except sa_exc.ArgumentError as exc:
+        raise ImproperlyConfigured(f"celery_idem cannot parse the SQL store URL: {exc}") from exc
+    backend = sa_url.get_backend_name()
+    if backend not in BACKENDS:
+        raise ImproperlyConfigured(f"the SQL store supports {', '.join(BACKENDS)}, not {backend!r}")
+    if "+" not in sa_url.drivername and backend in DRIVER_FALLBACKS:
+        default_module, fallback = DRIVER_FALLBACKS[backend]
+        if not importable(default_module) and importable(fallback):
+            sa_url = sa_url.set(drivername=f"{backend}+{fallback}")
+    return sa_url
+
+
+def importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
+    backend = sa_url.get_backend_name()
+    options: dict[str, Any] = {
+        # No pre-ping: it would double the round trips of every verb. A connection the server
+        # closed while the worker idled fails its statement as a disconnect, SQLAlchemy drops
+        # it from the pool, and the gate already handles that failure (a claim re-queues the
+        # message, a record is retried), so the next attempt gets a fresh connection.
+        "pool_pre_ping": False,
+        # Recycle before the usual server/proxy idle limits (MySQL wait_timeout, PgBouncer).
+        "pool_recycle": 1800,
+        # Each verb is one statement (or opens its own transaction explicitly): autocommit
+        # spares the BEGIN/COMMIT round trips.
+        "isolation_level": "AUTOCOMMIT",
+    }
+    if backend != "sqlite":
+        # In autocommit the ROLLBACK on check-in is pointless and costs PyMySQL a round trip.
+        # (Not for SQLite: there the claim's BEGIN IMMEDIATE must be rolled back if it fails.)
+        options["skip_autocommit_rollback"] = True
+    options.update(engine_options)
+    if backend == "sqlite":
+        # Several worker processes share the file: wait for the write lock instead of failing
+        # with "database is locked" at once.
+        options["connect_args"] = {"timeout": 30.0, **engine_options.get("connect_args", {})}
+    engine = sa.create_engine(sa_url, **options)
+    if backend == "sqlite":
+        sa.event.listen(engine, "connect", _sqlite_on_connect)
+    elif backend in ("mysql", "mariadb"):
+        sa.event.listen(engine, "connect", _mysql_on_connect)
+    _ENGINES.add(engine)
+    return engine
+
+
+def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+    # WAL lets readers run while one process writes; it is a property of the file, so setting
+    # it on every new connection is cheap once it is on.
+    cursor = dbapi_connection.cursor()
+    try:
+        # Switching the mode needs the file to itself: connections opening a new file at the same
+        # moment get "database is locked" at once (the busy timeout does not cover it). Retry
+        # for up to 5 s; after that the error is real and surfaces.
+        deadline = time.monotonic() + 5.0
+        delay = 0.005
+        while True:
+            try:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                break
+            except Exception as exc:
+                if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+    finally:
+        cursor.close()
+
+
+def _mysql_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+    # UNIX_TIMESTAMP(NOW(6)) goes through the session time zone; in a zone with daylight saving
+    # time the repeated autumn hour would make the clock jump back an hour. UTC has no fold.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET time_zone = '+00:00'")
+    finally:
+        cursor.close()
+

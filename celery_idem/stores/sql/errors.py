@@ -1,0 +1,59 @@
+"""Which database errors mean "the store cannot be reached": the SQL store's error seam.
+
+An outage becomes :class:`~celery_idem.exceptions.StoreUnavailable` (the gate re-queues a claim
+and retries a record); every other database error is a bug or bad data and propagates
+unchanged. tests/stores/test_sql_errors.py checks that every SQLAlchemy error class is decided.
+Internal to the SQL store package.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import exc as sa_exc
+
+from ...exceptions import LeaseLost, StoreUnavailable
+from ...records import Record, State
+
+__all__ = ["lease_lost", "outage"]
+
+# The classes that are outages whatever their message.
+_OUTAGES = (
+    sa_exc.TimeoutError,  # the pool had no free connection in time
+    sa_exc.DisconnectionError,
+    sa_exc.OperationalError,  # the server went away, refused the connection, shut down
+    sa_exc.InterfaceError,  # the driver could not talk to it
+)
+
+
+def outage(exc: sa_exc.SQLAlchemyError, shown_url: str) -> StoreUnavailable | None:
+    """The :class:`StoreUnavailable` ``exc`` means, or None when it is not an outage.
+
+    Args:
+        exc: What SQLAlchemy (or the psycopg fast path, which wraps errors the same way) raised.
+        shown_url: The store's URL without its password, for the message.
+    """
+    if isinstance(exc, _OUTAGES) or (isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated):
+        # The second: any other error SQLAlchemy saw as a disconnect.
+        reason = getattr(exc, "orig", None) or exc
+        first_line = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+        return StoreUnavailable(f"celery_idem could not reach the SQL store at {shown_url}: {first_line}")
+    return None
+
+
+def lease_lost(verb: str, key: str, token: int, current: Record | None,
+               claim_id: str | None = None) -> LeaseLost:
+    """Why a fenced write matched no row, worded like the memory store."""
+    if current is not None and current.token == token and claim_id \
+            and current.claim_id != claim_id and current.state is State.IN_PROGRESS:
+        return LeaseLost(
+            f"{verb} of {key!r} with token {token} refused: the record belongs to another "
+            f"claim with the same token (issued again after the store lost the row)",
+            key=key, token=token,
+        )
+    if current is None or current.token != token:
+        return LeaseLost(
+            f"{verb} of {key!r} with token {token} refused: the record "
+            + ("is gone" if current is None else f"now has token {current.token}"),
+            key=key,
+            token=token,
+        )
+    return LeaseLost(f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token)

@@ -1,0 +1,249 @@
+"""How the store's statements run: through SQLAlchemy, or on psycopg's connection itself.
+
+:class:`SASession` runs them through a SQLAlchemy ``Connection`` (every dialect and driver).
+:class:`RawSession` is the PostgreSQL + psycopg 3 fast path: each statement is compiled once
+(:class:`RawStatement`) and run on the pooled psycopg connection as a server-side prepared
+statement with plain tuples, raising what SQLAlchemy would raise. Internal to the SQL store
+package.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection
+
+if TYPE_CHECKING:
+    from .store import SQLStore
+
+__all__ = ["KEPT_CURSOR", "KEPT_RESULT_BYTES", "Outcome", "RawSession", "RawStatement", "Row",
+           "SASession", "Statement", "psycopg_classes"]
+
+# A row by column name (a SQLAlchemy RowMapping, or a dict on the fast path).
+Row: TypeAlias = Mapping[Any, Any]
+# What a statement run through a session gives back: the row count, and the first row when the
+# statement returns rows.
+Outcome: TypeAlias = "tuple[int, Row | None]"
+# The verbs' statements.
+Statement: TypeAlias = "sa.Select[Any] | sa.Update"
+
+
+class SASession:
+    """Runs the store's statements through a SQLAlchemy ``Connection`` (every dialect)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
+        result = self.conn.execute(statement, params)
+        if not result.returns_rows:
+            return result.rowcount, None
+        return result.rowcount, result.mappings().first()
+
+
+# The fast path's cursor, kept in each pooled connection's SQLAlchemy info dict, and the largest
+# result it may hold on to between verbs (see RawSession._kept_cursor).
+KEPT_CURSOR: Final = "celery_idem.cursor"
+KEPT_RESULT_BYTES: Final = 64 * 1024
+
+_PLACEHOLDER: Final = re.compile(r"%\((?P<name>[^)]+)\)s|%%")
+
+
+@dataclass(frozen=True)
+class RawStatement:
+    """One statement compiled once for the psycopg fast path.
+
+    The values SQLAlchemy bound for literals (``'done'``, 1, ``NULL``) are written into the SQL
+    text: they never change, and psycopg would otherwise adapt and send each of them on every
+    call (the claim has 35). Only the ``idem_*`` values remain parameters.
+
+    Attributes:
+        sql: The DBAPI SQL text (``%(name)s`` placeholders, with SQLAlchemy's type casts).
+        constants: The values of the literals that could not be written into the SQL (none in
+            the store's statements); each call adds its own ``idem_*`` values.
+        columns: The result columns' names, in order; empty when no rows come back.
+        processors: SQLAlchemy's bind processors for the ``idem_*`` values (the dialect's
+            ``bytes`` -> ``psycopg.Binary``), applied per call as SQLAlchemy would.
+        numbered: The same SQL with PostgreSQL's own ``$1 .. $n`` placeholders, for psycopg's
+            ``RawCursor``: psycopg then sends it as it is. Its ``%(name)s`` parser only
+            caches statements up to 4 KiB and 50 parameters, and the claim is longer, so with
+            ``%(name)s`` it would parse the claim's SQL again on every call.
+        order: The parameter names of ``$1 .. $n``.
+    """
+
+    sql: str
+    constants: Mapping[str, Any]
+    columns: tuple[str, ...]
+    processors: Mapping[str, Callable[[Any], Any]]
+    numbered: bytes
+    order: tuple[str, ...]
+
+    def values(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        values = {**self.constants, **params}
+        for name, process in self.processors.items():
+            values[name] = process(values[name])
+        return values
+
+    def positional(self, params: Mapping[str, Any]) -> list[Any]:
+        """The values of ``$1 .. $n``, from a call's ``idem_*`` values."""
+        if self.constants or self.processors:
+            params = self.values(params)
+        return [params[name] for name in self.order]
+
+    @classmethod
+    def compile(cls, statement: Statement, dialect: Any) -> RawStatement:
+        compiled = statement.compile(dialect=dialect)
+        # An expanding IN renders its values at execution time, which the fast path does not
+        # do: a statement needing it is a bug in the store, caught the first time it runs.
+        if "POSTCOMPILE" in compiled.string:
+            raise RuntimeError(f"celery_idem: statement unfit for the raw path:\n{compiled.string}")
+        processors: dict[str, Callable[[Any], Any]] = dict(getattr(compiled, "_bind_processors", {}))
+        constants = {
+            k: processors.pop(k)(v) if k in processors else v
+            for k, v in compiled.params.items()
+            if not k.startswith("idem_")
+        }
+        literals: dict[str, str] = {}
+        for k, v in constants.items():
+            literal = _sql_literal(compiled, k, v)
+            if literal is not None:
+                literals[k] = literal
+        sql = _PLACEHOLDER.sub(lambda m: literals.get(m["name"] or "", m[0]), compiled.string)
+        constants = {k: v for k, v in constants.items() if k not in literals}
+        order: dict[str, str] = {}
+
+        def number(m: re.Match[str]) -> str:
+            if not m["name"]:
+                return "%"  # SQLAlchemy's escape of a literal %
+            return order.setdefault(m["name"], f"${len(order) + 1}")
+
+        numbered = _PLACEHOLDER.sub(number, sql)
+        returns_rows = isinstance(statement, sa.Select) or bool(compiled.returning)
+        # keys(), not iteration: a ColumnCollection iterates over its columns, not their names.
+        names = statement.exported_columns.keys()
+        columns = tuple(str(name) for name in names) if returns_rows else ()
+        return cls(sql, constants, columns, processors, numbered.encode(), tuple(order))
+
+
+def _sql_literal(compiled: Any, name: str, value: Any) -> str | None:
+    """``value`` as SQLAlchemy writes it with ``literal_binds``, or None where it cannot.
+
+    Only plain values: anything else stays a parameter, adapted by psycopg as before.
+    """
+    if value is None:
+        return "NULL"
+    if type(value) not in (str, int):
+        return None
+    try:
+        literal = compiled.render_literal_value(value, compiled.binds[name].type)
+    except (sa_exc.CompileError, NotImplementedError):
+        return None
+    return str(literal)
+
+
+class RawSession:
+    """Runs the store's statements on a pooled psycopg 3 connection itself (PostgreSQL).
+
+    Errors come out as SQLAlchemy would raise them (a driver error wrapped in its
+    :class:`sqlalchemy.exc.DBAPIError` subclass, the connection invalidated on a disconnect), so
+    :meth:`SQLStore._translate_errors` maps them exactly as on the SQLAlchemy path.
+    """
+
+    def __init__(self, store: SQLStore, fairy: Any) -> None:
+        self._store = store
+        self._fairy = fairy
+        driver = fairy.driver_connection
+        self._driver = driver
+        # prepare_threshold=None is how psycopg is told not to prepare (PgBouncer in
+        # transaction mode before 1.21): respect it; otherwise prepare at the first run.
+        self._prepare = driver.prepare_threshold is not None
+        # psycopg's RawCursor (3.2+) for the numbered SQL, unless the engine's connect_args
+        # chose another cursor class, which is then used as before with %(name)s.
+        cursor_class, self._raw_cursor, self._tuple_row = psycopg_classes()
+        if driver.cursor_factory is not cursor_class:
+            self._raw_cursor = None
+        self._info: dict[Any, Any] = fairy.info
+
+    def _kept_cursor(self) -> Any:
+        """The RawCursor kept with this pooled connection, made on first use.
+
+        Reused by every verb: making a cursor sets up psycopg's adapters for it, about 10 µs
+        of client CPU per verb. The pool lends a connection to one thread at a time, so its
+        cursor is never shared. It lives in the connection's SQLAlchemy ``info``, which the
+        pool clears when it closes or replaces the connection; the identity check is a second
+        guard against a cursor of a previous connection.
+        """
+        assert self._raw_cursor is not None
+        cursor = self._info.get(KEPT_CURSOR)
+        if cursor is None or cursor.connection is not self._driver or cursor.closed:
+            cursor = self._info[KEPT_CURSOR] = self._raw_cursor(self._driver, row_factory=self._tuple_row)
+        return cursor
+
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
+        raw = self._store._raw_statement(statement)
+        query: bytes | str
+        values: Sequence[Any] | Mapping[str, Any]
+        keep = self._raw_cursor is not None
+        if keep:
+            cursor = self._kept_cursor()
+            query, values = raw.numbered, raw.positional(params)
+        else:
+            cursor = self._driver.cursor(row_factory=self._tuple_row)
+            query, values = raw.sql, raw.values(params)
+        try:
+            cursor.execute(query, values, prepare=self._prepare)
+            if not raw.columns:
+                return cursor.rowcount, None
+            row = cursor.fetchone()
+            if row is None:
+                return cursor.rowcount, None
+            out = dict(zip(raw.columns, row, strict=True))
+            data = out.get("data")
+            # A kept cursor holds its last result until the next verb: not a large one.
+            keep = keep and (data is None or len(data) <= KEPT_RESULT_BYTES)
+            return cursor.rowcount, out
+        except self._store._engine.dialect.loaded_dbapi.Error as exc:
+            keep = False  # the next verb starts on a fresh cursor (errors are rare)
+            dialect = self._store._engine.dialect
+            disconnect = dialect.is_disconnect(exc, self._fairy.dbapi_connection, cursor)
+            if disconnect:
+                # Like SQLAlchemy: drop this connection, and every pooled connection older
+                # than now on its next checkout (a server restart killed them all).
+                self._store._engine.pool._invalidate(self._fairy, exc)
+            raise sa_exc.DBAPIError.instance(
+                raw.sql, raw.values(params), exc, dialect.loaded_dbapi.Error,
+                hide_parameters=self._store._engine.hide_parameters,
+                connection_invalidated=disconnect, dialect=dialect,
+            ) from exc
+        except BaseException:
+            # Interrupted mid-protocol (a soft time limit, KeyboardInterrupt): the connection's
+            # state is unknown, so it must not go back to the pool.
+            keep = False
+            self._fairy.invalidate()
+            raise
+        finally:
+            if not keep:
+                cursor.close()
+                if self._info.get(KEPT_CURSOR) is cursor:
+                    del self._info[KEPT_CURSOR]
+
+
+@functools.cache
+def psycopg_classes() -> tuple[type[Any], type[Any] | None, Any]:
+    """psycopg's default cursor class, its RawCursor (None before psycopg 3.2) and tuple_row.
+
+    Imported on first use: psycopg is only needed when it is the driver. The row factory is
+    explicit, so an engine built with connect_args={"row_factory": dict_row} cannot change
+    what the fast path reads.
+    """
+    import psycopg
+    from psycopg.rows import tuple_row
+
+    return psycopg.Cursor, getattr(psycopg, "RawCursor", None), tuple_row
+

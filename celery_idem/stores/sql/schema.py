@@ -1,0 +1,215 @@
+"""The SQL store's schema: the records table, its column types and the database clock.
+
+Public so other tables celery_idem keeps in a SQL database (the receipts of
+:mod:`celery_idem.receipts`) are built from the same types, not copies: :func:`text_type` (a
+string that compares byte for byte on MySQL too), :func:`data_type` (a result, however large),
+:func:`new_metadata` (the index naming convention) and :class:`db_now` (the server's clock
+inside a statement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Engine
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.functions import FunctionElement
+
+from ...exceptions import CorruptRecord, ImproperlyConfigured
+from ...records import Record, State
+from ..base import TOKEN_CLOCK_SCALE
+
+__all__ = ["DEFAULT_TABLE_NAME", "add_missing_columns", "data_type", "db_now", "new_metadata",
+           "record_from_row", "records_table", "text_type", "token_for"]
+
+#: The table the store uses unless ``table_name`` says otherwise.
+DEFAULT_TABLE_NAME: Final = "celery_idem_records"
+
+
+class db_now(FunctionElement[float]):
+    """The database server's clock in epoch seconds, as a DOUBLE, inside the statement."""
+
+    type = sa.Double()
+    inherit_cache = True
+    name = "db_now"
+
+
+@compiles(db_now, "postgresql")
+def _db_now_postgresql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    # clock_timestamp(), not now(): now() is frozen at the start of the transaction.
+    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
+
+
+@compiles(db_now, "mysql")
+@compiles(db_now, "mariadb")
+def _db_now_mysql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    # UNIX_TIMESTAMP(NOW(6)) is a DECIMAL; "+ 0e0" makes it a DOUBLE like the columns. The
+    # session time zone is pinned to UTC on connect, so the DST fold cannot make it jump.
+    return "(UNIX_TIMESTAMP(NOW(6)) + 0e0)"
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+class _greatest(FunctionElement[int]):
+    """The larger of two BIGINTs: ``GREATEST`` (PostgreSQL, MySQL), ``MAX`` (SQLite)."""
+
+    type = sa.BigInteger()
+    inherit_cache = True
+    name = "greatest"
+
+
+@compiles(_greatest)
+def _greatest_default(element: _greatest, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"GREATEST({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(_greatest, "sqlite")
+def _greatest_sqlite(element: _greatest, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"max({compiler.process(element.clauses, **kw)})"
+
+
+def token_for(previous: ColumnElement[Any], now: ColumnElement[float]) -> ColumnElement[int]:
+    """A taking claim's token in SQL: ``max(previous + 1, now in µs)``, ``previous`` NULL = 0.
+
+    The SQL twin of :func:`celery_idem.stores.base.next_token`, on the database clock ``now``.
+    The cast rounds (PostgreSQL, MySQL) or truncates (SQLite): either is a clock reading.
+    """
+    micros = sa.cast(now * TOKEN_CLOCK_SCALE, sa.BigInteger)
+    return _greatest(sa.func.coalesce(previous, 0) + 1, micros)
+
+
+def text_type(length: int) -> sa.types.TypeEngine[str]:
+    """A ``VARCHAR(length)`` that compares byte for byte on every database.
+
+    MySQL's default collations are case- and accent-insensitive: ``Refund:ab`` and
+    ``refund:ab`` would be one primary key. The binary collation compares like every other
+    store. (It still ignores trailing spaces, MySQL's PAD SPACE rule; celery_idem's keys,
+    ``operation:hash``, never end in one.)
+
+    Args:
+        length: The column's length in characters.
+    """
+    return sa.String(length).with_variant(
+        mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
+
+
+def data_type() -> sa.types.TypeEngine[bytes]:
+    """The type of an encoded result: a BLOB, ``LONGBLOB`` on MySQL (its BLOB stops at 64 KiB)."""
+    return sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+
+
+def new_metadata() -> sa.MetaData:
+    """A ``MetaData`` whose indexes are named ``ix_<table>_<column>``, as celery_idem's are."""
+    return sa.MetaData(naming_convention={"ix": "ix_%(table_name)s_%(column_0_name)s"})
+
+
+def records_table(name: str = DEFAULT_TABLE_NAME) -> sa.Table:
+    """The records table called ``name``, in a ``MetaData`` of its own (one per store).
+
+    Args:
+        name: The table's name.
+    """
+    return sa.Table(
+        name,
+        new_metadata(),
+        sa.Column("key", text_type(255), primary_key=True),
+        sa.Column("state", text_type(16), nullable=False, index=True),
+        sa.Column("token", sa.BigInteger, nullable=False),
+        sa.Column("owner", text_type(255), nullable=False),
+        sa.Column("task_id", text_type(255), nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
+        sa.Column("lease_expires", sa.Double, nullable=True),
+        sa.Column("payload_hash", text_type(255), nullable=True),
+        sa.Column("content_type", text_type(255), nullable=True),
+        sa.Column("data", data_type(), nullable=True),
+        sa.Column("updated", sa.Double, nullable=False),
+        # The TTL: after this (database clock) the row counts as absent.
+        sa.Column("expires", sa.Double, nullable=False, index=True),
+        # The random id of the claim that wrote the row (see Record.claim_id); NULL in a released
+        # tombstone and in rows of versions before claim ids (added to such a table on first use).
+        sa.Column("claim_id", text_type(64), nullable=True),
+    )
+
+
+def add_missing_columns(engine: Engine, table: sa.Table) -> None:
+    """Add the columns a table made by an earlier version lacks (``claim_id``), once.
+
+    Each is nullable without a default: an instant change on PostgreSQL, MySQL 8 and SQLite.
+    Rows written before it have no claim id and are fenced by the token alone.
+
+    Args:
+        engine: The engine of the table's database.
+        table: The table as this version defines it.
+
+    Raises:
+        ImproperlyConfigured: The column is missing and the store's user may not add it.
+    """
+    existing = {c["name"] for c in sa.inspect(engine).get_columns(table.name)}
+    missing = [c for c in table.c if c.name not in existing]
+    if not missing:
+        return
+    preparer = engine.dialect.identifier_preparer
+    for column in missing:
+        ddl = (f"ALTER TABLE {preparer.format_table(table)} ADD COLUMN "
+               f"{preparer.format_column(column)} "
+               f"{column.type.compile(dialect=engine.dialect)}")
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql(ddl)
+        except sa_exc.DBAPIError as exc:
+            # Another worker added it meanwhile, or this user may not alter the table.
+            now = {c["name"] for c in sa.inspect(engine).get_columns(table.name)}
+            if column.name in now:
+                continue
+            if exc.connection_invalidated:
+                raise  # an outage, not a refusal: StoreUnavailable from the caller's seam
+            raise ImproperlyConfigured(
+                f"the SQL store's table {table.name!r} lacks the column "
+                f"{column.name!r} (made by an earlier celery_idem) and it cannot be added: "
+                f"{exc.orig}; run: {ddl}"
+            ) from exc
+
+
+def record_from_row(row: Mapping[Any, Any], prefix: str, table_name: str) -> Record:
+    """The :class:`~celery_idem.records.Record` of one row of the records table.
+
+    Args:
+        row: The row by column name.
+        prefix: The store's key prefix, taken off the stored key.
+        table_name: The table's name, for the error.
+
+    Raises:
+        CorruptRecord: The row cannot be read (a state this version does not know, a NULL).
+    """
+    key = str(row["key"])[len(prefix) :]
+    try:
+        data = row["data"]
+        lease_expires = row["lease_expires"]
+        return Record(
+            key=key,
+            state=State(row["state"]),
+            token=int(row["token"]),
+            owner=str(row["owner"]),
+            task_id=str(row["task_id"]),
+            attempt=int(row["attempt"]),
+            lease_expires=None if lease_expires is None else float(lease_expires),
+            payload_hash=row["payload_hash"],
+            content_type=row["content_type"],
+            data=None if data is None else bytes(data),
+            updated=float(row["updated"]),
+            claim_id=row["claim_id"] or "",
+        )
+    except (ValueError, TypeError) as exc:
+        raise CorruptRecord(
+            f"the record of {key!r} in SQL table {table_name!r} cannot be read: {exc}", key=key,
+        ) from exc

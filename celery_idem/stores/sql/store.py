@@ -1,0 +1,600 @@
+"""The SQL store itself: :class:`SQLStore`, the contract's verbs over the package's parts.
+
+The module doc of :mod:`celery_idem.stores.sql` says what each verb costs on each dialect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL, Connection
+from sqlalchemy.sql.elements import ColumnElement
+
+from ...exceptions import StoreUnavailable
+from ...records import Claim, ClaimStatus, Record, State
+from ..base import BackendWrite, Store, new_claim_id
+from .claims import build_pg_claim, select_then_write
+from .engine import build_engine, sqlalchemy_url
+from .errors import lease_lost, outage
+from .fastpath import Outcome, RawSession, RawStatement, Row, SASession, Statement
+from .predicates import HOLDS, ClaimArgs, ClaimRaced, claim_params, claim_template
+from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, record_from_row, records_table
+from .statements import VerbStatements
+from .taskmeta import TaskMetaWrite, build_fold, fold_params
+
+__all__ = ["SQLStore"]
+
+logger = logging.getLogger("celery_idem")
+
+# A claim that raced a concurrent first claim of the same key wrote nothing and is run again;
+# the second run sees the winner's committed row. More than a few runs means something else
+# keeps deleting and re-inserting the row, which we report instead of spinning.
+_CLAIM_RUNS: Final = 3
+
+
+class SQLStore(Store):
+    """The idempotency store in a SQL database, through SQLAlchemy Core.
+
+    Args:
+        url: ``db+postgresql[+driver]://...``, ``db+mysql[+driver]://...``,
+            ``db+sqlite:///path.db`` (the ``db+`` is optional).
+        prefix: Prepended to every key, so several apps can share one table.
+        table_name: The table to use; created on first use.
+        engine_options: Extra keyword arguments for :func:`sqlalchemy.create_engine`
+            (``pool_size``, ``connect_args``, ...); they win over the store's defaults.
+
+    Raises:
+        ImproperlyConfigured: The URL names no supported database.
+    """
+
+    schemes = ("db+postgresql", "db+sqlite", "db+mysql", "db+mariadb")
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "celery-idem:",
+        table_name: str = DEFAULT_TABLE_NAME,
+        engine_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(prefix)
+        self._engine = build_engine(sqlalchemy_url(url), engine_options or {})
+        self._dialect = self._engine.dialect.name
+        self._shown_url = self._engine.url.render_as_string(hide_password=True)
+        self._table = records_table(table_name)
+        self._table_ready = False
+        self._table_lock = threading.Lock()
+        # Every hot-path statement is built once with ``idem_*`` bind parameters: building one
+        # costs more client CPU than its round trip (see docs/benchmarks.md). The claim is
+        # built once per shape (with/without payload validation), see claim_template.
+        self._pg_claims: dict[bool, sa.Select[Any]] = {}
+        self._verbs = VerbStatements.build(self._table)
+        # PostgreSQL through psycopg 3 runs them on the DBAPI connection (see the module doc).
+        # psycopg2, pg8000, ... keep SQLAlchemy's path: their parameter handling differs.
+        self._fast = self._dialect == "postgresql" and self._engine.dialect.driver == "psycopg"
+        self._raw_statements: dict[Statement, RawStatement] = {}
+        # record_with's statements, per Celery result table and column set (see taskmeta).
+        self._folds: dict[tuple[sa.Table, tuple[str, ...]], sa.Select[Any]] = {}
+        self._fold_refused = False
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> SQLStore:
+        """Build the store from a ``db+...`` URL.
+
+        Args:
+            url: The store URL (see the class).
+            prefix: Key prefix.
+            **options: ``table_name`` and ``engine_options``.
+
+        Raises:
+            TypeError: An option the store does not know.
+        """
+        table_name = options.pop("table_name", DEFAULT_TABLE_NAME)
+        engine_options = options.pop("engine_options", None)
+        if options:
+            raise TypeError(
+                f"SQLStore got unknown option(s) {', '.join(sorted(options))}; it takes "
+                f"table_name and engine_options (keyword arguments for create_engine)"
+            )
+        return cls(url, prefix=prefix, table_name=table_name, engine_options=engine_options)
+
+    @property
+    def url(self) -> URL:
+        """The SQLAlchemy URL the store connects to (its ``repr`` hides the password)."""
+        return self._engine.url
+
+    @property
+    def dialect(self) -> str:
+        """The database's SQLAlchemy dialect name: ``postgresql``, ``mysql``, ``sqlite``..."""
+        return self._dialect
+
+    # -- the seam between SQLAlchemy and the contract's exceptions ----------------------------
+
+    @contextlib.contextmanager
+    def _translate_errors(self) -> Iterator[None]:
+        """Turn "the database cannot be reached" into :class:`StoreUnavailable`.
+
+        Other database errors (a constraint, a syntax error) are bugs and propagate unchanged;
+        :class:`CorruptRecord` is raised where rows are mapped.
+        """
+        try:
+            yield
+        except sa_exc.SQLAlchemyError as exc:
+            unavailable = self._translated(exc)
+            if unavailable is None:
+                raise
+            raise unavailable from exc
+
+    def _translated(self, exc: sa_exc.SQLAlchemyError) -> StoreUnavailable | None:
+        """The :class:`StoreUnavailable` an error means, or None when it is not an outage."""
+        return outage(exc, self._shown_url)
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        """A pooled connection to the store's database, with errors translated."""
+        with self._translate_errors():
+            self._ensure_table()
+            with self._engine.connect() as conn:
+                yield conn
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[SASession | RawSession]:
+        """A pooled connection to run the verbs' statements on, with errors translated.
+
+        The psycopg fast path when it applies (see the module doc), else SQLAlchemy's.
+        """
+        if not self._fast:
+            with self._connect() as conn:
+                yield SASession(conn)
+            return
+        with self._translate_errors():
+            self._ensure_table()
+            fairy = self._raw_connection()
+            try:
+                yield RawSession(self, fairy)
+            finally:
+                fairy.close()  # back to the pool (or discarded, if invalidated)
+
+    def _raw_connection(self) -> Any:
+        """A pooled DBAPI connection (SQLAlchemy's pool proxy) for the fast path."""
+        dialect = self._engine.dialect
+        try:
+            return self._engine.raw_connection()
+        except dialect.loaded_dbapi.Error as exc:
+            # engine.connect() wraps a failed checkout the same way.
+            raise sa_exc.DBAPIError.instance(
+                None, None, exc, dialect.loaded_dbapi.Error,
+                connection_invalidated=dialect.is_disconnect(exc, None, None), dialect=dialect,
+            ) from exc
+
+    def _execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
+        """Run one statement on a pooled connection, with errors translated: a verb's hot path.
+
+        The same as running it in :meth:`_session`; on the fast path without its two
+        generator context managers (about 2 µs of client CPU per verb).
+        """
+        if not self._fast:
+            with self._session() as session:
+                return session.execute(statement, params)
+        try:
+            if not self._table_ready:
+                self._ensure_table()
+            fairy = self._raw_connection()
+            try:
+                return RawSession(self, fairy).execute(statement, params)
+            finally:
+                fairy.close()  # back to the pool (or discarded, if invalidated)
+        except sa_exc.SQLAlchemyError as exc:
+            unavailable = self._translated(exc)
+            if unavailable is None:
+                raise
+            raise unavailable from exc
+
+    def _raw_statement(self, statement: Statement) -> RawStatement:
+        raw = self._raw_statements.get(statement)
+        if raw is None:
+            # Two threads may both compile it: the results are equal, either one is kept.
+            raw = self._raw_statements[statement] = RawStatement.compile(statement, self._engine.dialect)
+        return raw
+
+    def _ensure_table(self) -> None:
+        if self._table_ready:
+            return
+        with self._table_lock:
+            if self._table_ready:
+                return
+            try:
+                self._table.metadata.create_all(self._engine, checkfirst=True)
+            except sa_exc.DBAPIError:
+                # Several workers start at once: another one created the table between our
+                # check and our CREATE. Its table is as good as ours.
+                if not sa.inspect(self._engine).has_table(self._table.name):
+                    raise
+            add_missing_columns(self._engine, self._table)
+            self._table_ready = True
+
+    # -- rows <-> records ---------------------------------------------------------------------
+
+    def _stored(self, key: str) -> str:
+        return self.prefix + key
+
+    def _record(self, row: Row) -> Record:
+        return record_from_row(row, self.prefix, self._table.name)
+
+    # -- claim --------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        key: str,
+        *,
+        owner: str,
+        task_id: str,
+        attempt: int,
+        lease: float,
+        ttl: float,
+        payload_hash: str | None = None,
+    ) -> Claim:
+        """Atomically claim ``key`` for one attempt, or say why not (see :meth:`Store.claim`).
+
+        One key's life, and what a claim decides at each point (``now`` = database clock)::
+
+                   claim                       record(t)
+          absent -------> IN_PROGRESS(t=1) -------------> DONE / FAILED   claims: DONE / FAILED
+            ^               |  |  |
+            |               |  |  +- lease live, not a retry of the holder: claims: BUSY
+            |               |  +- lease_expired, or same task_id with a higher attempt:
+            |               |     claim -> TAKEOVER, IN_PROGRESS(t+1)
+            |               +- release(t) -> RELEASED(t) -- claim -> CLAIMED, IN_PROGRESS(t+1)
+            +- expires <= now (TTL): counts as absent -- claim -> CLAIMED, IN_PROGRESS(t+1)
+
+          A live row that is not RELEASED and stores another payload_hash -> MISMATCH (checked
+          right after absent/RELEASED, before DONE, FAILED, TAKEOVER and BUSY).
+
+        PostgreSQL: one statement. A CTE reads the current row without a lock and decides;
+        DONE, FAILED and MISMATCH are answered from that read, writing nothing (not even a row
+        lock). Otherwise a CTE locks the row (``FOR UPDATE``), decides again on it with the
+        same named predicates and feeds an ``INSERT ... ON CONFLICT DO UPDATE`` that only runs
+        when the decision holds. SQLite: the same decision as a SELECT and then
+        an INSERT or UPDATE, serialized by ``BEGIN IMMEDIATE``. MySQL/MariaDB have no
+        ``RETURNING`` for upserts and cannot hand back the replaced row: the decision is a
+        SELECT (the whole claim when the key is not taken) and a taking claim adds one
+        conditional INSERT or UPDATE, so it costs 2 statements.
+
+        Returns:
+            The decision, the token and the live record found before the claim.
+
+        Raises:
+            StoreUnavailable: The database could not be reached; nothing was written.
+            CorruptRecord: The stored row cannot be read; nothing was written.
+        """
+        args = ClaimArgs(self._stored(key), owner, task_id, attempt, lease, ttl, payload_hash,
+                          new_claim_id())
+        for _ in range(_CLAIM_RUNS):
+            try:
+                if self._dialect == "postgresql":
+                    return self._claim_postgresql(args, self._execute)
+                with self._connect() as conn:
+                    return self._claim_select_then_write(conn, args)
+            except ClaimRaced:
+                continue  # the winner's row is committed now; the next run sees it
+        raise StoreUnavailable(
+            f"the claim of {key!r} lost {_CLAIM_RUNS} races in a row in the SQL store at "
+            f"{self._shown_url}: the row kept changing between the decision and the write"
+        )
+
+    def _claim_postgresql(
+        self, args: ClaimArgs, execute: Callable[[Statement, Mapping[str, Any]], Outcome]
+    ) -> Claim:
+        # One statement (see claims.build_pg_claim). A duplicate of a finished task (DONE,
+        # FAILED, MISMATCH) is answered from an unlocked read: no lock, no write, no WAL flush.
+        # A holding decision without a taken token lost the race for an absent key to a
+        # concurrent first claim, wrote nothing, and runs again on the winner's row.
+        validate = bool(args.payload_hash)
+        query = self._pg_claims.get(validate)
+        if query is None:
+            query = self._pg_claims[validate] = build_pg_claim(self._table, claim_template(validate))
+        _, row = execute(query, claim_params(args))
+        assert row is not None  # the statement always returns its one "decide" row
+        if row["status"] in HOLDS and row["taken_token"] is None:
+            raise ClaimRaced
+        return self._claim_result(row, taken_token=row["taken_token"], claim_id=args.claim_id)
+
+    def _claim_select_then_write(self, conn: Connection, args: ClaimArgs) -> Claim:
+        row, token = select_then_write(conn, self._table, self._dialect, args)
+        return self._claim_result(row, taken_token=token, claim_id=args.claim_id)
+
+    def _claim_result(self, row: Row, *, taken_token: int | None, claim_id: str = "") -> Claim:
+        now = float(row["now"])
+        live = row["key"] is not None and float(row["expires"]) > now
+        # A live row in a state we do not know raises CorruptRecord here, before its NULL
+        # status is looked at (the claim wrote nothing: NULL is not a holding status).
+        before = self._record(row) if live else None
+        status = ClaimStatus(row["status"])
+        if taken_token is not None:
+            return Claim(status, int(taken_token), before, now, claim_id)
+        assert before is not None  # only a live row can refuse a claim
+        return Claim(status, before.token, before, now)
+
+    # -- fenced writes ------------------------------------------------------------------------
+
+    def record(
+        self,
+        key: str,
+        token: int,
+        *,
+        state: State,
+        content_type: str,
+        data: bytes,
+        ttl: float,
+        claim_id: str | None = None,
+    ) -> None:
+        """Turn the caller's IN_PROGRESS row into DONE or FAILED: one fenced UPDATE.
+
+        Recording again with the same token and state (a retry after a lost reply) succeeds
+        and changes nothing.
+
+        Raises:
+            LeaseLost: The row has another token, is not in progress, or is gone.
+            StoreUnavailable: The database could not be reached (the write may or may not
+                have happened; retrying is safe).
+            ValueError: ``state`` is not DONE or FAILED.
+        """
+        params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
+        if self._execute(self._verbs.record, params)[0] != 1:
+            self._unmatched_record(key, token, state, claim_id)
+
+    def record_with(
+        self,
+        key: str,
+        token: int,
+        *,
+        state: State,
+        content_type: str,
+        data: bytes,
+        ttl: float,
+        also: BackendWrite,
+        claim_id: str | None = None,
+    ) -> bool:
+        """:meth:`record`, and Celery's database result row in the same statement (PostgreSQL).
+
+        ``also`` is folded when it is a :class:`~celery_idem.stores.sql.taskmeta.TaskMetaWrite`
+        (built by :mod:`celery_idem.dbresults` for a ``db+postgresql://`` result backend on
+        this store's database): the record's fenced UPDATE and Celery's upsert of the row are
+        one statement, so the row is written exactly when the record is. Otherwise, or on
+        another dialect, only the record is written.
+
+        Returns:
+            True when Celery's row was written in the record's statement, else False.
+
+        Raises:
+            LeaseLost: As :meth:`record`; nothing is written.
+            StoreUnavailable: As :meth:`record`.
+            ValueError: ``state`` is not DONE or FAILED.
+        """
+        if not isinstance(also, TaskMetaWrite) or also.table is None or self._dialect != "postgresql" \
+                or self._fold_refused:
+            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
+                        claim_id=claim_id)
+            return False
+        params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
+        columns = tuple(also.row)
+        fold = self._folds.get((also.table, columns))
+        if fold is None:
+            fold = self._folds[(also.table, columns)] = build_fold(
+                self._verbs.record, self._table, also.table, columns)
+        try:
+            _, row = self._execute(fold, {**params, **fold_params(also)})
+        except sa_exc.DBAPIError as exc:
+            # Not an outage (those are StoreUnavailable by now): Celery's table is not what
+            # the fold expects (no unique task_id, a column of another type). The statement
+            # wrote nothing; record alone from now on and leave results to Celery.
+            self._fold_refused = True
+            logger.warning("celery_idem cannot write Celery's result row %s in the record's "
+                           "statement, leaving it to Celery from now on: %s",
+                           also.table.fullname, getattr(exc, "orig", exc))
+            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
+                        claim_id=claim_id)
+            return False
+        assert row is not None  # the statement always returns its one row
+        if row["recorded"] != 1:
+            # A retry whose first reply was lost committed the row with the record: written.
+            self._unmatched_record(key, token, state, claim_id)
+        return True
+
+    def _record_params(self, key: str, token: int, state: State, content_type: str, data: bytes,
+                       ttl: float, claim_id: str | None) -> dict[str, Any]:
+        if state not in (State.DONE, State.FAILED):
+            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        return {
+            "idem_key": self._stored(key), "idem_token": token, "idem_state": state.value,
+            "idem_content_type": content_type, "idem_data": data, "idem_ttl": ttl,
+            "idem_claim_id": claim_id or "",
+        }
+
+    def _unmatched_record(self, key: str, token: int, state: State, claim_id: str | None) -> None:
+        """A record whose fenced UPDATE matched no row: a retry of ours, or LeaseLost."""
+        # Not the hot path: read the row once more to tell a retry from a lost lease.
+        current = self.get(key)
+        if (current is not None and current.token == token and current.state is state
+                and (not claim_id or current.claim_id == claim_id)):
+            return  # the holder retrying a record whose reply it lost
+        raise lease_lost("record", key, token, current, claim_id)
+
+    def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
+        """Give the claim back: one fenced UPDATE to a RELEASED tombstone that keeps the token.
+
+        The tombstone keeps the row's TTL and clears everything that described the holder.
+
+        Raises:
+            LeaseLost: The row has another token, is not in progress, or is gone.
+            StoreUnavailable: The database could not be reached.
+        """
+        params = {"idem_key": self._stored(key), "idem_token": token,
+                  "idem_claim_id": claim_id or ""}
+        if self._execute(self._verbs.release, params)[0] != 1:
+            raise lease_lost("release", key, token, self.get(key), claim_id)
+
+    def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
+        """Extend the caller's lease to database-now + ``lease``: one fenced UPDATE.
+
+        MySQL/MariaDB have no ``UPDATE ... RETURNING``: the new expiry is read back by a second
+        statement, which raises :class:`LeaseLost` if the key was taken over in between.
+
+        Returns:
+            The new lease expiry (database clock, epoch seconds).
+
+        Raises:
+            LeaseLost: The row has another token, is not in progress, or is gone.
+            StoreUnavailable: The database could not be reached.
+        """
+        params = {"idem_key": self._stored(key), "idem_token": token, "idem_lease": lease,
+                  "idem_claim_id": claim_id or ""}
+        row: Row | None = None
+        if self._engine.dialect.update_returning:
+            _, row = self._execute(self._verbs.renew_returning, params)
+        else:
+            with self._session() as session:
+                if session.execute(self._verbs.renew, params)[0] == 1:
+                    _, row = session.execute(self._verbs.renew_read, params)
+        if row is None:
+            raise lease_lost("renew", key, token, self.get(key), claim_id)
+        return float(row["lease_expires"])
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def forget(self, key: str, token: int) -> None:
+        """Forget a done or failed outcome: one fenced UPDATE to a RELEASED tombstone.
+
+        Built here rather than with the verbs: an operator's command, never a task's path.
+
+        Raises:
+            LeaseLost: The row has another token, is not done or failed, or is gone.
+            StoreUnavailable: The database could not be reached.
+        """
+        t = self._table
+        # Built once per store: compiled statements are cached by identity.
+        stmt = self.__dict__.get("_forget_statement")
+        if stmt is None:
+            stmt = self.__dict__["_forget_statement"] = sa.update(t).where(
+                t.c.key == sa.bindparam("idem_key"),
+                t.c.token == sa.bindparam("idem_token"),
+                sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
+                t.c.expires > db_now(),
+            ).values(state=State.RELEASED.value, owner="", task_id="", attempt=0,
+                     lease_expires=None, payload_hash=None, content_type=None, data=None,
+                     updated=db_now())
+        with self._session() as session:
+            forgotten = session.execute(stmt, {"idem_key": self._stored(key), "idem_token": token})[0]
+        if forgotten != 1:
+            raise lease_lost("forget", key, token, self.get(key))
+
+    def expires_at(self, key: str) -> float | None:
+        """When the row of ``key`` expires (database clock), or None when it is absent."""
+        t = self._table
+        stmt = sa.select(t.c.expires).where(t.c.key == sa.bindparam("idem_key"), t.c.expires > db_now())
+        with self._session() as session:
+            _, row = session.execute(stmt, {"idem_key": self._stored(key)})
+        return None if row is None else float(row["expires"])
+
+    def get(self, key: str) -> Record | None:
+        """Read one record, or None when the key is absent or its TTL has passed.
+
+        Raises:
+            StoreUnavailable: The database could not be reached.
+            CorruptRecord: The stored row cannot be read.
+        """
+        _, row = self._execute(self._verbs.get, {"idem_key": self._stored(key)})
+        return None if row is None else self._record(row)
+
+    def _own_rows(self) -> ColumnElement[bool]:
+        t = self._table
+        if not self.prefix:
+            return sa.true()
+        # An exact comparison: LIKE is case-insensitive on SQLite and needs escaping.
+        return sa.func.substr(t.c.key, 1, len(self.prefix)) == self.prefix
+
+    def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
+        """Iterate over this prefix's live records in key order, ``count`` rows per query.
+
+        Keyset pagination (``key > last ORDER BY key LIMIT count``): every page is one query
+        along the primary key, however deep the scan, and rows written meanwhile never shift a
+        page. Not a snapshot: each page sees the rows as they are when it is read.
+
+        Raises:
+            StoreUnavailable: The database could not be reached.
+            CorruptRecord: A stored row cannot be read.
+        """
+        t = self._table
+        page_size = max(1, count)
+        query = (
+            sa.select(t).where(self._own_rows(), t.c.expires > db_now()).order_by(t.c.key).limit(page_size)
+        )
+        if state is not None:
+            query = query.where(t.c.state == state.value)
+        last: str | None = None
+        while True:
+            page = query if last is None else query.where(t.c.key > last)
+            with self._connect() as conn:
+                rows = conn.execute(page).mappings().all()
+            for row in rows:
+                yield self._record(row)
+            if len(rows) < page_size:
+                return
+            last = rows[-1]["key"]
+
+    def now(self) -> float:
+        """The database server's clock (epoch seconds).
+
+        Raises:
+            StoreUnavailable: The database could not be reached.
+        """
+        with self._connect() as conn:
+            return float(conn.execute(sa.select(db_now())).scalar_one())
+
+    # -- maintenance --------------------------------------------------------------------------
+
+    def purge_expired(self, limit: int = 1000) -> int:
+        """Delete up to ``limit`` of this prefix's rows whose TTL has passed.
+
+        They already count as absent; deleting them only reclaims space. The next claim of a
+        purged key still gets a token above the purged one (the database clock term). Run it
+        from a periodic task or by hand; call again while it returns ``limit``.
+
+        Returns:
+            How many rows were deleted.
+
+        Raises:
+            StoreUnavailable: The database could not be reached.
+        """
+        t = self._table
+        with self._connect() as conn:
+            now = float(conn.execute(sa.select(db_now())).scalar_one())
+        # The clock is read first and bound as a value: PostgreSQL cannot use an index for a
+        # comparison with clock_timestamp() (a volatile function), so `expires <= db_now()`
+        # scans the whole table; `expires <= :now` is a range scan of the expires index
+        # (EXPLAIN in docs/scaling.md). A row a claim brings back to life meanwhile gets
+        # expires = a later clock + ttl, so it never matches.
+        expired = sa.and_(self._own_rows(), t.c.expires <= sa.literal(now, sa.Double))
+        if self._dialect in ("mysql", "mariadb"):
+            # MySQL has DELETE ... LIMIT, but no LIMIT in an IN (subquery).
+            delete = sa.delete(t).where(expired).with_dialect_options(mysql_limit=limit)
+        else:
+            batch = sa.select(t.c.key).where(expired).limit(limit).scalar_subquery()
+            # The outer condition is checked again on the row being deleted: a claim may have
+            # brought it back to life since the subquery read it.
+            delete = sa.delete(t).where(t.c.key.in_(batch), expired)
+        with self._connect() as conn:
+            return int(conn.execute(delete).rowcount)
+
+    def close(self) -> None:
+        """Close the pooled connections. The store must not be used afterwards."""
+        self._engine.dispose()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._shown_url} table={self._table.name!r} prefix={self.prefix!r}>"

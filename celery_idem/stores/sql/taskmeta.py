@@ -1,0 +1,98 @@
+"""Celery's database result row, written in the record's own statement (PostgreSQL).
+
+Celery's database backend (``result_backend = "db+postgresql://..."``) stores a task's result
+as one row of its ``celery_taskmeta`` table, through the ORM: a SELECT, an INSERT, an UPDATE and
+a COMMIT after a pre-ping. When the idempotency store is that same database, the record's
+fenced UPDATE can write that row too, in the same statement::
+
+    WITH rec  AS (UPDATE celery_idem_records SET state = 'done', ... WHERE <fenced>
+                  RETURNING key),
+         meta AS (INSERT INTO celery_taskmeta (id, task_id, status, result, ...)
+                  SELECT nextval('task_id_sequence'), $task_id, $status, $result, ... FROM rec
+                  ON CONFLICT (task_id) DO UPDATE SET status = excluded.status, ...
+                  WHERE celery_taskmeta.status <> 'SUCCESS'
+                  RETURNING 1)
+    SELECT (SELECT count(*) FROM rec) AS recorded, (SELECT count(*) FROM meta) AS written
+
+One statement, one transaction, one WAL flush, where there were two transactions (the record,
+then Celery's). The row is written only when the record is (``FROM rec``: the same fence, token
+and claim id), and like Celery's own write it never replaces a SUCCESS row. Its values are the
+ones Celery's backend computes (see :mod:`celery_idem.dbresults`); this module only knows the
+table. Internal to the SQL store package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from ..base import BackendWrite
+
+__all__ = ["TaskMetaWrite", "build_fold", "fold_params"]
+
+#: Celery's state that a later write must not replace (its backends ignore writes after it).
+_SUCCESS: Final = "SUCCESS"
+
+# Per-call values are idem_* parameters (the fast path inlines every other bind as a
+# constant): the record's own, and the row's as idem_meta_<column>.
+_META: Final = "idem_meta_"
+
+
+@dataclass(frozen=True)
+class TaskMetaWrite(BackendWrite):
+    """Celery's database-backend result row, for :meth:`SQLStore.record_with` to fold.
+
+    Attributes:
+        table: Celery's result table (the backend's ``task_cls.__table__``).
+        row: Column name -> value, as Celery's backend would store them (``id`` left out:
+            the table's sequence gives it).
+    """
+
+    table: sa.Table | None = None
+    row: Mapping[str, Any] = field(default_factory=dict)
+
+
+def build_fold(record: sa.Update, records: sa.Table, meta: sa.Table,
+               columns: tuple[str, ...]) -> sa.Select[Any]:
+    """The record's UPDATE and Celery's upsert of ``columns`` of ``meta`` as one statement.
+
+    Args:
+        record: The store's fenced record UPDATE (``idem_*`` parameters).
+        records: The store's records table.
+        meta: Celery's result table (``celery_taskmeta`` unless configured otherwise).
+        columns: The row's columns given per call (``idem_meta_<name>`` parameters), ``task_id``
+            among them; ``id`` comes from the table's sequence when it has one.
+
+    Returns:
+        A SELECT of ``recorded`` (1 when the record was written) and ``written`` (1 when the
+        result row was inserted or updated; 0 beside a SUCCESS row already there).
+    """
+    rec = record.returning(records.c.key).cte("rec")
+    values: dict[str, Any] = {
+        name: sa.bindparam(_META + name, type_=meta.c[name].type) for name in columns
+    }
+    id_column = meta.c.get("id")
+    if id_column is not None and isinstance(id_column.default, sa.Sequence):
+        # Celery's model gives ids from a sequence (the column has no server default).
+        values = {"id": id_column.default.next_value(), **values}
+    insert = pg_insert(meta).from_select(list(values), sa.select(*values.values()).select_from(rec))
+    upsert = insert.on_conflict_do_update(
+        index_elements=[meta.c.task_id],
+        set_={name: insert.excluded[name] for name in columns if name != "task_id"},
+        # Like Celery's backend: a SUCCESS stays (a late write must not replace it).
+        where=sa.or_(meta.c.status.is_(None), meta.c.status != _SUCCESS),
+    ).returning(sa.literal(1).label("one")).cte("meta")
+    count = sa.func.count
+    return sa.select(
+        sa.select(count()).select_from(rec).scalar_subquery().label("recorded"),
+        sa.select(count()).select_from(upsert).scalar_subquery().label("written"),
+    )
+
+
+def fold_params(write: TaskMetaWrite) -> dict[str, Any]:
+    """The per-call ``idem_meta_*`` values of ``write``."""
+    return {_META + name: value for name, value in write.row.items()}

@@ -1,0 +1,6 @@
+"""The admin: Idempotency records sit next to the orders."""
+
+from django.contrib import admin
+from django.urls import path
+
+urlpatterns = [path("admin/", admin.site.urls)]

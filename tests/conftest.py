@@ -29,6 +29,43 @@ MYSQL_URL = os.environ.get("CELERY_IDEM_TEST_MYSQL", "mysql+pymysql://root@127.0
 AMQP_URL = os.environ.get("CELERY_IDEM_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+def _backport_celery_10477() -> None:
+    """Keep the test process out of Celery < 5.7's result-consumer deadlock (celery#10477).
+
+    On Celery 5.4-5.6 with a Redis result backend, the garbage collector can finalise an
+    ``AsyncResult`` while the same thread holds redis-py's ``PubSub`` lock (mid-SUBSCRIBE in
+    ``apply_async`` or in ``add_pending_result``); its ``__del__`` sends UNSUBSCRIBE, waits for
+    that lock and hangs forever. Plain Celery hangs the same way; ``make test-compat`` on 5.4.0
+    met it twice (a chain's ``apply_async``, a ``ResultSet``'s ``add_pending_result``). Celery 5.7
+    defers the nested UNSUBSCRIBE. This does what that fix does for the case that hangs: a
+    cancel that finds the lock taken leaves the subscription (a message on it is buffered like
+    any other), and a key already unsubscribed is not unsubscribed again (celery#10497). Only
+    the test process is patched, never the library; docs/compat.md tells users on Celery < 5.7.
+    """
+    try:
+        from celery.backends.redis import ResultConsumer
+    except ImportError:  # pragma: no cover - no redis-py
+        return
+    if hasattr(ResultConsumer, "_flush_pending_unsubscribe"):  # Celery 5.7: fixed upstream
+        return
+    original = ResultConsumer.cancel_for
+
+    def cancel_for(self: Any, task_id: str) -> None:
+        if self._get_key_for_task(task_id) not in self.subscribed_to:
+            return
+        lock = getattr(self._pubsub, "_lock", None)
+        if lock is not None:
+            if not lock.acquire(blocking=False):
+                return  # held, by this thread when the collector runs us: waiting would hang
+            lock.release()
+        original(self, task_id)
+
+    ResultConsumer.cancel_for = cancel_for  # type: ignore[method-assign]
+
+
+_backport_celery_10477()
+
+
 # Fixtures that reach a server: the shared ones below, and the private redis-servers some store
 # tests start (tests/stores). A test using one, directly or through another fixture, is marked
 # `server` at collection. A fixture that picks its server at run time (getfixturevalue) cannot be

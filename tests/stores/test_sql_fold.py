@@ -22,7 +22,7 @@ from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.sql import SQLStore
 from celery_idem.stores.sql.taskmeta import TaskMetaWrite
 
-from .support import LONG, claim, drop_table
+from .support import LONG, claim, drop_table, poll
 
 
 @pytest.fixture
@@ -94,7 +94,10 @@ def test_the_row_is_written_with_the_record_in_one_statement(store: SQLStore, me
 
 def test_a_lost_claim_writes_neither_the_record_nor_the_row(store: SQLStore, meta: sa.Table) -> None:
     stale = claim(store, "k", who="a", lease=0.001)
-    fresh = claim(store, "k", who="b", attempt=1)  # an earlier attempt of another task: takes over
+    # Another task's claim takes over once the 1 ms lease has run out on the store's clock
+    # (polled: on a fast machine the second claim can land inside the same millisecond).
+    fresh = poll(store, lambda: (c := claim(store, "k", who="b", attempt=1)).status.holds and c,
+                 "the expired claim to be taken over")
     assert fresh.token > stale.token
     write = _write(meta, "task-a")
     with pytest.raises(LeaseLost):

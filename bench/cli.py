@@ -760,7 +760,9 @@ def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
             a = mine.worker_cpu_us + mine.producer_cpu_us
             b = theirs.worker_cpu_us + theirs.producer_cpu_us
             cpu = (f"CPU per task (worker + delay(), less sensitive to other load): IdempotentTask "
-                   f"{a:.0f} µs, {peer} {b:.0f} µs ({'less' if a < b else 'more'}). ")
+                   f"{a:.0f} µs, {peer} {b:.0f} µs"
+                   + (" (IdempotentTask uses less: the gap is not CPU but waiting). " if a < b
+                      else " (IdempotentTask uses more). "))
         return (cpu + "the peers act in the worker only or hold a lock only (see \"Peers: what each one "
                 "does\"); IdempotentTask also reads the record in delay() (one more round trip on the "
                 "producer) and acks late. Differences of a few per cent are within this machine's noise "

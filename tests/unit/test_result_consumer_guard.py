@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import uuid
 
+import pytest
 from celery import Celery
 
 DEADLINE = 10.0
@@ -26,6 +27,10 @@ def test_a_result_cancelled_while_its_consumer_holds_the_pubsub_lock_returns(red
     consumer.start(first)  # makes the PubSub connection and subscribes
     consumer.consume_from(held)
     assert consumer._get_key_for_task(held) in consumer.subscribed_to
+    if not hasattr(consumer._pubsub, "_lock"):
+        consumer.stop()
+        app.close()
+        pytest.skip("this redis-py's PubSub has no lock (redis-py 5.2): nothing to deadlock on")
     returned = threading.Event()
 
     def cancel_mid_subscribe() -> None:

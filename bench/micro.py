@@ -712,3 +712,54 @@ def enqueue_check_timings(store: RedisStore, client: redis.Redis, prefix: str, n
         return out
     finally:
         raw.close()
+
+
+#: The systems of :func:`publish_timings`, in the order they are timed.
+PUBLISH_PLAIN = "plain task delay()"
+PUBLISH_OFF = "IdempotentTask delay(), `idempotency_check_on_enqueue=False`"
+PUBLISH_WITHIN = "IdempotentTask delay(), check within the publish (the default here)"
+PUBLISH_FIRST = "IdempotentTask delay(), check read first (one `GET`, then the publish)"
+
+
+def publish_timings(redis_url: str, prefix: str, n: int, tag: str) -> dict[str, Timing]:
+    """``delay()`` through a real Redis broker, its store and result backend on that server.
+
+    Unique keys, timed in turn: the plain task, and the IdempotentTask with the enqueue check
+    off, within the publish (one script reads the record and pushes the message), and read
+    first (``GET``, then kombu's ``LPUSH``). Nothing consumes the queue; the run's cleanup
+    deletes it with every key under ``prefix``.
+    """
+    app = Celery("bench-publish", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(
+        broker_transport_options={"global_keyprefix": prefix},
+        result_backend_transport_options={"global_keyprefix": prefix},
+        idempotency_key_prefix=prefix + "pub:", task_default_queue="publish-q",
+    )
+
+    @app.task(shared=False, name="bench.pub.plain")
+    def plain(action: str) -> str:
+        return action
+
+    def idem_task(name: str, check: bool) -> Any:
+        @app.task(shared=False, name=name, base=IdempotentTask, idempotency_fields=("action",),
+                  idempotency_check_on_enqueue=check)
+        def idem(action: str) -> str:
+            return action
+
+        return app.tasks[name]
+
+    off = idem_task("bench.pub.off", False)
+    within = idem_task("bench.pub.within", True)
+    first = idem_task("bench.pub.first", True)
+    first._enqueue_check.possible = False  # read first, as with another broker
+    tasks = {PUBLISH_PLAIN: app.tasks["bench.pub.plain"], PUBLISH_OFF: off,
+             PUBLISH_WITHIN: within, PUBLISH_FIRST: first}
+    try:
+        out = time_interleaved(
+            {name: (lambda i, t=t, j=j: t.delay(f"{tag}:{j}:{i}"))
+             for j, (name, t) in enumerate(tasks.items())}, n, warm=50)
+        if within._enqueue_check.answered or not within._enqueue_check.possible:
+            raise RuntimeError("the check did not ride on the publish")
+        return out
+    finally:
+        app.close()

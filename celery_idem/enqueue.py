@@ -2,7 +2,8 @@
 
 ``IdempotentTask.apply_async`` asks :func:`answer_from_record` before publishing: a key that is
 already done (or failed terminally) is answered with a :class:`CachedResult`, and nothing is
-published. :func:`unsendable` names the argument the message serializer refused.
+published. The record is read first, or within the publish when the broker can take that
+(:class:`EnqueueCheck`). :func:`unsendable` names the argument the message serializer refused.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+from uuid import uuid4 as uuid
 
 from celery import Celery
+from celery._state import task_join_will_block
 from celery.app.task import Context
-from celery.result import EagerResult
+from celery.result import AsyncResult, EagerResult
+from celery.signals import before_task_publish
 from celery.states import FAILURE, SUCCESS
+from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
 from .app import emit_answer
@@ -27,7 +32,10 @@ from .results import ResultWriter, answer_task_id, fire_full_barriers, store_ans
 if TYPE_CHECKING:
     from celery import Task
 
-__all__ = ["CachedResult", "answer_from_record", "answer_request", "restore_cached", "unsendable"]
+__all__ = [
+    "CachedResult", "EnqueueCheck", "answer_from_record", "answer_request", "restore_cached",
+    "unsendable",
+]
 
 logger = logging.getLogger("celery_idem")
 
@@ -153,12 +161,13 @@ def answer_from_record(
     task: Task, gate: Gate, writer: ResultWriter | None, key: str,
     args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
     task_id: str | None = None, options: Mapping[str, Any] | None = None, *,
-    arguments_hash: Callable[[], str],
+    arguments_hash: Callable[[], str], record: Record | None = None,
 ) -> CachedResult | None:
     """The answer from the record for an enqueue of a done (or failed) key, or None: publish.
 
     One store round trip (the record's read), plus one to store the answer under a task id
-    the caller chose (see :func:`celery_idem.results.store_answer`).
+    the caller chose (see :func:`celery_idem.results.store_answer`). With ``record`` (read
+    already, by the publish: see :class:`EnqueueCheck`), no read.
 
     Args:
         task: The task being enqueued.
@@ -170,16 +179,19 @@ def answer_from_record(
         task_id: The task id the caller chose, if any.
         options: The other ``apply_async`` options.
         arguments_hash: Computes the call's payload hash (called only when validating).
+        record: The key's record, when the caller has read it.
 
     Raises:
         IdempotencyKeyMismatch: The task validates and the record was made with other arguments.
     """
-    try:
-        rec = gate.store.get(key)
-    except StoreUnavailable as exc:
-        # The worker's gate still guards the body; publishing is safe.
-        logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
-        return None
+    rec = record
+    if rec is None:
+        try:
+            rec = gate.store.get(key)
+        except StoreUnavailable as exc:
+            # The worker's gate still guards the body; publishing is safe.
+            logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
+            return None
     if rec is None or rec.state not in (State.DONE, State.FAILED):
         return None
     if gate.config.validate and rec.payload_hash and arguments_hash() != rec.payload_hash:
@@ -241,3 +253,144 @@ def answer_request(
     if ignore is not None:  # unset: get_actual_ignore_result falls back to the task's
         fields["ignore_result"] = ignore
     return Context(fields)
+
+
+#: celery_idem.stores.redis_enqueue, imported on first use (it needs kombu's Redis transport).
+_fused: Any = None
+
+#: The Celery backends whose ``on_task_call`` leaves nothing to undo when a publish turns out
+#: to be answered from the record (by name: importing them needs their client libraries).
+_NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
+
+
+class EnqueueCheck:
+    """How one task's enqueue check reads the record: before the publish, or within it.
+
+    Read first, the check is a round trip of its own on every enqueue. With kombu's Redis
+    transport on the same server and database as a plain Redis store, it can ride on the
+    publish instead (:mod:`celery_idem.stores.redis_enqueue`): one round trip, and the check
+    and the push are one atomic step. The price falls on an enqueue that *is* answered from
+    the record: Celery has built and encoded its message by then (and subscribed to its result
+    when the backend is Redis: undone here). So the check rides on the publish while few of
+    this task's enqueues are answered (a running share, :attr:`THRESHOLD`), and reads first
+    when many are (duplicates): both ways answer the same enqueues the same way.
+
+    Not used (the record is read first) in eager mode, with a ``before_task_publish`` receiver
+    (it would hear of a message that is never sent), or with a result backend whose
+    ``on_task_call`` does something this cannot undo.
+    """
+
+    #: The weight of each enqueue in the running share of enqueues answered from the record.
+    WEIGHT = 1 / 16
+    #: At or above this share the record is read first. An answered enqueue costs about five
+    #: times more within the publish (the message built and encoded for nothing) than a read
+    #: first costs every enqueue: break-even near 0.2 (docs/benchmarks.md).
+    THRESHOLD = 0.2
+
+    __slots__ = ("_backend", "_undo", "answered", "possible")
+
+    def __init__(self) -> None:
+        self.answered = 0.0
+        self.possible = True  # False once the broker turned out not to take the fused publish
+        self._backend: Any = None
+        self._undo: Callable[[str], None] | None = None
+
+    def _undo_for(self, backend: Any) -> Callable[[str], None] | None:
+        if backend is not self._backend:  # the app's backend is built once (thread-local)
+            self._backend, self._undo = backend, _undo_for(backend)
+        return self._undo
+
+    def saw(self, answered: bool) -> None:
+        """Count one checked enqueue (answered from the record, or published)."""
+        self.answered += ((1.0 if answered else 0.0) - self.answered) * self.WEIGHT
+
+    def within_publish(self, task: Task, gate: Gate) -> bool:
+        """Whether this enqueue tries the check within the publish."""
+        if not self.possible or self.answered >= self.THRESHOLD:
+            return False
+        if _fused is None:
+            from .stores import redis_enqueue
+
+            globals()["_fused"] = redis_enqueue
+        if type(gate.store) is not _fused.RedisStore:
+            self.possible = False
+            return False
+        app = task.app
+        if app.conf.task_always_eager or before_task_publish.receivers:
+            return False
+        return self._undo_for(app.backend) is not None
+
+    def publish(
+        self, task: Task, gate: Gate, key: str, header: str, producer: Any, task_id: str | None,
+        send: Callable[[Any, str], AsyncResult],
+    ) -> AsyncResult | Record | None:
+        """Publish with the check within; the record if the key is done or failed.
+
+        Args:
+            task: The task being enqueued.
+            gate: Its gate (the store).
+            key: The idempotency key.
+            header: The message header that carries the key.
+            producer: The caller's producer, or None (one is acquired from the app's pool).
+            task_id: The task id the caller chose, or None (a new one).
+            send: Publishes with the given producer and task id (``Task.apply_async``).
+
+        Returns:
+            The result of the publish; the record (nothing was published); or None when the
+            broker cannot take the check (nothing was published: read first, then publish).
+
+        Raises:
+            kombu.exceptions.EncodeError: The message cannot be encoded; nothing was sent and
+                the record was not read (the caller reads it: a done key is still answered).
+        """
+        fused = _fused
+        assert fused is not None  # within_publish imported it
+        store: Any = gate.store
+        app = task.app
+        with app.producer_or_acquire(producer) as prod:
+            if not fused.fuse(prod.channel, store):
+                self.possible = False
+                return None
+            sent_id = task_id or str(uuid())
+            token = fused.begin(store, key, header)
+            try:
+                result = send(prod, sent_id)
+            except (fused.RecordFound, EncodeError) as exc:
+                # Not sent: the result subscription Celery made for it is not wanted.
+                undo = self._undo_for(app.backend)
+                if undo is not None:
+                    undo(sent_id)
+                if isinstance(exc, EncodeError):
+                    raise
+                self.saw(True)
+                return exc.record
+            finally:
+                fused.end(token)
+        self.saw(False)
+        return result
+
+
+def _undo_for(backend: Any) -> Callable[[str], None] | None:
+    """What undoes ``backend.on_task_call`` for a message that was not sent.
+
+    None for an ``on_task_call`` this does not know: the check is then made before publishing.
+    """
+    on_task_call = getattr(type(backend), "on_task_call", None)
+    if on_task_call is None or getattr(on_task_call, "__module__", "") in _NOTHING_TO_UNDO:
+        return _nothing
+    from celery.backends.redis import RedisBackend
+
+    if on_task_call is RedisBackend.on_task_call:
+        consumer = backend.result_consumer
+
+        def undo(task_id: str) -> None:
+            # As on_task_call subscribed (not from within a worker's task: it would block).
+            if not task_join_will_block():
+                consumer.cancel_for(task_id)
+
+        return undo
+    return None
+
+
+def _nothing(task_id: str) -> None:
+    """Undo an ``on_task_call`` that did nothing (or only declared a reply queue)."""

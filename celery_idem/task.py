@@ -36,7 +36,7 @@ from .app import check_worker, emit_decision, get_store, owner_id
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
 from .delivery import REQUEUES_HEADER, deliver
-from .enqueue import CachedResult, answer_from_record, restore_cached, unsendable
+from .enqueue import CachedResult, EnqueueCheck, answer_from_record, restore_cached, unsendable
 from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
 from .keys import bind_arguments, key_from_fields, payload_hash, select_fields, signature_of
@@ -161,6 +161,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return inspect.signature(self.run, follow_wrapped=False)
         except (TypeError, ValueError):
             return None
+
+    @cached_property
+    def _enqueue_check(self) -> EnqueueCheck:
+        return EnqueueCheck()
 
     @cached_property
     def _result_writer(self) -> ResultWriter | None:
@@ -432,25 +436,48 @@ class IdempotentTask(Task):  # type: ignore[misc]
         republish = bool(options.get("retries")) or REQUEUES_HEADER in headers
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
+        def publish(prod: Any, sent_id: str | None) -> AsyncResult:
+            return super(IdempotentTask, self).apply_async(
+                args, kwargs, task_id=sent_id, producer=prod, link=link,
+                link_error=link_error, shadow=shadow, headers=headers, **options,
+            )
+
+        def send(prod: Any, sent_id: str | None) -> AsyncResult:
+            try:
+                return publish(prod, sent_id)
+            except EncodeError as exc:
+                serializer = (options.get("serializer") or self.serializer
+                              or self.app.conf.task_serializer)
+                try:
+                    bound = self._bound(args or (), kwargs or {}, as_sent=False)
+                except TypeError:
+                    bound = {}
+                raise unsendable(self.name, bound, serializer, exc) from exc
+
         if not republish and not canvas and self.idempotency_config.check_on_enqueue:
+            check, record = self._enqueue_check, None
+            if check.within_publish(self, self._gate):
+                # One round trip: the record is read by the script that pushes the message.
+                try:
+                    sent = check.publish(self, self._gate, key, HEADER, producer, task_id, publish)
+                except EncodeError:
+                    # Not sendable: a done key is still answered from the record (read first);
+                    # any other raises the error naming the argument, below.
+                    sent = None
+                if isinstance(sent, AsyncResult):
+                    sent.idempotency_key = key
+                    return sent
+                record = sent  # the key is done: nothing was sent (None: read it first)
             cached = answer_from_record(
                 self, self._gate, self._result_writer, key, args, kwargs, task_id, options,
                 arguments_hash=lambda: payload_hash(self._bound(args or (), kwargs or {})),
+                record=record,
             )
+            if record is None:
+                check.saw(cached is not None)
             if cached is not None:
                 return cached
-        try:
-            result: AsyncResult = super().apply_async(
-                args, kwargs, task_id=task_id, producer=producer, link=link,
-                link_error=link_error, shadow=shadow, headers=headers, **options,
-            )
-        except EncodeError as exc:
-            serializer = options.get("serializer") or self.serializer or self.app.conf.task_serializer
-            try:
-                bound = self._bound(args or (), kwargs or {}, as_sent=False)
-            except TypeError:
-                bound = {}
-            raise unsendable(self.name, bound, serializer, exc) from exc
+        result = send(producer, task_id)
         # So a caller (an agent keeping a checkpoint, say) can store the key with the task id.
         result.idempotency_key = key
         return result

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery.signals import before_task_publish
+from celery.signals import after_task_publish
 
 import celery_idem.app as idem_app
 from tests.integration import app as app_module
@@ -131,12 +131,17 @@ def cluster(make_cluster: Callable[..., Cluster]) -> Cluster:
 
 @pytest.fixture
 def published() -> Iterator[list[str]]:
-    """The task ids this process publishes while the test runs."""
+    """The task ids this process publishes while the test runs.
+
+    Counted by ``after_task_publish``: a ``before_task_publish`` receiver would make every
+    enqueue check read the record first (celery_idem.enqueue.EnqueueCheck), so the tests would
+    never see the check made within the publish.
+    """
     ids: list[str] = []
 
     def count(sender: object = None, headers: dict[str, Any] | None = None, **_: object) -> None:
         ids.append((headers or {}).get("id", ""))
 
-    before_task_publish.connect(count, weak=False)
+    after_task_publish.connect(count, weak=False)
     yield ids
-    before_task_publish.disconnect(count)
+    after_task_publish.disconnect(count)

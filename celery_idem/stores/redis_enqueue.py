@@ -1,0 +1,170 @@
+"""The enqueue check and the publish in one round trip, for a Redis broker that holds the store.
+
+``IdempotentTask.apply_async`` reads the key's record before it publishes (the enqueue check):
+a done key is answered from the record and nothing is sent. That read is a round trip of its
+own on every ``delay()``, and on a unique key (the common case) it finds nothing. When the
+broker is kombu's Redis transport on the same server and database as a plain
+:class:`~celery_idem.stores.redis.RedisStore`, the read can ride on the publish instead: the
+message is pushed by a script (``lua/publish.lua``) that pushes it only when the record is not
+done or failed, and otherwise hands the record back. One round trip instead of two, and the
+check and the push are one atomic step.
+
+The hook is the channel's ``_put`` (where kombu's Redis transport pushes a message to its
+queue list), replaced on the channel *instance* the task publishes on, never on kombu's class;
+it acts only on the message whose ``idempotency_key`` header is the key being enqueued in this
+context (:func:`begin`), and every other publish on the channel goes to kombu's own
+``_put``. A publish kombu would make in more than one command (a publish batch, a queue with
+``x-expires``) reads the record first instead (two round trips, as without the hook).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from importlib import resources
+from types import MethodType
+from typing import Any
+
+import redis
+from kombu.utils.json import dumps
+
+from ..exceptions import StoreUnavailable
+from ..records import Record, State
+from .redis import RedisStore
+
+__all__ = ["RecordFound", "RedisStore", "begin", "end", "fuse"]
+
+_LUA = resources.files(__package__).joinpath("lua", "publish.lua").read_text("utf-8")
+_SHA = hashlib.sha1(_LUA.encode()).hexdigest()
+_CHECK = b"check"
+#: On a channel: whether it takes the hook, per store checked against it.
+_ATTR = "_celery_idem_stores"
+#: The connection settings that name one server and database (see results._same_server).
+_SAME = ("host", "port", "db", "path", "username", "password")
+
+
+class RecordFound(Exception):
+    """Raised out of the publish: the key is done or failed, and nothing was pushed."""
+
+    def __init__(self, record: Record) -> None:
+        super().__init__(record.key)
+        self.record = record
+
+
+@dataclass
+class _Pending:
+    store: RedisStore
+    key: str
+    header: str
+
+
+_PENDING: ContextVar[_Pending | None] = ContextVar("celery_idem_pending_publish", default=None)
+
+
+def fuse(channel: Any, store: Any) -> bool:
+    """Hook ``channel`` so the enqueue check rides on the publish; False if it cannot.
+
+    It can when ``channel`` is kombu's Redis transport channel on the same server and
+    database as ``store``, a plain :class:`RedisStore` (no replica wait: a read needs none).
+    The verdict is kept on the channel, per store: a channel's connection does not change
+    server, and kombu's producer pools (so their channels) are shared by every app in the
+    process with the same broker URL.
+    """
+    verdicts = channel.__dict__.get(_ATTR)
+    if verdicts is None:
+        verdicts = weakref.WeakKeyDictionary()
+        setattr(channel, _ATTR, verdicts)
+    ok: bool | None = verdicts.get(store)
+    if ok is None:
+        ok = verdicts[store] = _compatible(channel, store)
+        if ok and "_put" not in channel.__dict__:
+            channel._put = MethodType(_put, channel)
+    return ok
+
+
+def _compatible(channel: Any, store: Any) -> bool:
+    try:
+        from kombu.transport.redis import Channel
+    except ImportError:  # pragma: no cover - kombu without redis-py
+        return False
+    if type(store) is not RedisStore or store.wait_replicas or not isinstance(channel, Channel):
+        return False
+    # Every method the hook calls, as kombu 5.4-5.7 define them (5.7 added queue expiry,
+    # ``_expires``, and publish batches: both optional here).
+    if not all(hasattr(channel, name) for name in
+               ("_get_message_priority", "_q_for_pri", "conn_or_acquire")):
+        return False
+    try:
+        broker_pool = channel.client.connection_pool
+    except Exception:  # a transport that builds its client its own way
+        return False
+    store_pool = store.client.connection_pool
+    if type(broker_pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool) or \
+            _kind(broker_pool.connection_class) != _kind(store_pool.connection_class):
+        return False  # Sentinel's managed pool, or TLS on one side only
+    bk, sk = broker_pool.connection_kwargs, store_pool.connection_kwargs
+    return all(bk.get(name) == sk.get(name) for name in _SAME)
+
+
+def _kind(connection_class: type) -> str:
+    """TLS, Unix socket or TCP (kombu connects through a subclass of its own making)."""
+    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
+        if issubclass(connection_class, kind):
+            return kind.__name__
+    return "tcp"
+
+
+def begin(store: RedisStore, key: str, header: str) -> Token[_Pending | None]:
+    """From now until :func:`end`: the publish of the message whose ``header`` is ``key``
+    checks the record (and raises :class:`RecordFound` out of the publish, nothing pushed,
+    when the key is done or failed)."""
+    return _PENDING.set(_Pending(store, key, header))
+
+
+def end(token: Token[_Pending | None]) -> None:
+    """End what :func:`begin` started."""
+    _PENDING.reset(token)
+
+
+def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+    pending = _PENDING.get()
+    put = type(self)._put
+    if pending is None or (message.get("headers") or {}).get(pending.header) != pending.key:
+        return put(self, queue, message, **kwargs)  # type: ignore[no-any-return]
+    store = pending.store
+    expires = getattr(self, "_expires", None)
+    if kwargs.get("_publish_batch") is not None or (expires and queue in expires):
+        # kombu sends this one in several commands: read first, then let kombu push it.
+        _raise_if_done(store, pending.key)
+        return put(self, queue, message, **kwargs)  # type: ignore[no-any-return]
+    name = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+    record = store._k(pending.key)
+    payload = dumps(message)  # type: ignore[no-untyped-call]
+    with self.conn_or_acquire() as client:
+        # EVALSHA names the queue first: kombu's global_keyprefix client prefixes exactly that
+        # key, as it does for LPUSH; the record's name is the store's own.
+        try:
+            reply = client.evalsha(_SHA, 2, name, record, payload)
+        except redis.exceptions.NoScriptError:
+            client.script_load(_LUA)  # a new or restarted server
+            reply = client.evalsha(_SHA, 2, name, record, payload)
+    if reply is None:
+        return None  # pushed
+    if reply == _CHECK:
+        # Not a plain record (another program's value): nothing was pushed. The store's read
+        # raises what it raises without the hook (CorruptRecord), or finds the key gone.
+        _raise_if_done(store, pending.key)
+        return put(self, queue, message, **kwargs)  # type: ignore[no-any-return]
+    raise RecordFound(store._decode(pending.key, reply))
+
+
+def _raise_if_done(store: RedisStore, key: str) -> None:
+    """The enqueue check in two steps: read the record; raise RecordFound if done or failed."""
+    try:
+        record = store.get(key)
+    except StoreUnavailable:
+        return  # as the check does: the worker's gate still guards the body; publish
+    if record is not None and record.state in (State.DONE, State.FAILED):
+        raise RecordFound(record)

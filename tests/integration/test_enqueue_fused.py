@@ -1,0 +1,313 @@
+"""The enqueue check within the publish (celery_idem.stores.redis_enqueue), producer side.
+
+With kombu's Redis transport on the same server and database as the Redis store, a
+``delay()`` pushes its message with a script that first reads the key's record: a unique key
+is pushed in one round trip, a done key is answered from the record and nothing is pushed.
+Real Redis (broker, backend and store), no worker: the queue lists are read directly. The
+real-worker tests (test_worker_redis.py, test_result_*.py, ...) run through this path too.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.signals import after_task_publish, before_task_publish
+
+from celery_idem import CachedResult, IdempotentTask
+from celery_idem.exceptions import CorruptRecord
+from celery_idem.records import State
+from celery_idem.stores import redis_enqueue
+from tests.conftest import REDIS_URL
+
+DB = 0
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    prefix = f"tfused{secrets.token_hex(4)}:"
+    yield prefix
+    client = redis.Redis.from_url(f"{REDIS_URL}/{DB}")
+    for name in client.scan_iter(match=prefix + "*", count=500):
+        client.delete(name)
+    client.close()
+
+
+def make_app(prefix: str, *, broker_db: int = DB, **conf: Any) -> Celery:
+    app = Celery("fused", broker=f"{REDIS_URL}/{broker_db}", backend=f"{REDIS_URL}/{DB}",
+                 set_as_current=False)
+    app.conf.update({
+        "broker_transport_options": {"global_keyprefix": prefix},
+        "result_backend_transport_options": {"global_keyprefix": prefix},
+        "idempotency_key_prefix": prefix + "idem:",
+        "task_default_queue": "q",
+        **conf,
+    })
+    return app
+
+
+def make_task(app: Celery) -> Any:
+    @app.task(base=IdempotentTask, shared=False, name="fused.charge", idempotency_fields=("order",))
+    def charge(order: str, cents: int) -> dict[str, Any]:
+        return {"order": order, "cents": cents}
+
+    return charge
+
+
+def finish(task: Any, key: str, value: Any = None, error: BaseException | None = None) -> str:
+    """Write the key's record as a worker would (claim, then record); returns the run's id."""
+    store = task._gate.store
+    run_id = str(uuid.uuid4())
+    claim = store.claim(key, owner="test:1", task_id=run_id, attempt=0, lease=30, ttl=600)
+    if error is None:
+        ctype, data = task._gate.codec.encode_result(value)
+        state = State.DONE
+    else:
+        ctype, data = task._gate.codec.encode_error(error)
+        state = State.FAILED
+    store.record(key, claim.token, state=state, content_type=ctype, data=data, ttl=600,
+                 claim_id=claim.claim_id)
+    return run_id
+
+
+class Reads:
+    """Counts the producer's own reads of the record (the check made before the publish)."""
+
+    def __init__(self, store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.keys: list[str] = []
+        get = store.get
+
+        def counted(key: str) -> Any:
+            self.keys.append(key)
+            return get(key)
+
+        monkeypatch.setattr(store, "get", counted)
+
+
+@pytest.fixture
+def sent() -> Iterator[list[str]]:
+    ids: list[str] = []
+
+    def count(sender: object = None, headers: dict[str, Any] | None = None, **_: object) -> None:
+        ids.append((headers or {}).get("id", ""))
+
+    after_task_publish.connect(count, weak=False)
+    yield ids
+    after_task_publish.disconnect(count)
+
+
+def queue_length(prefix: str, queue: str = "q") -> int:
+    client = redis.Redis.from_url(f"{REDIS_URL}/{DB}")
+    try:
+        return int(client.llen(prefix + queue))
+    finally:
+        client.close()
+
+
+def test_a_unique_key_is_pushed_with_the_check_in_the_publish(
+    prefix: str, sent: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    reads = Reads(charge._gate.store, monkeypatch)
+    result = charge.delay("o1", 100)
+    assert not isinstance(result, CachedResult)
+    assert sent == [result.id]
+    assert reads.keys == []  # no read of its own: the script read the record
+    assert queue_length(prefix) == 1
+    assert result.idempotency_key == charge.idempotency_key_for(("o1", 100), {})
+    app.close()
+
+
+def test_a_done_key_is_answered_from_the_record_and_nothing_is_pushed(
+    prefix: str, sent: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o2", 100), {})
+    run_id = finish(charge, key, {"order": "o2", "cents": 100})
+    reads = Reads(charge._gate.store, monkeypatch)
+    answer = charge.delay("o2", 100)
+    assert isinstance(answer, CachedResult)
+    assert answer.get(timeout=5) == {"order": "o2", "cents": 100}
+    assert answer.id == answer.original_task_id == run_id
+    assert sent == [] and queue_length(prefix) == 0
+    assert reads.keys == []  # answered from the record the script handed back
+    # The result subscription Celery made for the message that was not sent is gone.
+    # (Celery subscribed when it began to send: see the next test for the contrast.)
+    assert not app.backend.result_consumer.subscribed_to
+    app.close()
+
+
+def test_a_sent_message_keeps_its_result_subscription(prefix: str) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    result = charge.delay("o2b", 100)
+    assert len(app.backend.result_consumer.subscribed_to) == 1
+    assert result.id in str(next(iter(app.backend.result_consumer.subscribed_to)))
+    app.close()
+
+
+def test_a_failed_key_is_answered_with_its_error(prefix: str, sent: list[str]) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o3", 100), {})
+    finish(charge, key, error=ValueError("card declined"))
+    answer = charge.delay("o3", 100)
+    assert isinstance(answer, CachedResult) and answer.state == "FAILURE"
+    with pytest.raises(Exception, match="card declined"):
+        answer.get(timeout=5)
+    assert sent == [] and queue_length(prefix) == 0
+    app.close()
+
+
+def test_a_chosen_task_id_gets_the_answer_stored_under_it(prefix: str, sent: list[str]) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o4", 100), {})
+    finish(charge, key, {"order": "o4", "cents": 100})
+    answer = charge.apply_async(("o4", 100), task_id="chosen-o4")
+    assert isinstance(answer, CachedResult) and answer.id == "chosen-o4"
+    assert sent == [] and queue_length(prefix) == 0
+    # Anyone waiting on the chosen id hears the outcome (stored in the result backend).
+    assert app.AsyncResult("chosen-o4").get(timeout=5) == {"order": "o4", "cents": 100}
+    app.close()
+
+
+def test_a_priority_message_lands_in_its_priority_list(prefix: str) -> None:
+    app = make_app(prefix, broker_transport_options={
+        "global_keyprefix": prefix, "queue_order_strategy": "priority", "priority_steps": [0, 3, 6, 9],
+    })
+    charge = make_task(app)
+    charge.apply_async(("o5", 1), priority=6)
+    charge.apply_async(("o6", 1))
+    sep = "\x06\x16"  # kombu's priority separator: <queue><sep><priority>
+    assert queue_length(prefix, f"q{sep}6") == 1
+    assert queue_length(prefix) == 1
+    app.close()
+
+
+def test_a_foreign_value_under_the_key_is_reported_and_nothing_is_pushed(prefix: str) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o7", 1), {})
+    client = redis.Redis.from_url(f"{REDIS_URL}/{DB}")
+    client.set(prefix + "idem:" + key, b"not a record")
+    client.close()
+    with pytest.raises(CorruptRecord, match="is not a celery_idem record"):
+        charge.delay("o7", 1)
+    assert queue_length(prefix) == 0
+    app.close()
+
+
+def test_a_broker_on_another_database_reads_first(
+    prefix: str, sent: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix, broker_db=DB + 1)
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o8", 1), {})
+    finish(charge, key, "done")
+    reads = Reads(charge._gate.store, monkeypatch)
+    assert isinstance(charge.delay("o8", 1), CachedResult)
+    first = charge.delay("o9", 1)
+    assert not isinstance(first, CachedResult)
+    assert reads.keys == [key, charge.idempotency_key_for(("o9", 1), {})]
+    assert not charge._enqueue_check.possible
+    client = redis.Redis.from_url(f"{REDIS_URL}/{DB + 1}")
+    try:
+        assert client.delete(prefix + "q") == 1
+    finally:
+        client.close()
+    app.close()
+
+
+def test_a_before_task_publish_receiver_gets_the_check_made_first(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    heard: list[str] = []
+
+    def hear(sender: object = None, headers: dict[str, Any] | None = None, **_: object) -> None:
+        heard.append((headers or {}).get("id", ""))
+
+    app = make_app(prefix)
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o10", 1), {})
+    finish(charge, key, "done")
+    reads = Reads(charge._gate.store, monkeypatch)
+    before_task_publish.connect(hear, weak=False)
+    try:
+        assert isinstance(charge.delay("o10", 1), CachedResult)
+    finally:
+        before_task_publish.disconnect(hear)
+    # The receiver never hears of a message that is not sent: the record was read first.
+    assert heard == [] and reads.keys == [key]
+    app.close()
+
+
+def test_many_answered_enqueues_switch_to_reading_first_and_back(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    check = charge._enqueue_check
+    for i in range(4):
+        finish(charge, charge.idempotency_key_for((f"d{i}", 1), {}), i)
+    reads = Reads(charge._gate.store, monkeypatch)
+    for i in range(4):
+        assert isinstance(charge.delay(f"d{i}", 1), CachedResult)
+    assert reads.keys == []  # within the publish until the share of answers crosses the line
+    assert check.answered >= check.THRESHOLD
+    assert isinstance(charge.delay("d0", 1), CachedResult)
+    assert len(reads.keys) == 1  # now read first
+    n = 0
+    while check.answered >= check.THRESHOLD:  # unique keys bring the share down again
+        assert n < 100, "the share of answered enqueues never fell"
+        charge.delay(f"u{n}", 1)
+        n += 1
+    before = len(reads.keys)
+    charge.delay("u-last", 1)
+    assert len(reads.keys) == before
+    assert queue_length(prefix) == n + 1
+    app.close()
+
+
+def test_the_hook_is_on_the_channel_instance_only(prefix: str) -> None:
+    from kombu.transport.redis import Channel
+
+    app = make_app(prefix)
+    charge = make_task(app)
+    charge.delay("o11", 1)
+    assert Channel._put is not redis_enqueue._put
+    with app.producer_or_acquire() as producer:
+        assert producer.channel._celery_idem_stores[charge._gate.store] is True
+        assert producer.channel._put.__func__ is redis_enqueue._put
+    app.close()
+
+
+def test_an_expiring_queue_gets_the_record_read_first(
+    prefix: str, sent: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kombu import Exchange, Queue
+    from kombu.transport.redis import Channel
+
+    if not hasattr(Channel, "_get_queue_expire"):
+        pytest.skip("queue expiry (x-expires) on the Redis transport is new in kombu 5.7")
+    app = make_app(prefix, task_queues=[Queue("q", Exchange("q"), routing_key="q", expires=60)])
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o12", 1), {})
+    finish(charge, key, "done")
+    reads = Reads(charge._gate.store, monkeypatch)
+    first = charge.delay("o13", 1)  # declares the queue (with its expiry) on the channel
+    assert not isinstance(first, CachedResult) and sent == [first.id]
+    # kombu pushes to an expiring queue in a pipeline of its own (LPUSH + PEXPIRE): the check
+    # reads the record first there, then lets kombu push.
+    assert reads.keys == [charge.idempotency_key_for(("o13", 1), {})]
+    assert queue_length(prefix) == 1
+    assert isinstance(charge.delay("o12", 1), CachedResult)
+    assert reads.keys[-1] == key and queue_length(prefix) == 1 and sent == [first.id]
+    app.close()

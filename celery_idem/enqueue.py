@@ -257,6 +257,7 @@ def answer_request(
 
 #: celery_idem.stores.redis_enqueue, imported on first use (it needs kombu's Redis transport).
 _fused: Any = None
+_REDIS_STORE_MODULE = "celery_idem.stores.redis"
 
 #: The Celery backends whose ``on_task_call`` leaves nothing to undo when a publish turns out
 #: to be answered from the record (by name: importing them needs their client libraries).
@@ -309,6 +310,11 @@ class EnqueueCheck:
         if not self.possible or self.answered >= self.THRESHOLD:
             return False
         if _fused is None:
+            # Only a Redis store can take it: never import the Redis side for another store
+            # (an install without redis-py, the SQL extra alone, has none).
+            if type(gate.store).__module__ != _REDIS_STORE_MODULE:
+                self.possible = False
+                return False
             from .stores import redis_enqueue
 
             globals()["_fused"] = redis_enqueue

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.signals import after_task_publish, before_task_publish
+from celery.signals import before_task_publish
 
 from celery_idem import CachedResult, IdempotentTask
 from celery_idem.exceptions import CorruptRecord
@@ -89,18 +89,6 @@ class Reads:
         monkeypatch.setattr(store, "get", counted)
 
 
-@pytest.fixture
-def sent() -> Iterator[list[str]]:
-    ids: list[str] = []
-
-    def count(sender: object = None, headers: dict[str, Any] | None = None, **_: object) -> None:
-        ids.append((headers or {}).get("id", ""))
-
-    after_task_publish.connect(count, weak=False)
-    yield ids
-    after_task_publish.disconnect(count)
-
-
 def queue_length(prefix: str, queue: str = "q") -> int:
     client = redis.Redis.from_url(f"{REDIS_URL}/{DB}")
     try:
@@ -110,14 +98,14 @@ def queue_length(prefix: str, queue: str = "q") -> int:
 
 
 def test_a_unique_key_is_pushed_with_the_check_in_the_publish(
-    prefix: str, sent: list[str], monkeypatch: pytest.MonkeyPatch
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = make_app(prefix)
     charge = make_task(app)
     reads = Reads(charge._gate.store, monkeypatch)
     result = charge.delay("o1", 100)
     assert not isinstance(result, CachedResult)
-    assert sent == [result.id]
+    assert published == [result.id]
     assert reads.keys == []  # no read of its own: the script read the record
     assert queue_length(prefix) == 1
     assert result.idempotency_key == charge.idempotency_key_for(("o1", 100), {})
@@ -125,7 +113,7 @@ def test_a_unique_key_is_pushed_with_the_check_in_the_publish(
 
 
 def test_a_done_key_is_answered_from_the_record_and_nothing_is_pushed(
-    prefix: str, sent: list[str], monkeypatch: pytest.MonkeyPatch
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = make_app(prefix)
     charge = make_task(app)
@@ -136,7 +124,7 @@ def test_a_done_key_is_answered_from_the_record_and_nothing_is_pushed(
     assert isinstance(answer, CachedResult)
     assert answer.get(timeout=5) == {"order": "o2", "cents": 100}
     assert answer.id == answer.original_task_id == run_id
-    assert sent == [] and queue_length(prefix) == 0
+    assert published == [] and queue_length(prefix) == 0
     assert reads.keys == []  # answered from the record the script handed back
     # The result subscription Celery made for the message that was not sent is gone.
     # (Celery subscribed when it began to send: see the next test for the contrast.)
@@ -153,7 +141,7 @@ def test_a_sent_message_keeps_its_result_subscription(prefix: str) -> None:
     app.close()
 
 
-def test_a_failed_key_is_answered_with_its_error(prefix: str, sent: list[str]) -> None:
+def test_a_failed_key_is_answered_with_its_error(prefix: str, published: list[str]) -> None:
     app = make_app(prefix)
     charge = make_task(app)
     key = charge.idempotency_key_for(("o3", 100), {})
@@ -162,18 +150,18 @@ def test_a_failed_key_is_answered_with_its_error(prefix: str, sent: list[str]) -
     assert isinstance(answer, CachedResult) and answer.state == "FAILURE"
     with pytest.raises(Exception, match="card declined"):
         answer.get(timeout=5)
-    assert sent == [] and queue_length(prefix) == 0
+    assert published == [] and queue_length(prefix) == 0
     app.close()
 
 
-def test_a_chosen_task_id_gets_the_answer_stored_under_it(prefix: str, sent: list[str]) -> None:
+def test_a_chosen_task_id_gets_the_answer_stored_under_it(prefix: str, published: list[str]) -> None:
     app = make_app(prefix)
     charge = make_task(app)
     key = charge.idempotency_key_for(("o4", 100), {})
     finish(charge, key, {"order": "o4", "cents": 100})
     answer = charge.apply_async(("o4", 100), task_id="chosen-o4")
     assert isinstance(answer, CachedResult) and answer.id == "chosen-o4"
-    assert sent == [] and queue_length(prefix) == 0
+    assert published == [] and queue_length(prefix) == 0
     # Anyone waiting on the chosen id hears the outcome (stored in the result backend).
     assert app.AsyncResult("chosen-o4").get(timeout=5) == {"order": "o4", "cents": 100}
     app.close()
@@ -206,7 +194,7 @@ def test_a_foreign_value_under_the_key_is_reported_and_nothing_is_pushed(prefix:
 
 
 def test_a_broker_on_another_database_reads_first(
-    prefix: str, sent: list[str], monkeypatch: pytest.MonkeyPatch
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = make_app(prefix, broker_db=DB + 1)
     charge = make_task(app)
@@ -290,7 +278,7 @@ def test_the_hook_is_on_the_channel_instance_only(prefix: str) -> None:
 
 
 def test_an_expiring_queue_gets_the_record_read_first(
-    prefix: str, sent: list[str], monkeypatch: pytest.MonkeyPatch
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kombu import Exchange, Queue
     from kombu.transport.redis import Channel
@@ -303,11 +291,11 @@ def test_an_expiring_queue_gets_the_record_read_first(
     finish(charge, key, "done")
     reads = Reads(charge._gate.store, monkeypatch)
     first = charge.delay("o13", 1)  # declares the queue (with its expiry) on the channel
-    assert not isinstance(first, CachedResult) and sent == [first.id]
+    assert not isinstance(first, CachedResult) and published == [first.id]
     # kombu pushes to an expiring queue in a pipeline of its own (LPUSH + PEXPIRE): the check
     # reads the record first there, then lets kombu push.
     assert reads.keys == [charge.idempotency_key_for(("o13", 1), {})]
     assert queue_length(prefix) == 1
     assert isinstance(charge.delay("o12", 1), CachedResult)
-    assert reads.keys[-1] == key and queue_length(prefix) == 1 and sent == [first.id]
+    assert reads.keys[-1] == key and queue_length(prefix) == 1 and published == [first.id]
     app.close()

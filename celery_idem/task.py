@@ -41,6 +41,7 @@ from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
 from .keys import bind_arguments, key_from_fields, payload_hash, select_fields, signature_of
 from .lease import current_lease
+from .records import Record
 from .results import ResultWriter, result_writer
 
 if TYPE_CHECKING:
@@ -436,6 +437,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         republish = bool(options.get("retries")) or REQUEUES_HEADER in headers
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
+
         def publish(prod: Any, sent_id: str | None) -> AsyncResult:
             return super(IdempotentTask, self).apply_async(
                 args, kwargs, task_id=sent_id, producer=prod, link=link,
@@ -464,7 +466,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     # Not sendable: a done key is still answered from the record (read first);
                     # any other raises the error naming the argument, below.
                     sent = None
-                if isinstance(sent, AsyncResult):
+                if sent is not None and not isinstance(sent, Record):
                     sent.idempotency_key = key
                     return sent
                 record = sent  # the key is done: nothing was sent (None: read it first)

@@ -59,10 +59,6 @@ __all__ = ["ResultWriter", "answer_task_id", "fire_full_barriers", "result_write
 
 logger = logging.getLogger("celery_idem")
 
-#: Connection settings that must be equal for the backend and the store to be one server,
-#: one database, one user (a script runs with the store's connection's permissions).
-_SAME_SERVER = ("host", "port", "db", "path", "username", "password")
-
 #: The backend methods between the tracer and the Redis write. A subclass that overrides one of
 #: them stores results its own way, so its results are left to Celery.
 _STORE_PATH = ("mark_as_done", "store_result", "_store_result", "_set_with_state", "set",
@@ -151,7 +147,7 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
     try:
         from celery.backends.redis import RedisBackend
 
-        from .stores.redis import RedisStore
+        from .stores.redis import RedisStore, same_server
     except ImportError:  # no redis-py: the backend is not Redis
         return None
     backend = task.backend
@@ -163,7 +159,7 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
     # Exact types for the fold: a subclass (Sentinel's backend, a cluster store) may write
     # elsewhere than the store's script can reach.
     folds = (cls is RedisBackend and type(store) is RedisStore
-             and _same_server(backend.client, store.client))
+             and same_server(backend.client, store.client))
     return ResultWriter(task, backend, folds)
 
 
@@ -248,11 +244,3 @@ def fire_full_barriers(waiters: list[Any]) -> None:
             # What barrier.__call__ does when the last result comes in, minus the count.
             waiter.ready = True
             waiter.p(*waiter.args, **waiter.kwargs)
-
-
-def _same_server(backend_client: Any, store_client: Any) -> bool:
-    b, s = backend_client.connection_pool, store_client.connection_pool
-    if b.connection_class is not s.connection_class:  # TLS on one side only, say
-        return False
-    bk, sk = b.connection_kwargs, s.connection_kwargs
-    return all(bk.get(name) == sk.get(name) for name in _SAME_SERVER)

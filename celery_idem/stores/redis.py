@@ -57,7 +57,7 @@ from .base import BackendWrite, DurabilityFinding, Store, new_claim_id
 from .redis_durability import DURABILITY_SETTINGS, config_get, durability_findings, text
 from .redis_wire import pack, wire_for
 
-__all__ = ["CLIENT_DEFAULTS", "RedisStore", "durability_findings", "store_options", "text"]
+__all__ = ["CLIENT_DEFAULTS", "RedisStore", "durability_findings", "same_server", "store_options", "text"]
 
 #: The first byte of every record (format version 1): neither UTF-8 text nor msgpack ever starts
 #: with it, so a foreign string under the prefix is told apart at once.
@@ -108,6 +108,31 @@ REPLY_MISSING = "missing"
 REPLY_REISSUED = "reissued"
 #: The claim statuses that took the key (the claim is to be given back if not replicated).
 _TAKEN = (ClaimStatus.CLAIMED.value.encode(), ClaimStatus.TAKEOVER.value.encode())
+
+
+#: Connection settings that must be equal for two clients to reach one server, one database,
+#: as one user (a script runs with its connection's permissions).
+_SAME_SERVER = ("host", "port", "db", "path", "username", "password")
+
+
+def same_server(a: Any, b: Any) -> bool:
+    """Whether redis-py clients ``a`` and ``b`` talk to the same server and database.
+
+    The connection classes are compared by kind (TLS, Unix socket, TCP): kombu's Redis
+    transport connects through a subclass of its own making.
+    """
+    pa, pb = a.connection_pool, b.connection_pool
+    if _connection_kind(pa.connection_class) != _connection_kind(pb.connection_class):
+        return False  # TLS on one side only, say
+    ka, kb = pa.connection_kwargs, pb.connection_kwargs
+    return all(ka.get(name) == kb.get(name) for name in _SAME_SERVER)
+
+
+def _connection_kind(connection_class: type) -> str:
+    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
+        if issubclass(connection_class, kind):
+            return kind.__name__
+    return "tcp"
 
 
 def _load(name: str) -> str:

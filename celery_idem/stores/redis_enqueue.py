@@ -32,7 +32,7 @@ from kombu.utils.json import dumps
 
 from ..exceptions import StoreUnavailable
 from ..records import Record, State
-from .redis import RedisStore
+from .redis import RedisStore, same_server
 
 __all__ = ["RecordFound", "RedisStore", "begin", "end", "fuse"]
 
@@ -41,8 +41,6 @@ _SHA = hashlib.sha1(_LUA.encode()).hexdigest()
 _CHECK = b"check"
 #: On a channel: whether it takes the hook, per store checked against it.
 _ATTR = "_celery_idem_stores"
-#: The connection settings that name one server and database (see results._same_server).
-_SAME = ("host", "port", "db", "path", "username", "password")
 
 
 class RecordFound(Exception):
@@ -97,23 +95,12 @@ def _compatible(channel: Any, store: Any) -> bool:
                ("_get_message_priority", "_q_for_pri", "conn_or_acquire")):
         return False
     try:
-        broker_pool = channel.client.connection_pool
+        broker = channel.client
     except Exception:  # a transport that builds its client its own way
         return False
-    store_pool = store.client.connection_pool
-    if type(broker_pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool) or \
-            _kind(broker_pool.connection_class) != _kind(store_pool.connection_class):
-        return False  # Sentinel's managed pool, or TLS on one side only
-    bk, sk = broker_pool.connection_kwargs, store_pool.connection_kwargs
-    return all(bk.get(name) == sk.get(name) for name in _SAME)
-
-
-def _kind(connection_class: type) -> str:
-    """TLS, Unix socket or TCP (kombu connects through a subclass of its own making)."""
-    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
-        if issubclass(connection_class, kind):
-            return kind.__name__
-    return "tcp"
+    if type(broker.connection_pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return False  # Sentinel's managed pool
+    return same_server(broker, store.client)
 
 
 def begin(store: RedisStore, key: str, header: str) -> Token[_Pending | None]:

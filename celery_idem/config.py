@@ -35,6 +35,7 @@ KNOWN_OPTIONS = frozenset(
         "idempotency_wait",
         "idempotency_record_timeout",
         "idempotency_check_on_enqueue",
+        "idempotency_fingerprint",
     }
 )
 
@@ -101,6 +102,7 @@ class IdempotencyConfig:
     wait: float
     record_timeout: float
     check_on_enqueue: bool = True
+    fingerprint: bool = True
 
 
 def _exception_tuple(name: str, value: Any) -> tuple[type[BaseException], ...]:
@@ -188,8 +190,18 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
             f"{owner}: set idempotency_fields or idempotency_key_func, not both"
         )
     operation = attrs.idempotency_operation or owner
-    if not isinstance(operation, str):
-        raise ImproperlyConfigured(f"{owner}: idempotency_operation must be a str")
+    if not isinstance(operation, str) or not operation or not operation.isprintable():
+        raise ImproperlyConfigured(
+            f"{owner}: idempotency_operation must be a non-empty str of printable characters, "
+            f"got {operation!r}"
+        )
+    if "@" in operation:
+        # "operation@scope" is how a scope shows in a key: an "@" in the operation would let
+        # one operation's unscoped keys be read as another's scoped ones.
+        raise ImproperlyConfigured(
+            f"{owner}: the operation {operation!r} contains '@', which separates the operation "
+            f"from the scope in a key; set idempotency_operation to a name without '@'"
+        )
     ttl = _positive("idempotency_ttl", attrs.idempotency_ttl)
     lease = _positive("idempotency_lease", attrs.idempotency_lease)
     if lease < MIN_LEASE:
@@ -222,6 +234,8 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         record_timeout=_positive("idempotency_record_timeout", attrs.idempotency_record_timeout),
         check_on_enqueue=_flag(owner, "idempotency_check_on_enqueue",
                                getattr(attrs, "idempotency_check_on_enqueue", True)),
+        fingerprint=_flag(owner, "idempotency_fingerprint",
+                          getattr(attrs, "idempotency_fingerprint", True)),
     )
 
 

@@ -161,7 +161,7 @@ def answer_from_record(
     task: Task, gate: Gate, writer: ResultWriter | None, key: str,
     args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
     task_id: str | None = None, options: Mapping[str, Any] | None = None, *,
-    arguments_hash: Callable[[], str], record: Record | None = None,
+    arguments_hash: Callable[[], str | None], record: Record | None = None,
 ) -> CachedResult | None:
     """The answer from the record for an enqueue of a done (or failed) key, or None: publish.
 
@@ -178,11 +178,14 @@ def answer_from_record(
         kwargs: The call's keyword arguments.
         task_id: The task id the caller chose, if any.
         options: The other ``apply_async`` options.
-        arguments_hash: Computes the call's payload hash (called only when validating).
+        arguments_hash: Computes the call's fingerprint, None when the key has none (called
+            only once a done or failed record is found).
         record: The key's record, when the caller has read it.
 
     Raises:
-        IdempotencyKeyMismatch: The task validates and the record was made with other arguments.
+        IdempotencyKeyMismatch: The call has a fingerprint (a per-call key, or
+            ``idempotency_validate``) and the record was made with other arguments, or has
+            none to compare.
     """
     rec = record
     if rec is None:
@@ -194,7 +197,9 @@ def answer_from_record(
             return None
     if rec is None or rec.state not in (State.DONE, State.FAILED):
         return None
-    if gate.config.validate and rec.payload_hash and arguments_hash() != rec.payload_hash:
+    expected = arguments_hash()
+    if expected is not None and rec.payload_hash != expected:
+        # A record without a fingerprint cannot show it is this action: refused as well.
         emit_answer(task, Outcome.MISMATCH, rec, task_id or rec.task_id)
         raise IdempotencyKeyMismatch(
             f"idempotency key {key!r} was first used with different arguments (task "

@@ -8,6 +8,7 @@ Every exception derives from one root, so ``except IdempotencyError`` catches th
     ├── LeaseLost
     ├── StoreUnavailable
     ├── CorruptRecord
+    ├── InvalidKey               (also a ValueError: a key, scope or key header refused)
     └── ImproperlyConfigured     (also a celery.exceptions.ImproperlyConfigured: see below)
 
 Each class calls ``super().__init__(message)`` so that ``str()`` and pickling work when Celery
@@ -38,6 +39,7 @@ __all__ = [
     "IdempotencyError",
     "IdempotencyKeyMismatch",
     "ImproperlyConfigured",
+    "InvalidKey",
     "LeaseLost",
     "StoreUnavailable",
     "TerminalError",
@@ -57,7 +59,12 @@ class TerminalError(IdempotencyError):
 
 
 class IdempotencyKeyMismatch(TerminalError):
-    """Raised when a key is reused with a different payload (``idempotency_validate=True``)."""
+    """Raised when a key is reused for another action.
+
+    A per-call key (``idempotency_key=``) passed again with other identifying arguments (its
+    record keeps their fingerprint), or a derived key with other arguments under
+    ``idempotency_validate=True``. Use a new key for a new action.
+    """
 
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
@@ -65,6 +72,15 @@ class IdempotencyKeyMismatch(TerminalError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
         return (type(self), (str(self), self.key))
+
+
+class InvalidKey(IdempotencyError, ValueError):
+    """Raised for a per-call key, a scope or a message's key header that cannot be used.
+
+    Not a str, empty, too long, or with control or format characters (a newline, an ANSI
+    escape, a bidirectional override). Nothing is published, claimed or stored under it.
+    A ``ValueError`` too, as the key checks raised before.
+    """
 
 
 class LeaseLost(IdempotencyError):

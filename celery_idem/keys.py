@@ -50,13 +50,22 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from .exceptions import InvalidKey
+
 __all__ = [
+    "InvalidKey",
+    "KeyParts",
     "bind_arguments",
+    "caller_key",
+    "check_scope",
+    "check_text",
     "canonical",
     "canonical_json",
     "idempotency_key",
     "key_from_fields",
+    "parse_key",
     "payload_hash",
+    "scoped",
     "signature_of",
 ]
 
@@ -367,3 +376,159 @@ def select_fields(
 
 
 KeyFunc = Callable[..., str]
+
+
+# -- the key's namespace --------------------------------------------------------------------------
+#
+# Every key a task stores has one shape:
+#
+#     key       = namespace ":" ident
+#     namespace = operation [ "@" scope ]
+#     ident     = 32 hex chars            a derived key (the fields, or idempotency_key_func)
+#               | "key=" caller key       a per-call key (apply_async(idempotency_key=...))
+#               | "key#" 32 hex chars     a per-call key too long to keep readable (its hash)
+#
+# So a caller's key can only ever name an action of the operation it is passed to, in the scope
+# it is passed with: ``refund.apply_async(..., idempotency_key="hr.get_salary:...")`` stores
+# ``refund:key=hr.get_salary:...``, never get_salary's record. Derived idents are hex digests and
+# per-call idents start with "key", which no digest does, so the two kinds never meet.
+
+#: Longest caller-supplied string: a per-call key, and a message's key header as a whole.
+MAX_CALLER_KEY = 200
+#: Longest stored key (without the store's prefix): the SQL stores' key column is 255 wide.
+MAX_KEY_LENGTH = 240
+#: Longest scope; scopes are names (a tenant, a principal), not payloads.
+MAX_SCOPE = 64
+#: Marks the ident of a per-call key, kept readable / hashed.
+CALLER_MARK = "key="
+CALLER_HASH_MARK = "key#"
+SCOPE_MARK = "@"
+
+_SCOPE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._~+=/-")
+_HEX = frozenset("0123456789abcdef")
+
+
+def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
+    """Return ``value`` when it is a usable caller-supplied key, else raise :class:`InvalidKey`.
+
+    A non-empty ``str`` of at most ``limit`` characters with no control or format characters
+    (no newline to forge a log line, no ANSI escape to reach an operator's terminal, no
+    bidirectional override to disguise one key as another, no lone surrogate that no store can
+    encode). ``what`` names the value in the error (``"idempotency_key"``).
+    """
+    if type(value) is not str:
+        raise InvalidKey(f"{what} must be a str, got {type(value).__name__} {_short(value)}")
+    if not value:
+        raise InvalidKey(f"{what} must not be empty")
+    if len(value) > limit:
+        raise InvalidKey(
+            f"{what} is {len(value)} characters; the limit is {limit} (hash long identities "
+            f"with celery_idem.idempotency_key)"
+        )
+    if not value.isprintable() and not _only_spaces_unprintable(value):
+        at, ch = next((i, c) for i, c in enumerate(value) if not c.isprintable() and c != " ")
+        raise InvalidKey(
+            f"{what} has the control or format character U+{ord(ch):04X} at position {at}; keys "
+            f"are printable text"
+        )
+    return value
+
+
+def _only_spaces_unprintable(value: str) -> bool:
+    # str.isprintable() is False for non-ASCII spaces (Zs) too; those are allowed (they are
+    # printable on a terminal). Only reached for a key that is not all printable.
+    import unicodedata
+
+    return all(c.isprintable() or unicodedata.category(c) == "Zs" for c in value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_scope(scope: Any) -> str:
+    """Return ``scope`` when it is a valid scope name, else raise :class:`InvalidKey`.
+
+    1 to 64 characters of ``A-Z a-z 0-9 . _ ~ + = / -``: a tenant id, a principal, an
+    account. Anything else (an e-mail address, a name with spaces) can be hashed into one with
+    :func:`idempotency_key` or mapped by the caller.
+    """
+    check_text("idempotency_scope", scope, MAX_SCOPE)
+    bad = next((c for c in scope if c not in _SCOPE_CHARS), None)
+    if bad is not None:
+        raise InvalidKey(
+            f"idempotency_scope {scope!r} has the character {bad!r}; a scope is 1 to {MAX_SCOPE} "
+            f"characters of A-Z a-z 0-9 . _ ~ + = / -"
+        )
+    return str(scope)
+
+
+def namespace(operation: str, scope: str | None = None) -> str:
+    """The namespace part of an operation's keys: ``operation`` or ``operation@scope``."""
+    return operation if scope is None else f"{operation}{SCOPE_MARK}{scope}"
+
+
+def scoped(key: str, operation: str, scope: str | None) -> str:
+    """Put a derived key (``operation:<hex>``) in ``scope``; unscoped keys are unchanged."""
+    if scope is None:
+        return key
+    return f"{operation}{SCOPE_MARK}{scope}{key[len(operation):]}"
+
+
+def caller_key(operation: str, key: Any, scope: str | None = None) -> str:
+    """The stored key of a per-call key ``key`` passed to ``operation`` (in ``scope``).
+
+    Raises:
+        InvalidKey: ``key`` is not a str, is empty, too long or has control characters, or
+            ``scope`` is not a valid scope.
+    """
+    check_text("idempotency_key", key)
+    if scope is not None:
+        check_scope(scope)
+    head = namespace(operation, scope)
+    full = f"{head}:{CALLER_MARK}{key}"
+    if len(full) > MAX_KEY_LENGTH:
+        # Still one action per caller key, only no longer readable in the store.
+        full = f"{head}:{CALLER_HASH_MARK}{_digest(key)}"
+    return full
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyParts:
+    """A stored key taken apart (:func:`parse_key`)."""
+
+    operation: str
+    scope: str | None
+    #: The caller's key of a per-call key (None for a derived one, or a hashed caller key).
+    caller: str | None
+    #: Whether the key was passed per call (``idempotency_key=``) rather than derived.
+    per_call: bool
+
+
+def parse_key(key: str, operation: str) -> KeyParts | None:
+    """Take apart ``key`` as a key of ``operation``; None when it is not one.
+
+    A key of another operation, a malformed scope or ident, or anything that
+    :func:`check_text` refuses (as a whole, up to :data:`MAX_KEY_LENGTH`) gives None.
+    """
+    if type(key) is not str or not key.startswith(operation):
+        return None
+    rest = key[len(operation):]
+    scope = None
+    if rest.startswith(SCOPE_MARK):
+        scope, sep, rest = rest[1:].partition(":")
+        if not sep or not scope or len(scope) > MAX_SCOPE or not _SCOPE_CHARS.issuperset(scope):
+            return None
+        rest = ":" + rest
+    if not rest.startswith(":"):
+        return None
+    ident = rest[1:]
+    if len(ident) == DIGEST_CHARS and _HEX.issuperset(ident):
+        return KeyParts(operation, scope, None, per_call=False)
+    if ident.startswith(CALLER_MARK) and len(ident) > len(CALLER_MARK):
+        return KeyParts(operation, scope, ident[len(CALLER_MARK):], per_call=True)
+    if ident.startswith(CALLER_HASH_MARK) and len(ident) == len(CALLER_HASH_MARK) + DIGEST_CHARS \
+            and _HEX.issuperset(ident[len(CALLER_HASH_MARK):]):
+        return KeyParts(operation, scope, None, per_call=True)
+    return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,9 +37,22 @@ from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
 from .delivery import REQUEUES_HEADER, deliver
 from .enqueue import CachedResult, EnqueueCheck, answer_from_record, restore_cached, unsendable
-from .exceptions import adopt_celery_base
+from .exceptions import InvalidKey, adopt_celery_base
 from .gate import Attempt, Gate
-from .keys import bind_arguments, key_from_fields, payload_hash, select_fields, signature_of
+from .keys import (
+    MAX_CALLER_KEY,
+    MAX_KEY_LENGTH,
+    bind_arguments,
+    caller_key,
+    check_scope,
+    check_text,
+    key_from_fields,
+    parse_key,
+    payload_hash,
+    scoped,
+    select_fields,
+    signature_of,
+)
 from .lease import current_lease
 from .records import Record
 from .results import ResultWriter, result_writer
@@ -61,8 +74,8 @@ _check_worker = check_worker
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
-#: Longest accepted key: it must fit the SQL store's key column with a prefix.
-MAX_KEY_LENGTH = 200
+#: The ``apply_async`` option that puts the call's key in a scope (a tenant, a principal).
+SCOPE_OPTION = "idempotency_scope"
 #: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
 #: field that marks a new-style errback's key. Not identifiers, so no parameter has these names.
 UNBOUND_ARGS = "*args"
@@ -203,22 +216,50 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # -- the key -------------------------------------------------------------------------------
 
     def idempotency_key_for(
-        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, *,
+        idempotency_key: str | None = None, idempotency_scope: str | None = None,
     ) -> str:
-        """Return the key a call with these arguments gets.
+        """Return the key a call with these arguments gets (as stored, without the prefix).
+
+        ``<operation>:<32 hex>`` for a key derived from the arguments, ``<operation>:key=<k>``
+        for a per-call ``idempotency_key``; with a scope, ``<operation>@<scope>:...``. So a
+        per-call key only ever names an action of this task's operation, in its scope.
 
         The arguments are keyed as Celery sends them (``pydantic=True`` models dumped), a call
         that does not bind is keyed by its raw arguments when the task has ``typing=False``,
         and a new-style errback call (the failed task's ``Context`` first) by the failed task's
         id: see ``docs/compat.md``.
 
+        Args:
+            args: The call's positional arguments.
+            kwargs: The call's keyword arguments.
+            idempotency_key: A per-call key, as passed to ``apply_async``.
+            idempotency_scope: A scope, as passed to ``apply_async``.
+
         Raises:
             TypeError: The arguments do not match the task's signature (and the task checks
                 them: ``typing``), or a value that is part of the key has no canonical form
                 (the message names the field).
+            InvalidKey: The per-call key or the scope is not usable (the message says why).
+        """
+        return self._identify(args, kwargs, idempotency_key, idempotency_scope)[0]
+
+    def _identify(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+        explicit: Any, scope: Any,
+    ) -> tuple[str, Callable[[], str | None]]:
+        """The call's key, and a function computing its fingerprint (None: not checked).
+
+        The arguments are bound once for both; the fingerprint is computed only when asked
+        (at enqueue, only once a record was found).
         """
         cfg = self.idempotency_config
         args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if scope is not None:
+            check_scope(scope)
+        if explicit is not None:
+            key = caller_key(cfg.operation, explicit, scope)
+            return key, functools.partial(self._fingerprint, args, kwargs, True)
         if cfg.key_func is not None:
             identity = cfg.key_func(*args, **kwargs)
             if not isinstance(identity, str) or not identity:
@@ -226,12 +267,64 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"{self.name}: idempotency_key_func returned {identity!r}; it must return a "
                     f"non-empty str"
                 )
-            return _check_key(self.name, key_from_fields(cfg.operation, {}, identity))
-        fields = self._fields(args, kwargs)
-        if _failed_request(args) is not None:
-            # Handling a failure is an action of its own, apart from any ordinary call.
-            fields[ERRBACK_FIELD] = True
-        return _check_key(self.name, key_from_fields(cfg.operation, fields))
+            key = key_from_fields(cfg.operation, {}, identity)
+            fingerprint: Callable[[], str | None] = functools.partial(
+                self._fingerprint, args, kwargs, False)
+        else:
+            bound = self._bound(args, kwargs)
+            fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
+            if _failed_request(args) is not None:
+                # Handling a failure is an action of its own, apart from any ordinary call.
+                fields[ERRBACK_FIELD] = True
+            key = key_from_fields(cfg.operation, fields)
+
+            def fingerprint() -> str | None:
+                return payload_hash(bound) if cfg.validate else None
+        return _check_key(self.name, scoped(key, cfg.operation, scope)), fingerprint
+
+    def _fingerprint(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], per_call: bool
+    ) -> str | None:
+        """The hash stored with the record and compared on every later use of its key.
+
+        A per-call key's covers the arguments that identify the action (``idempotency_fields``,
+        else all of them), so the same key with other identifying arguments is refused; with
+        ``idempotency_validate`` any key's covers the whole call. A derived key's fields are in
+        the key itself, so without ``idempotency_validate`` it has none.
+        """
+        cfg = self.idempotency_config
+        if cfg.validate:
+            return payload_hash(self._bound(args, kwargs))
+        if not (per_call and cfg.fingerprint):
+            return None
+        bound = self._bound(args, kwargs)
+        if UNBOUND_ARGS not in bound:
+            bound = select_fields(bound, cfg.fields)
+        return payload_hash(bound)
+
+    def _header_key(self, header: Any) -> tuple[str, bool]:
+        """The stored key of a message's key header, and whether it is a per-call key.
+
+        The header is the producer's word, and a message can be forged or written by another
+        program, so it is checked as ``apply_async`` checks a caller's key. A key of this task's
+        operation (``<operation>[@<scope>]:...``, as ``apply_async`` writes it) is used as it
+        is; anything else is a caller's key of this operation (``<operation>:key=<header>``),
+        so a header can never name another operation's record, and a producer in another
+        language may send its own key as the header.
+
+        Raises:
+            InvalidKey: The header is not a str, is empty, too long or has control characters;
+                nothing is claimed or stored under it.
+        """
+        what = f"{self.name}: the message's {HEADER} header"
+        check_text(what, header, MAX_KEY_LENGTH)
+        operation = self.idempotency_config.operation
+        parts = parse_key(header, operation)
+        if parts is not None:
+            return header, parts.per_call
+        if len(header) > MAX_CALLER_KEY:
+            check_text(what, header)  # raises: too long for a caller's key
+        return caller_key(operation, header), True
 
     def _key_arguments(
         self, args: Sequence[Any], kwargs: Mapping[str, Any]
@@ -275,12 +368,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Whether Celery checks a call's arguments before sending it (``typing``)."""
         typing = self.typing if self.typing is not None else self.app.strict_typing
         return bool(typing)
-
-    def _fields(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        bound = self._bound(args, kwargs)
-        if UNBOUND_ARGS in bound:
-            return bound  # a call that does not bind has no named fields to select
-        return select_fields(bound, self.idempotency_config.fields)
 
     @property
     def idempotency_key(self) -> str | None:
@@ -423,12 +510,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ValueError: The per-call key is empty or too long.
         """
         explicit = options.pop(HEADER, None)
+        scope = options.pop(SCOPE_OPTION, None)
         headers = dict(options.pop("headers", None) or {})
-        key = explicit if explicit is not None else headers.get(HEADER)
-        if key is None:
-            key = self.idempotency_key_for(args, kwargs)
+        header = headers.get(HEADER) if explicit is None else None
+        if header is not None:
+            # A publish that carries the key already (a retry, a re-queue, a canvas step made
+            # from a request): it must be a key of this task, as the worker checks.
+            key, per_call = self._header_key(header)
+            fingerprint: Callable[[], str | None] = functools.partial(
+                self._fingerprint, tuple(args or ()), dict(kwargs or {}), per_call)
         else:
-            _check_key(self.name, key)
+            key, fingerprint = self._identify(args, kwargs, explicit, scope)
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.
@@ -472,7 +564,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 record = sent  # the key is done: nothing was sent (None: read it first)
             cached = answer_from_record(
                 self, self._gate, self._result_writer, key, args, kwargs, task_id, options,
-                arguments_hash=lambda: payload_hash(self._bound(args or (), kwargs or {})),
+                arguments_hash=fingerprint,
                 record=record,
             )
             if record is None:
@@ -502,14 +594,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
         started = time.monotonic()
         self._check_call(args, kwargs)
         req = self.request
-        key = (req.headers or {}).get(HEADER) or self.idempotency_key_for(args, kwargs)
-        cfg = self.idempotency_config
+        header = (req.headers or {}).get(HEADER)
+        if header is None:
+            # send_task by name, another language's producer, Task.apply(): derive it here.
+            key, fingerprint = self._identify(args, kwargs, None, None)
+            digest = fingerprint()
+        else:
+            key, per_call = self._header_key(header)
+            digest = self._fingerprint(args, kwargs, per_call)
         attempt = Attempt(
             key=key,
             task_id=req.id or "",
             attempt=req.retries or 0,
             owner=owner_id(),
-            payload_hash=payload_hash(self._bound(args, kwargs)) if cfg.validate else None,
+            payload_hash=digest,
         )
         req.idempotency_key_ = key
         call_body = super().__call__
@@ -600,12 +698,11 @@ def _failed_request(args: Sequence[Any]) -> Context | None:
     return first if isinstance(first, Context) else None
 
 
-def _check_key(task: str, key: Any) -> str:
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"{task}: idempotency_key must be a non-empty str, got {key!r}")
+def _check_key(task: str, key: str) -> str:
+    """A derived key as long as its operation makes it must still fit the stores' column."""
     if len(key) > MAX_KEY_LENGTH:
-        raise ValueError(
-            f"{task}: idempotency_key is {len(key)} characters; the limit is {MAX_KEY_LENGTH} "
-            f"(hash long identities with celery_idem.idempotency_key)"
+        raise InvalidKey(
+            f"{task}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
+            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
         )
     return key

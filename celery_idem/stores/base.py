@@ -153,7 +153,8 @@ class Store(abc.ABC):
 
         1. absent or RELEASED: write IN_PROGRESS with token = :func:`next_token` of the previous
            token (if any) and the store clock, and a new claim id -> CLAIMED;
-        2. ``payload_hash`` given, a hash is stored and they differ -> MISMATCH;
+        2. ``payload_hash`` given and the record stores another hash, or none -> MISMATCH (a
+           record without a hash cannot show it is the same action);
         3. DONE -> DONE; FAILED -> FAILED (with the record, so the caller can answer);
         4. IN_PROGRESS whose lease has expired, or whose holder is an earlier attempt of the
            same ``task_id`` (``attempt`` is higher: Celery published a retry) -> write
@@ -167,7 +168,8 @@ class Store(abc.ABC):
             attempt: The claiming request's ``retries``.
             lease: Seconds the claim lives without a renewal.
             ttl: Seconds the record lives in the store (the in-progress record included).
-            payload_hash: Hash of the full arguments, or None to skip validation.
+            payload_hash: The call's fingerprint (a per-call key's identifying arguments, or
+                all of them under ``idempotency_validate``), or None to skip validation.
 
         Returns:
             The decision, the token (and, when the caller holds the key, its claim id) and the

@@ -83,7 +83,7 @@ class MemoryStore(Store):
 
             if rec is None or rec.state is State.RELEASED:
                 return take(ClaimStatus.CLAIMED)
-            if payload_hash and rec.payload_hash and rec.payload_hash != payload_hash:
+            if payload_hash and rec.payload_hash != payload_hash:
                 return Claim(ClaimStatus.MISMATCH, rec.token, rec, now)
             if rec.state is State.DONE:
                 return Claim(ClaimStatus.DONE, rec.token, rec, now)

@@ -247,9 +247,15 @@ def test_a_payload_hash_mismatch_is_reported_before_done(store: Store) -> None:
     assert claim(store, who="b", payload_hash="aaa").status is ClaimStatus.DONE
 
 
-def test_a_record_without_a_payload_hash_matches_any_hash(store: Store) -> None:
+def test_a_validating_claim_refuses_a_record_without_a_payload_hash(store: Store) -> None:
+    # A record made without a hash cannot show it is the caller's action (issue 25).
     claim(store)
-    assert claim(store, who="b", payload_hash="bbb").status is ClaimStatus.BUSY
+    assert claim(store, who="b", payload_hash="bbb").status is ClaimStatus.MISMATCH
+    assert claim(store, who="b").status is ClaimStatus.BUSY  # a caller that does not validate
+    # A released tombstone is no action: the validating claim takes it.
+    released = claim(store, "k2")
+    store.release("k2", released.token, claim_id=released.claim_id)
+    assert claim(store, "k2", payload_hash="bbb").status is ClaimStatus.CLAIMED
 
 
 def test_keys_differing_only_in_case_are_different_keys(store: Store) -> None:

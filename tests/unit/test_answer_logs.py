@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from celery_idem.keys import payload_hash
 from celery_idem import IdempotencyKeyMismatch, IdempotentTask
 
 SECRET = "SECRET-NOTE-7f3a"
@@ -128,7 +129,10 @@ def test_an_answered_enqueue_sends_an_event_only_when_the_producer_sends_events(
     charge = make_task(app)
     store = charge._gate.store
     key = charge.idempotency_key_for(("ord_5",))
-    token = store.claim(key, owner="w:1", task_id="t-orig", attempt=0, lease=60, ttl=60).token
+    # (the task validates: its record keeps the whole call's hash, as a worker's claim would)
+    digest = payload_hash({"order_id": "ord_5", "note": ""})
+    token = store.claim(key, owner="w:1", task_id="t-orig", attempt=0, lease=60, ttl=60,
+                        payload_hash=digest).token
     ctype, data = charge._gate.codec.encode_result("charged ord_5")
     from celery_idem.records import State
 

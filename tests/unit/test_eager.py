@@ -144,23 +144,112 @@ def test_outside_a_body_the_key_and_token_are_none(app: Celery, ledger: Ledger) 
     assert charge.idempotency_token is None
 
 
-def test_a_per_call_key_is_used_verbatim_and_beats_the_tasks_key_rules(
+def test_a_per_call_key_beats_the_tasks_key_rules_within_the_tasks_namespace(
     app: Celery, ledger: Ledger
 ) -> None:
     charge = make_charge(app, ledger)
 
     r1 = charge.apply_async(("ord_1", 100), idempotency_key="refund-2026-0001")
-    r2 = charge.apply_async(("ord_2", 999), idempotency_key="refund-2026-0001")
+    r2 = charge.apply_async(("ord_1", 100), idempotency_key="refund-2026-0001")
     r3 = charge.apply_async(("ord_1", 100))  # the derived key is another action
 
+    stored = f"{charge.name}:key=refund-2026-0001"
     assert [run["key"] for run in ledger.runs] == [
-        "refund-2026-0001",
-        idempotency_key(charge.name, order_id="ord_1", amount_cents=100, note=""),
+        stored, idempotency_key(charge.name, order_id="ord_1", amount_cents=100, note=""),
     ]
+    assert r1.idempotency_key == stored
     assert isinstance(r2, CachedResult) and r2.id == r1.id
     assert r2.get() == r1.get() == {"charged": "ord_1", "amount_cents": 100, "run": 1}
     assert r3.get()["run"] == 2
-    assert get_store(app).get("refund-2026-0001") is not None
+    assert get_store(app).get(stored) is not None
+    assert get_store(app).get("refund-2026-0001") is None
+
+
+def test_a_per_call_key_reused_with_other_arguments_is_refused(
+    app: Celery, ledger: Ledger
+) -> None:
+    # Given a per-call key used once (the default: its record keeps the call's fingerprint)
+    charge = make_charge(app, ledger)
+    charge.apply_async(("ord-1001", 5000), idempotency_key="k-1")
+    # When the same key comes with another action, Then it is refused, nothing runs
+    with pytest.raises(celery_idem.IdempotencyKeyMismatch, match="use a new key"):
+        charge.apply_async(("ord-9999", 1), idempotency_key="k-1")
+    assert len(ledger) == 1
+
+
+def test_the_fingerprint_covers_only_the_identifying_fields(
+    app: Celery, ledger: Ledger
+) -> None:
+    charge = make_charge(app, ledger, idempotency_fields=("order_id", "amount_cents"))
+    r1 = charge.apply_async(("ord_1", 100), idempotency_key="k-1")
+    # A retry that only rewords the note is the same action
+    r2 = charge.apply_async(("ord_1", 100, "retry by the agent"), idempotency_key="k-1")
+    assert r2.get() == r1.get() and len(ledger) == 1
+    with pytest.raises(celery_idem.IdempotencyKeyMismatch):
+        charge.apply_async(("ord_1", 101), idempotency_key="k-1")
+
+
+def test_fingerprint_off_answers_a_reused_per_call_key_from_its_record(
+    app: Celery, ledger: Ledger
+) -> None:
+    charge = make_charge(app, ledger, idempotency_fingerprint=False)
+    r1 = charge.apply_async(("ord_1", 100), idempotency_key="k-1")
+    r2 = charge.apply_async(("ord_2", 999), idempotency_key="k-1")
+    assert r2.get() == r1.get() and len(ledger) == 1
+
+
+def test_a_per_call_key_never_answers_another_operation(app: Celery, ledger: Ledger) -> None:
+    charge = make_charge(app, ledger)
+
+    @app.task(base=IdempotentTask, shared=False)
+    def salary(employee: str) -> dict[str, Any]:
+        return {"employee": employee, "salary": 123_456, "ssn": "078-05-1120"}
+
+    taken = salary.delay("e-1")
+    # The other task's full key, passed as a per-call key: a new action of charge
+    out = charge.apply_async(("ord_1", 100), idempotency_key=taken.idempotency_key)
+    assert out.get() == {"charged": "ord_1", "amount_cents": 100, "run": 1}
+    assert out.idempotency_key == f"{charge.name}:key={taken.idempotency_key}"
+    # and a forged header with it is a caller's key of charge too
+    same = charge.apply_async(("ord_1", 100), headers={"idempotency_key": taken.idempotency_key})
+    assert same.idempotency_key == out.idempotency_key and same.get() == out.get()
+    with pytest.raises(celery_idem.IdempotencyKeyMismatch):
+        charge.apply_async(("ord_2", 100), headers={"idempotency_key": taken.idempotency_key})
+
+
+def test_the_same_key_in_two_scopes_is_two_actions(app: Celery, ledger: Ledger) -> None:
+    charge = make_charge(app, ledger)
+    a = charge.apply_async(("ord_1", 100), idempotency_key="order-1", idempotency_scope="t-a")
+    b = charge.apply_async(("ord_1", 100), idempotency_key="order-1", idempotency_scope="t-b")
+    derived_a = charge.apply_async(("ord_1", 100), idempotency_scope="t-a")
+    derived = charge.apply_async(("ord_1", 100))
+    assert len(ledger) == 4
+    assert a.idempotency_key == f"{charge.name}@t-a:key=order-1"
+    assert b.idempotency_key == f"{charge.name}@t-b:key=order-1"
+    assert derived_a.idempotency_key == derived.idempotency_key.replace(
+        charge.name, f"{charge.name}@t-a", 1)
+    again = charge.apply_async(("ord_1", 100), idempotency_key="order-1", idempotency_scope="t-a")
+    assert isinstance(again, CachedResult) and again.id == a.id and len(ledger) == 4
+
+
+@pytest.mark.parametrize("scope", ["", "a b", "t:1", "t@1", "x" * 65, 7, "t\n"])
+def test_an_invalid_scope_is_refused_and_nothing_runs(
+    app: Celery, ledger: Ledger, scope: Any
+) -> None:
+    charge = make_charge(app, ledger)
+    with pytest.raises(celery_idem.InvalidKey, match="idempotency_scope"):
+        charge.apply_async(("ord_1", 100), idempotency_scope=scope)
+    assert len(ledger) == 0
+
+
+@pytest.mark.parametrize("key", ["a\nb", "\x1b[31mred", "a\u202eb", "\ud800"])
+def test_a_per_call_key_with_control_characters_is_refused(
+    app: Celery, ledger: Ledger, key: str
+) -> None:
+    charge = make_charge(app, ledger)
+    with pytest.raises(celery_idem.InvalidKey, match="U\\+"):
+        charge.apply_async(("ord_1", 100), idempotency_key=key)
+    assert len(ledger) == 0 and list(get_store(app).scan()) == []
 
 
 @pytest.mark.parametrize("key", ["", "x" * 201, 42])

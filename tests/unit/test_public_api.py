@@ -14,6 +14,7 @@ EXPECTED_ALL = [
     "IdempotencyKeyMismatch",
     "IdempotentTask",
     "ImproperlyConfigured",
+    "InvalidKey",
     "LeaseLost",
     "StoreUnavailable",
     "TerminalError",

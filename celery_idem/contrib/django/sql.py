@@ -54,9 +54,8 @@ def status_sql(q: Any, row: str, now: str, now_params: Sequence[Any], *, payload
         return f"{row}.{q(name)}"
 
     if payload_hash:
-        # Like every store: an empty hash on either side means "not validated".
-        mismatch = (f"({c('payload_hash')} IS NOT NULL AND {c('payload_hash')} <> '' AND "
-                    f"{c('payload_hash')} <> %s)")
+        # Like every store: a validating caller refuses a record with another hash or none.
+        mismatch = f"({c('payload_hash')} IS NULL OR {c('payload_hash')} <> %s)"
         hash_params: list[Any] = [payload_hash]
     else:
         mismatch, hash_params = "(1 = 0)", []

@@ -58,11 +58,11 @@ class ClaimPredicates:
         return cls(
             is_absent_or_expired=sa.or_(c.key.is_(None), c.expires <= now),
             is_released=c.state == State.RELEASED.value,
-            # Like the memory store: an empty hash on either side means "not validated".
+            # Like the memory store: a validating caller (a hash given) refuses a record with
+            # another hash or with none (it cannot show it is the same action).
             is_payload_mismatch=(
-                sa.and_(
-                    c.payload_hash.is_not(None),
-                    c.payload_hash != "",
+                sa.or_(
+                    c.payload_hash.is_(None),
                     c.payload_hash != payload_hash,
                 )
                 if isinstance(payload_hash, sa.BindParameter) or payload_hash

@@ -89,6 +89,23 @@ def validated(self, order_id, amount_cents):
     return amount_cents
 
 
+@app.task(base=IdempotentTask, bind=True)
+def get_salary(self, employee):
+    """Another operation's record, with data a refund's caller must never read."""
+    effect(f"salary:{employee}")
+    return {"employee": employee, "salary": 123_456, "ssn": "078-05-1120"}
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id", "amount_cents"))
+def refund(self, order_id, amount_cents, note="", hold=0.0):
+    """A refund keyed per call by its callers (agents), as issue 25 tried it."""
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and not flag(f"release:{order_id}"):
+        time.sleep(0.02)
+    effect(f"refund:{order_id}", self.request.id)
+    return {"refunded": order_id, "amount_cents": amount_cents, "key": self.idempotency_key}
+
+
 @app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",))
 def add_step(self, total, order_id):
     """A canvas step: adds one to ``total``."""

@@ -131,6 +131,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_terminal_on: ClassVar[Any] = DEFAULT_TERMINAL_ON
     #: Store a hash of the full arguments and refuse the key with other arguments.
     idempotency_validate: ClassVar[bool] = False
+    #: A per-call key's record keeps a hash of the arguments that identify the action (the
+    #: fields, else all of them), and the same key with other identifying arguments is refused
+    #: with ``IdempotencyKeyMismatch``. False answers such a reuse from the first record.
+    idempotency_fingerprint: ClassVar[bool] = True
     #: Seconds a duplicate waits for a key in progress before re-queueing itself (re-queues
     #: do not count against ``max_retries``). A time limit can cut it shorter: see
     #: ``celery_idem.timelimits``.

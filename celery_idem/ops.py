@@ -9,13 +9,29 @@ who asked (``by``), whichever interface it was.
 Errors are :class:`Refused` with a machine-readable ``reason``; an interface maps it to its own
 way of saying no (the CLI's exit codes: ``not_found`` 1, ``wrong_state`` 2, ``token_mismatch``
 and ``changed`` 3).
+
+Who asked is an :class:`Operator`: the interface (``by``), the OS user and host (the CLI) or the
+admin user, and the operator's ``reason``. Every change is logged with all of them at WARNING
+(:func:`audit`) and, when the app sends events, sent as an ``idem-operator`` Celery event
+(:func:`send_operator_event`).
+
+Stored strings (keys, owners, task ids, error text) are whatever was written to the store, by
+celery_idem or by anyone else with access to it: every interface shows them through
+:func:`printable` or :func:`shown`, so a control character never reaches a terminal or a log
+line as itself. Stored results are decoded only on request (:func:`outcome` with
+``decode=True``): decoding runs the app's serializer, and with pickle that runs code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import json
 import logging
+import os
+import socket
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any, Final
 
 from .codec import ERROR_CONTENT_TYPE, KombuCodec
@@ -23,12 +39,170 @@ from .exceptions import CorruptRecord, LeaseLost
 from .records import Record, State
 from .stores.base import Store
 
-__all__ = ["Refused", "forget_outcome", "outcome", "release_claim"]
+__all__ = ["OPERATOR_EVENT_TYPE", "Operator", "Refused", "audit", "forget_outcome", "outcome",
+           "printable", "release_claim", "send_operator_event", "shown"]
 
 logger = logging.getLogger("celery_idem")
 
 #: The longest one-line summary of a result.
 SUMMARY_LENGTH: Final = 200
+#: The longest ``reason`` kept (log line and event); longer ones are cut.
+REASON_LENGTH: Final = 500
+#: The Celery event type of an operator's change (release, forget, purge).
+OPERATOR_EVENT_TYPE: Final = "idem-operator"
+
+#: How characters that are not printable are written (the rest: ``\\xHH``, ``\\uHHHH``).
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _NAMED:
+        return _NAMED[ch]
+    code = ord(ch)
+    # \xHH only below 0x80: in a shell's $'...' it is a byte, so U+0085 must be \u0085.
+    if code < 0x80:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def printable(text: Any) -> str:
+    """``text`` (made a str) with every character that is not printable written as an escape.
+
+    Control characters (newline, ESC of an ANSI sequence, DEL), format characters (the
+    bidirectional overrides such as U+202E), line and paragraph separators and non-ASCII spaces
+    become ``\\n``, ``\\x1b``, ``\\u202e``...: a stored string can neither start a forged log line
+    nor recolour, move or reorder what a terminal shows. For prose (messages, log lines); a value
+    an operator may paste back into a command goes through :func:`shown`.
+    """
+    string = str(text)
+    if string.isprintable():  # the common case: one C-level scan, no copy
+        return string
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in string)
+
+
+def shown(text: Any) -> str:
+    """``text`` as an operator should see it: as it is, or quoted as a shell's ``$'...'``.
+
+    Printable text without a backslash is shown as it is. Anything else is written as bash's
+    ANSI-C quoting, ``$'op:key=a\\x1b[31m'``, with the backslash and the quote escaped too: the
+    output is unambiguous (shown text never holds a backslash escape unless it is quoted) and
+    pasting it into a shell gives back the exact stored string.
+    """
+    string = str(text)
+    if string.isprintable() and "\\" not in string and not string.startswith("$'"):
+        return string
+    body = "".join(
+        "\\\\" if ch == "\\" else "\\'" if ch == "'" else ch if ch.isprintable() else _escape(ch)
+        for ch in string
+    )
+    return f"$'{body}'"
+
+
+@dataclass(frozen=True)
+class Operator:
+    """Who changes records, for the log line and the event.
+
+    Attributes:
+        by: The interface (``cli``, ``admin:alice``).
+        user: The OS user (the CLI) or the admin's user name.
+        host: The host the change was made from.
+        reason: Why, as the operator said it (``--reason``); None when not given.
+    """
+
+    by: str
+    user: str
+    host: str
+    reason: str | None = None
+
+    @classmethod
+    def here(cls, by: str, reason: str | None = None, user: str | None = None) -> Operator:
+        """The operator of this process: ``user`` (default: the OS user) on this host."""
+        return cls(by=by, user=user if user is not None else _os_user(), host=_host(),
+                   reason=_clean_reason(reason))
+
+    def fields(self) -> dict[str, Any]:
+        """The operator as event fields and log ``extra``."""
+        return {"by": self.by, "user": self.user, "host": self.host, "reason": self.reason}
+
+
+def _os_user() -> str:
+    # getpass.getuser() reads LOGNAME/USER/... then the password database; in a container
+    # with an unnamed uid it raises (OSError, KeyError): the uid is still worth logging.
+    try:
+        return getpass.getuser()
+    except Exception:  # any failure: fall back; the change must not fail on it
+        uid = getattr(os, "getuid", None)
+        return f"uid:{uid()}" if uid is not None else "unknown"
+
+
+def _host() -> str:
+    try:
+        return socket.gethostname() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _clean_reason(reason: str | None) -> str | None:
+    if reason is None:
+        return None
+    reason = reason.strip()
+    if not reason:
+        return None
+    return reason if len(reason) <= REASON_LENGTH else reason[: REASON_LENGTH - 1] + "…"
+
+
+def audit(verb: str, operator: Operator, **fields: Any) -> None:
+    """Log one operator change at WARNING: the verb, what it touched, who, from where and why.
+
+    One line of ``name=value`` pairs, every value through :func:`printable` (a key or reason
+    with a newline cannot forge a second line), the same values in the record's
+    ``idem_operator`` attribute for structured log handlers.
+
+    Args:
+        verb: What was done (``released``, ``forgotten``, ``purged``).
+        operator: Who did it.
+        fields: What it touched (``key``, ``token``, ``deleted``...), in the order to log them.
+    """
+    pairs = {**fields, **operator.fields()}
+    line = " ".join(f"{name}={printable('-' if value is None else value)}"
+                    for name, value in pairs.items())
+    logger.warning("celery_idem %s %s", verb, line,
+                   extra={"idem_operator": {"verb": verb, **pairs}})
+
+
+def send_operator_event(app: Any, verb: str, operator: Operator, **fields: Any) -> str | None:
+    """Send an ``idem-operator`` Celery event, when the app sends celery_idem's events.
+
+    Sent when ``idempotency_events`` or ``worker_send_task_events`` is on (the settings a
+    producer can see; a worker's ``-E`` is not visible from here). The broker connection is
+    tried once (``broker_connection_timeout``), so a broker that is down costs one timeout, not
+    Celery's retry loop; the change is already made and stays made.
+
+    Args:
+        app: The Celery app.
+        verb: ``released``, ``forgotten`` or ``purged``.
+        operator: Who did it.
+        fields: What it touched, as in :func:`audit`.
+
+    Returns:
+        None when the event was sent or events are off; otherwise why it was not sent.
+    """
+    conf = app.conf
+    if not (conf.get("idempotency_events") or conf.get("worker_send_task_events")):
+        return None
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+            dispatcher = app.events.Dispatcher(conn, enabled=True, buffer_while_offline=False)
+            try:
+                dispatcher.send(OPERATOR_EVENT_TYPE, verb=verb, **fields, **operator.fields())
+            finally:
+                with contextlib.suppress(Exception):
+                    dispatcher.close()
+    except Exception as exc:  # monitoring never undoes or fails the change
+        logger.debug("celery_idem operator event not sent verb=%s: %s", verb, exc)
+        return f"{type(exc).__name__}: {printable(exc)}"
+    return None
 
 
 class Refused(Exception):
@@ -60,7 +234,7 @@ def _read(store: Store, key: str, seen_token: int | None, verb: str) -> Record:
     return rec
 
 
-def release_claim(store: Store, key: str, seen_token: int | None, *, by: str) -> Record:
+def release_claim(store: Store, key: str, seen_token: int | None, *, by: str | Operator) -> Record:
     """Give back the in-progress claim of ``key``, fenced on the token the operator saw.
 
     Args:
@@ -68,7 +242,8 @@ def release_claim(store: Store, key: str, seen_token: int | None, *, by: str) ->
         key: The key as ``store`` names it.
         seen_token: The token shown to the operator; None releases whatever claim is there
             (still fenced by the token and claim id read here).
-        by: Who asked, for the log (``cli``, ``admin:alice``).
+        by: Who asked, for the log: an :class:`Operator`, or just the interface (``cli``,
+            ``admin:alice``) for an operator of this process without a reason.
 
     Returns:
         The record that was released (as it was before).
@@ -89,15 +264,16 @@ def release_claim(store: Store, key: str, seen_token: int | None, *, by: str) ->
             store.release(key, rec.token)
     except LeaseLost as exc:
         raise Refused("changed", f"{key!r} changed meanwhile; nothing was released ({exc})", rec) from exc
-    logger.warning("celery_idem released key=%s token=%s task_id=%s owner=%s by=%s",
-                   key, rec.token, rec.task_id, rec.owner, by)
+    audit("released", _operator(by), key=key, token=rec.token, task_id=rec.task_id,
+          owner=rec.owner)
     return rec
 
 
-def forget_outcome(store: Store, key: str, seen_token: int | None, *, by: str) -> Record:
+def forget_outcome(store: Store, key: str, seen_token: int | None, *, by: str | Operator) -> Record:
     """Forget the done or failed outcome of ``key``, fenced on the token the operator saw.
 
-    The next attempt of the action runs the body again (with the next token).
+    The next attempt of the action runs the body again (with the next token). Arguments as
+    :func:`release_claim`'s.
 
     Returns:
         The record that was forgotten (as it was before).
@@ -114,24 +290,38 @@ def forget_outcome(store: Store, key: str, seen_token: int | None, *, by: str) -
         store.forget(key, rec.token)
     except LeaseLost as exc:
         raise Refused("changed", f"{key!r} changed meanwhile; nothing was forgotten ({exc})", rec) from exc
-    logger.warning("celery_idem forgotten key=%s token=%s original_task_id=%s state=%s by=%s",
-                   key, rec.token, rec.task_id, rec.state.value, by)
+    audit("forgotten", _operator(by), key=key, token=rec.token, original_task_id=rec.task_id,
+          state=rec.state.value)
     return rec
 
 
-def outcome(rec: Record, serializer: str = "json",
-            accept: Collection[str] | None = None) -> tuple[dict[str, Any], str]:
-    """The recorded result or error of ``rec``, decoded: as a JSON-able dict and one line.
+def _operator(by: str | Operator) -> Operator:
+    return by if isinstance(by, Operator) else Operator.here(by)
+
+
+def outcome(rec: Record, serializer: str = "json", accept: Collection[str] | None = None, *,
+            decode: bool = False) -> tuple[dict[str, Any], str]:
+    """The recorded result or error of ``rec``: as a JSON-able dict, and one printable line.
+
+    A failed record's error is celery_idem's own JSON (module, type, message), read with the
+    standard library's ``json``, which runs no code: it is always shown. A done record's result
+    is shown only with ``decode=True``: decoding runs the app's serializer on bytes anyone with
+    write access to the store could have put there, and with pickle in ``accept`` that is code
+    execution. Without it the dict has the content type and size of the stored value
+    (``decoded: False``).
 
     Args:
         rec: The record.
         serializer: The app's ``result_serializer``.
         accept: The app's ``result_accept_content`` (else ``accept_content``).
+        decode: Decode a done record's result with ``serializer``/``accept``.
 
     Returns:
-        ``({"result": ...}, summary)`` for a done record, ``({"error": {"type", "message"}},
-        summary)`` for a failed one, ``({}, "-")`` otherwise. A value that cannot be decoded
-        gives ``result_error`` instead of raising.
+        ``({"error": {"type", "message"}}, summary)`` for a failed record, ``({"content_type",
+        "result_bytes", "decoded": False}, summary)`` for a done one, plus ``result`` (or
+        ``result_error`` when it cannot be decoded or is not accepted) with ``decode=True``;
+        ``({}, "-")`` otherwise. The summary is cut at :data:`SUMMARY_LENGTH` and escaped with
+        :func:`printable`; the dict holds the values as stored.
     """
     data = rec.data or b""
     ctype = rec.content_type or ""
@@ -140,22 +330,28 @@ def outcome(rec: Record, serializer: str = "json",
             try:
                 err = json.loads(data)
                 error = {"type": f"{err['module']}.{err['type']}", "message": err["message"]}
-                return {"error": error}, f"{err['type']}: {err['message']}"
+                return {"error": error}, _summary(f"{err['type']}: {err['message']}")
             except (ValueError, TypeError, KeyError):
                 pass
-        return {"error": None}, f"<{len(data)} bytes of {ctype or 'unknown type'}, not readable>"
+        return {"error": None}, f"<{len(data)} bytes of {printable(ctype or 'unknown type')}, not readable>"
     if rec.state is not State.DONE:
         return {}, "-"
+    meta: dict[str, Any] = {"content_type": ctype, "result_bytes": len(data), "decoded": decode}
+    if not decode:
+        return meta, f"<{len(data)} bytes of {printable(ctype or 'unknown type')}, not decoded>"
     codec = KombuCodec(serializer, accept)
     try:
         value = codec.decode_result(rec.key, ctype, data)
     except CorruptRecord as exc:
-        return {"result": None, "result_error": str(exc)}, f"<not decoded: {exc}>"
-    text = repr(value)
-    if len(text) > SUMMARY_LENGTH:
-        text = text[: SUMMARY_LENGTH - 1] + "…"
+        return {**meta, "result": None, "result_error": str(exc)}, _summary(f"<not decoded: {exc}>")
+    text = _summary(repr(value))
     try:
         json.dumps(value)
     except (TypeError, ValueError):
         value = repr(value)
-    return {"result": value, "content_type": ctype, "result_bytes": len(data)}, text
+    return {**meta, "result": value}, text
+
+
+def _summary(text: str) -> str:
+    text = printable(text)
+    return text if len(text) <= SUMMARY_LENGTH else text[: SUMMARY_LENGTH - 1] + "…"

@@ -3,16 +3,23 @@
 Registered as a Celery sub-command through the ``celery.commands`` entry point. It uses the
 app's own store (``idempotency_store``, else ``result_backend``) and key prefix::
 
-    celery -A proj idem show KEY              one record: state, token, owner, lease, result
+    celery -A proj idem show KEY [--decode]   one record: state, token, owner, lease, result size
     celery -A proj idem list [--state S] [--task NAME] [--limit N]
     celery -A proj idem stats [--task NAME] [--events S]   records per state (and live decisions)
-    celery -A proj idem purge [--batch N] [--max-seconds S]   delete expired records (SQL)
-    celery -A proj idem release KEY [--token N] [--yes]
-    celery -A proj idem forget KEY [--token N] [--yes]   forget a done/failed outcome
+    celery -A proj idem purge [--batch N] [--max-seconds S] [--reason TEXT]   delete expired (SQL)
+    celery -A proj idem release KEY [--token N] [--yes] [--reason TEXT]
+    celery -A proj idem forget KEY [--token N] [--yes] [--reason TEXT]   forget an outcome
     celery -A proj idem key TASK [ARGS...] [--kwargs JSON]
     celery -A proj idem mcp --toolbox MODULE:NAME [--http HOST:PORT]   serve agent tools (MCP)
 
 Every command takes ``--json`` (one JSON document on stdout; errors as JSON on stderr).
+
+Trust: the commands read what is in the store, which anyone with write access to it could have
+put there. Stored strings are printed escaped (:func:`celery_idem.ops.shown`), and a stored result
+is decoded with the app's serializer only with ``show --decode`` (with pickle accepted, decoding
+a planted record runs its code). The verbs that change records (``release``, ``forget``,
+``purge``) log the OS user, the host and ``--reason`` at WARNING on the ``celery_idem`` logger and
+send an ``idem-operator`` event when the app sends events.
 
 Exit codes:
 
@@ -38,6 +45,7 @@ from celery import Celery
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .. import ops
+from ..ops import Operator, printable, shown
 from ..records import Record, State
 from ..stores.base import Store
 from ..task import IdempotentTask
@@ -50,6 +58,7 @@ from .cli_support import (
     STATE_CHOICES,
     Run,
     ago_text,
+    decode_option,
     expiry_text,
     fail_with,
     json_option,
@@ -57,6 +66,7 @@ from .cli_support import (
     live_decisions,
     operation_of,
     outcome_of,
+    reason_option,
     record_doc,
     run_for,
     scan_records,
@@ -86,10 +96,15 @@ def idem(ctx: click.Context) -> None:
 
 @idem.command(cls=CeleryCommand)
 @click.argument("key")
+@decode_option
 @json_option
 @click.pass_context
-def show(ctx: click.Context, key: str, as_json: bool) -> None:
-    """Show the record of KEY: state, token, owner, lease, task id and result."""
+def show(ctx: click.Context, key: str, decode: bool, as_json: bool) -> None:
+    """Show the record of KEY: state, token, owner, lease, task id, the result's size.
+
+    The result itself only with --decode, which runs the app's result serializer on the stored
+    bytes (with pickle accepted: whatever code a planted record holds).
+    """
     run = run_for(ctx, as_json)
     with run.store() as store:
         rec = store.get(key)
@@ -98,14 +113,19 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
                                      f"claimed, or its TTL has passed)")
         now = store.now()
         expires = store.expires_at(key)
-    outcome, summary = outcome_of(run.app, rec)
+    if decode and rec.state is State.DONE:
+        run.warn(f"--decode runs the result serializer on the bytes stored under {key!r} "
+                 f"({rec.content_type or 'no content type'}, {len(rec.data or b'')} bytes); "
+                 f"with pickle accepted that runs whatever code they hold. Decode only records "
+                 f"whose writers you trust.")
+    outcome, summary = outcome_of(run.app, rec, decode)
     doc = {**record_doc(rec, now), "expires": expires, **outcome}
     lines = [
-        ("key", rec.key),
+        ("key", shown(rec.key)),
         ("state", rec.state.value),
         ("token", str(rec.token)),
-        ("owner", rec.owner or "-"),
-        ("task id", rec.task_id or "-"),
+        ("owner", shown(rec.owner) if rec.owner else "-"),
+        ("task id", shown(rec.task_id) if rec.task_id else "-"),
         ("attempt", str(rec.attempt)),
         ("lease", lease_text(rec, now) + (f" (until {utc_text(rec.lease_expires)})"
                                       if rec.state is State.IN_PROGRESS else "")),
@@ -114,9 +134,11 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         ("expires", expiry_text(rec, expires, now)),
     ]
     if rec.payload_hash:
-        lines.append(("payload hash", rec.payload_hash))
+        lines.append(("payload hash", shown(rec.payload_hash)))
     if rec.state is State.DONE:
-        lines.append(("result", summary))
+        lines.append(("result", summary if decode else
+                      f"not decoded: {len(rec.data or b'')} bytes of "
+                      f"{printable(rec.content_type or 'unknown type')} (--decode decodes it)"))
     elif rec.state is State.FAILED:
         lines.append(("error", summary))
     run.emit(doc, "\n".join(f"{name:<13}{value}" for name, value in lines))
@@ -155,7 +177,7 @@ def list_(ctx: click.Context, state_name: str | None, task_name: str | None, lim
     rows = [("STATE", "TOKEN", "LEASE", "UPDATED", "TASK ID", "KEY")]
     rows += [(r.state.value, str(r.token), lease_text(r, now),
               f"{ago_text(now - r.updated)} ago" if r.updated is not None else "-",
-              r.task_id or "-", r.key) for r in page]
+              shown(r.task_id) if r.task_id else "-", shown(r.key)) for r in page]
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     text = "\n".join(
         "  ".join(cell.rjust(w) if i == 1 else cell.ljust(w) for i, (cell, w) in
@@ -214,7 +236,8 @@ def stats(ctx: click.Context, task_name: str | None, events_seconds: float | Non
                             for (t, o), n in sorted(counts_seen.items())]
         doc["decisions_seconds"] = events_seconds
         lines.append(f"\ndecisions in {events_seconds:g} s (task-idempotency events):")
-        lines += [f"  {o:<12}{n:>6}  {t}" for (t, o), n in sorted(counts_seen.items())] \
+        # Task names and outcomes come from the broker, which anyone may publish to.
+        lines += [f"  {printable(o):<12}{n:>6}  {shown(t)}" for (t, o), n in sorted(counts_seen.items())] \
             or ["  none (do the workers run with -E, the producers with idempotency_events?)"]
     run.emit(doc, "\n".join(lines))
 
@@ -226,18 +249,28 @@ def stats(ctx: click.Context, task_name: str | None, events_seconds: float | Non
 @click.option("--max-seconds", cls=CeleryOption, type=click.FloatRange(min=0), default=None,
               help_group="Purge Options",
               help="Stop after the batch that passes this many seconds (default: until done).")
+@reason_option
 @json_option
 @click.pass_context
-def purge(ctx: click.Context, batch: int, max_seconds: float | None, as_json: bool) -> None:
+def purge(ctx: click.Context, batch: int, max_seconds: float | None, reason: str | None,
+          as_json: bool) -> None:
     """Delete expired records (their TTL has passed) from a SQL store, a batch at a time.
 
     Expired records already count as absent; this only gives the space back. Redis deletes
     them by itself, so there it does nothing. Safe while workers run, and from several hosts.
+    A purge that deleted rows is logged (WARNING, with --reason, user and host) and sent as
+    an idem-operator event when the app sends events.
     """
     run = run_for(ctx, as_json)
+    operator = Operator.here("cli", reason)
     with run.store() as store:
         report = purge_expired(store, batch=batch, max_seconds=max_seconds)
     doc = report.as_dict()
+    if report.deleted:
+        # Expired rows are already absent to every reader: nothing an operator can lose. Only a
+        # purge that deleted something is an operator's change worth an audit line.
+        _audit(run, "purged", operator, deleted=report.deleted, batches=report.batches,
+               complete=report.complete)
     if not report.supported:
         text = f"{store_location(store)} deletes expired records by itself; nothing to purge"
     else:
@@ -255,16 +288,20 @@ def purge(ctx: click.Context, batch: int, max_seconds: float | None, as_json: bo
               help="Release only if the claim still has this token (as `show` printed it).")
 @click.option("-y", "--yes", cls=CeleryOption, is_flag=True, help_group="Release Options",
               help="Do not ask for confirmation.")
+@reason_option
 @json_option
 @click.pass_context
-def release(ctx: click.Context, key: str, token: int | None, yes: bool, as_json: bool) -> None:
+def release(ctx: click.Context, key: str, token: int | None, yes: bool, reason: str | None,
+            as_json: bool) -> None:
     """Give back the in-progress claim of KEY, so the next attempt runs the body.
 
     An operator's repair for a stuck claim. Fenced: it releases exactly the claim it showed
     you (its token); if the key was taken over or recorded meanwhile, nothing changes and the
     exit code is 3. Done and failed records are outcomes and are never released (exit 2).
+    Logged at WARNING on the ``celery_idem`` logger with --reason, your OS user and host.
     """
     run = run_for(ctx, as_json)
+    operator = Operator.here("cli", reason)
     with run.store() as store:
         rec = store.get(key)
         if rec is None:
@@ -282,16 +319,18 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, as_json:
                 f"the body. After the release a duplicate can run it again, and the holder's "
                 f"record will be refused (LeaseLost)." if live else ""
             )
-            _confirm(run, f"Claim of {key}: token {rec.token}, task {rec.task_id or '-'}, owner "
-                          f"{rec.owner or '-'}, lease {lease_text(rec, now)}.{warning}\nRelease it?",
-                     "released")
+            _confirm(run, f"Claim of {shown(key)}: token {rec.token}, task {_or_dash(rec.task_id)}, "
+                          f"owner {_or_dash(rec.owner)}, lease {lease_text(rec, now)}.{warning}\n"
+                          f"Release it?", "released")
         # The verb the Django admin shares (celery_idem.ops): fenced on the token and claim id
-        # shown here, logged at WARNING with by=cli.
-        _apply(run, ops.release_claim, store, key, rec.token)
+        # shown here, logged at WARNING with by=cli, the user, the host and the reason.
+        _apply(run, ops.release_claim, store, key, rec.token, operator)
+    _event(run, "released", operator, key=key, token=rec.token, task_id=rec.task_id,
+           owner=rec.owner)
     doc = {"released": True, "key": key, "token": rec.token, "task_id": rec.task_id,
            "owner": rec.owner, "lease_was_live": live}
-    run.emit(doc, f"released {key} (token {rec.token}, task {rec.task_id or '-'}); the next "
-                  f"attempt claims it with token {rec.token + 1}")
+    run.emit(doc, f"released {shown(key)} (token {rec.token}, task {_or_dash(rec.task_id)}); the "
+                  f"next attempt claims it with token {rec.token + 1}")
 
 
 #: The exit code for each reason an operator verb refuses (celery_idem.ops.Refused.reason).
@@ -299,12 +338,30 @@ _REFUSALS = {"not_found": EXIT_NOT_FOUND, "wrong_state": EXIT_REFUSED, "token_mi
              "changed": EXIT_CHANGED}
 
 
-def _apply(run: Run, verb: Any, store: Store, key: str, seen_token: int) -> None:
+def _apply(run: Run, verb: Any, store: Store, key: str, seen_token: int, operator: Operator) -> None:
     """Run an operator verb of celery_idem.ops; a refusal ends the command with its exit code."""
     try:
-        verb(store, key, seen_token, by="cli")
+        verb(store, key, seen_token, by=operator)
     except ops.Refused as exc:
         run.fail(_REFUSALS.get(exc.reason, EXIT_REFUSED), str(exc), error=exc.reason)
+
+
+def _audit(run: Run, verb: str, operator: Operator, **fields: Any) -> None:
+    """Log a change made by this command (WARNING, celery_idem logger) and send its event."""
+    ops.audit(verb, operator, **fields)
+    _event(run, verb, operator, **fields)
+
+
+def _event(run: Run, verb: str, operator: Operator, **fields: Any) -> None:
+    """Send the change's idem-operator event (when the app sends events); warn if it failed."""
+    failed = ops.send_operator_event(run.app, verb, operator, **fields)
+    if failed is not None:
+        run.warn(f"the change was made, but its {ops.OPERATOR_EVENT_TYPE} event was not sent "
+                 f"({failed}); the log line above is its record")
+
+
+def _or_dash(value: str | None) -> str:
+    return shown(value) if value else "-"
 
 
 def _check_token(run: Run, key: str, rec: Record, token: int | None, verb: str) -> None:
@@ -333,18 +390,22 @@ def _confirm(run: Run, question: str, verb: str) -> None:
               help="Forget only if the record still has this token (as `show` printed it).")
 @click.option("-y", "--yes", cls=CeleryOption, is_flag=True, help_group="Forget Options",
               help="Do not ask for confirmation.")
+@reason_option
 @json_option
 @click.pass_context
-def forget(ctx: click.Context, key: str, token: int | None, yes: bool, as_json: bool) -> None:
+def forget(ctx: click.Context, key: str, token: int | None, yes: bool, reason: str | None,
+           as_json: bool) -> None:
     """Forget the done or failed outcome of KEY, so the next attempt runs the body again.
 
     For an action that was undone outside the task (a refund, a deleted order): afterwards a
     duplicate is no longer answered from the record. Fenced: it forgets exactly the record it
     showed you (its token); if the key changed meanwhile, nothing changes and the exit code
     is 3. A claim in progress is not an outcome: use `release` (exit 2). The token is kept, so
-    the next claim gets the next token. Logged at WARNING on the ``celery_idem`` logger.
+    the next claim gets the next token. Logged at WARNING on the ``celery_idem`` logger with
+    --reason, your OS user and host. The result is not decoded (``show --decode`` does).
     """
     run = run_for(ctx, as_json)
+    operator = Operator.here("cli", reason)
     with run.store() as store:
         rec = store.get(key)
         if rec is None:
@@ -355,15 +416,18 @@ def forget(ctx: click.Context, key: str, token: int | None, yes: bool, as_json: 
         _check_token(run, key, rec, token, "forgotten")
         outcome, summary = outcome_of(run.app, rec)
         if not yes:
-            _confirm(run, f"{rec.state.value.capitalize()} record of {key}: token {rec.token}, "
-                          f"task {rec.task_id or '-'}, {'result' if rec.state is State.DONE else 'error'} "
-                          f"{summary}.\nThe next attempt of this action will run the body again. "
-                          f"Forget it?", "forgotten")
-        _apply(run, ops.forget_outcome, store, key, rec.token)
+            _confirm(run, f"{rec.state.value.capitalize()} record of {shown(key)}: token {rec.token}, "
+                          f"task {_or_dash(rec.task_id)}, "
+                          f"{'result' if rec.state is State.DONE else 'error'} {summary}.\n"
+                          f"The next attempt of this action will run the body again. Forget it?",
+                     "forgotten")
+        _apply(run, ops.forget_outcome, store, key, rec.token, operator)
+    _event(run, "forgotten", operator, key=key, token=rec.token, original_task_id=rec.task_id,
+           state=rec.state.value)
     doc = {"forgotten": True, "key": key, "token": rec.token, "task_id": rec.task_id,
            "state": rec.state.value, **outcome}
-    run.emit(doc, f"forgot the {rec.state.value} outcome of {key} (token {rec.token}, task "
-                  f"{rec.task_id or '-'}); the next attempt claims it with token {rec.token + 1} "
+    run.emit(doc, f"forgot the {rec.state.value} outcome of {shown(key)} (token {rec.token}, task "
+                  f"{_or_dash(rec.task_id)}); the next attempt claims it with token {rec.token + 1} "
                   f"and runs the body")
 
 
@@ -409,7 +473,7 @@ def key(ctx: click.Context, task_name: str, args: tuple[str, ...], kwargs_json: 
         computed = task.idempotency_key_for(values, kwargs)
     except (TypeError, ValueError) as exc:
         run.fail(EXIT_REFUSED, str(exc))
-    run.emit({"task": task_name, "args": values, "kwargs": kwargs, "key": computed}, computed)
+    run.emit({"task": task_name, "args": values, "kwargs": kwargs, "key": computed}, shown(computed))
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -452,9 +516,9 @@ def mcp(ctx: click.Context, toolbox_spec: str, http: str | None, name: str) -> N
     # stdout is the protocol's channel on stdio: everything for a human goes to stderr.
     foreign = sorted({t.name for t in toolbox if getattr(t.target, "app", app) is not app})
     if foreign:
-        click.echo(f"Warning: tools {', '.join(foreign)} belong to another Celery app than "
-                   f"-A {app.main}", err=True)
+        click.echo(f"Warning: tools {printable(', '.join(foreign))} belong to another Celery app "
+                   f"than -A {printable(app.main)}", err=True)
     where = f"http://{address[0]}:{address[1]}/mcp" if address else "stdio"
-    click.echo(f"celery-idem MCP server: {len(toolbox)} tools ({', '.join(t.name for t in toolbox)}) "
-               f"on {where}", err=True)
+    names = printable(", ".join(t.name for t in toolbox))
+    click.echo(f"celery-idem MCP server: {len(toolbox)} tools ({names}) on {printable(where)}", err=True)
     idem_mcp.serve(toolbox, address, name=name)

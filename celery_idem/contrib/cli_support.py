@@ -2,6 +2,12 @@
 
 The commands themselves are in :mod:`celery_idem.contrib.cli`; this module holds the pieces
 they have in common (split out so that neither module is over 600 lines).
+
+Everything the commands print that came from the store or the broker (keys, owners, task ids,
+error text, task names in events) goes through :func:`celery_idem.ops.shown` or
+:func:`celery_idem.ops.printable`: a record planted in the store with an ANSI escape or a
+newline in its key prints as ``$'...\\x1b[31m...'``, never as itself. JSON output is escaped by
+``json.dumps`` (every control and non-ASCII character as ``\\uXXXX``).
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from ..task import IdempotentTask
 
 __all__ = [
     "ERROR_NAMES", "EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE",
-    "SCAN_BATCH", "STATE_CHOICES", "SUMMARY_LENGTH", "Run", "ago_text", "expiry_text",
-    "fail_with", "json_option", "lease_text", "live_decisions", "operation_of", "outcome_of",
-    "record_doc", "run_for", "scan_records", "store_location", "task_option", "utc_text",
+    "SCAN_BATCH", "STATE_CHOICES", "SUMMARY_LENGTH", "Run", "ago_text", "decode_option",
+    "expiry_text", "fail_with", "json_option", "lease_text", "live_decisions", "operation_of",
+    "outcome_of", "reason_option", "record_doc", "run_for", "scan_records", "store_location",
+    "task_option", "utc_text",
 ]
 
 EXIT_OK = 0
@@ -63,10 +70,21 @@ def fail_with(exit_code: int, message: str, as_json: bool, error: str | None = N
     """End the command with ``exit_code``, the reason on stderr (a JSON object with --json)."""
     if as_json:
         doc = {"error": error or ERROR_NAMES.get(exit_code, "error"), "message": message}
-        click.echo(json.dumps(doc), err=True)
+        click.echo(json_text(doc), err=True)
     else:
-        click.echo(f"Error: {message}", err=True)
+        # A message may quote a store's or a broker's exception text: escaped like the rest.
+        click.echo(f"Error: {ops.printable(message)}", err=True)
     raise click.exceptions.Exit(exit_code)
+
+
+def json_text(doc: Any, indent: int | None = None) -> str:
+    """``doc`` as JSON safe for a terminal: no control character is left as itself.
+
+    ``json.dumps`` (``ensure_ascii``) writes every control character below U+0020 and every
+    non-ASCII one (U+202E...) as ``\\uXXXX``, but leaves DEL (U+007F) as it is; DEL only ever
+    appears inside a JSON string, where ``\\u007f`` is the same value.
+    """
+    return json.dumps(doc, indent=indent, default=str).replace("\x7f", "\\u007f")
 
 
 @dataclass
@@ -92,7 +110,12 @@ class Run:
             self.fail(EXIT_REFUSED, str(exc))
 
     def emit(self, doc: Any, text: str) -> None:
-        click.echo(json.dumps(doc, indent=2, default=str) if self.as_json else text)
+        """Print ``doc`` as JSON with --json, else ``text`` (already escaped by the command)."""
+        click.echo(json_text(doc, indent=2) if self.as_json else text)
+
+    def warn(self, message: str) -> None:
+        """One warning line on stderr (also with --json: stdout stays one JSON document)."""
+        click.echo(f"Warning: {ops.printable(message)}", err=True)
 
 
 def run_for(ctx: click.Context, as_json: bool) -> Run:
@@ -110,7 +133,25 @@ def task_option(f: Any) -> Any:
     return click.option(
         "--task", "task_name", cls=CeleryOption, metavar="NAME", help_group="Filter Options",
         help="Only keys of this task: keys that start with its operation (the task name, or "
-             "its idempotency_operation) and ':'. Per-call keys do not match.",
+             "its idempotency_operation) and ':' or '@' (a scope), derived and per-call keys "
+             "alike.",
+    )(f)
+
+
+def reason_option(f: Any) -> Any:
+    return click.option(
+        "--reason", cls=CeleryOption, metavar="TEXT", default=None, help_group="Audit Options",
+        help="Why: logged at WARNING on the celery_idem logger with your OS user and host, "
+             "and sent in the idem-operator event when the app sends events.",
+    )(f)
+
+
+def decode_option(f: Any) -> Any:
+    return click.option(
+        "--decode", cls=CeleryOption, is_flag=True, help_group="Output Options",
+        help="Decode the stored result with the app's result serializer (accept_content "
+             "applies). Runs the serializer on stored bytes: with pickle accepted, a planted "
+             "record runs its code. Without it only the size and content type are shown.",
     )(f)
 
 
@@ -150,6 +191,7 @@ def expiry_text(rec: Record, expires: float | None, now: float) -> str:
 
 
 def record_doc(rec: Record, now: float) -> dict[str, Any]:
+    """The record's metadata as JSON-ready values (never its decoded result)."""
     doc: dict[str, Any] = {
         "key": rec.key,
         "state": rec.state.value,
@@ -162,6 +204,8 @@ def record_doc(rec: Record, now: float) -> dict[str, Any]:
         "lease_expired": None,
         "updated": rec.updated,
         "payload_hash": rec.payload_hash,
+        "content_type": rec.content_type,
+        "result_bytes": None if rec.data is None else len(rec.data),
     }
     if rec.state is State.IN_PROGRESS and rec.lease_expires is not None:
         doc["lease_remaining"] = round(rec.lease_expires - now, 3)
@@ -169,10 +213,11 @@ def record_doc(rec: Record, now: float) -> dict[str, Any]:
     return doc
 
 
-def outcome_of(app: Celery, rec: Record) -> tuple[dict[str, Any], str]:
-    """The recorded result or error: for JSON, and as a one-line summary (celery_idem.ops)."""
+def outcome_of(app: Celery, rec: Record, decode: bool = False) -> tuple[dict[str, Any], str]:
+    """The recorded error, or the result's size (decoded only with ``decode``): celery_idem.ops."""
     conf = app.conf
-    return ops.outcome(rec, conf.result_serializer, conf.result_accept_content or conf.accept_content)
+    return ops.outcome(rec, conf.result_serializer, conf.result_accept_content or conf.accept_content,
+                       decode=decode)
 
 
 def store_location(store: Store) -> str:
@@ -192,9 +237,11 @@ def operation_of(app: Celery, task_name: str) -> str:
 def scan_records(
     store: Store, state: State | None, operation: str | None
 ) -> Generator[Record, None, None]:
-    prefix = None if operation is None else operation + ":"
+    """The records of ``state`` (None: all) whose key is ``operation``'s (None: any), in batches."""
+    # An operation's keys are "<operation>:..." or, in a scope, "<operation>@<scope>:...".
+    prefixes = None if operation is None else (operation + ":", operation + "@")
     for rec in store.scan(state, count=SCAN_BATCH):
-        if prefix is None or rec.key.startswith(prefix):
+        if prefixes is None or rec.key.startswith(prefixes):
             yield rec
 
 

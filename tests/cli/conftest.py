@@ -35,10 +35,11 @@ class Idem:
         self.prefix = env["IDEM_PREFIX"]
 
     def run(self, *args: str, input: str | None = None, env: dict[str, str] | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """Run ``celery -A tests.integration.app idem ARGS`` and return its outcome."""
+            timeout: float = 60, app: str = "tests.integration.app") -> subprocess.CompletedProcess[str]:
+        """Run ``celery -A APP idem ARGS`` and return its outcome (``app``: tests.cli.cli_app
+        for the settings it takes from the environment)."""
         return subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "tests.integration.app", "idem", *args],
+            [sys.executable, "-m", "celery", "-A", app, "idem", *args],
             cwd=ROOT, env={**os.environ, **self.env, **(env or {})}, input=input,
             capture_output=True, text=True, timeout=timeout,
         )

@@ -93,3 +93,19 @@ def test_purge_of_an_unreachable_sql_store_exits_4(idem_sql: Idem) -> None:
 def test_purge_refuses_a_batch_below_one(idem: Idem) -> None:
     out = idem.run("purge", "--batch", "0")
     assert out.returncode == 2 and "--batch" in out.stderr
+
+
+def test_a_purge_that_deleted_rows_is_logged_with_user_host_and_reason(idem_sql: Idem) -> None:
+    import getpass
+    import socket
+
+    idem = idem_sql
+    # Nothing to delete: no audit line (an expired row is already absent to every reader)
+    quiet = idem.run("purge", "--reason", "nightly")
+    assert quiet.returncode == 0 and "celery_idem purged" not in quiet.stderr
+    _expired_records(idem, ["op:old0", "op:old1"])
+    out = idem.run("purge", "--reason", "disk at 90%, OPS-3")
+    assert out.returncode == 0, out.stderr
+    [line] = [ln for ln in out.stderr.splitlines() if ln.startswith("celery_idem purged ")]
+    assert line == (f"celery_idem purged deleted=2 batches=1 complete=True by=cli "
+                    f"user={getpass.getuser()} host={socket.gethostname()} reason=disk at 90%, OPS-3")

@@ -56,9 +56,128 @@ def test_forget_takes_only_an_outcome(store: Any) -> None:
     assert refused.value.reason == "wrong_state"
     store.record("k", c.token, state=State.DONE, content_type="application/json", data=b'{"a": 1}',
                  ttl=60, claim_id=c.claim_id)
-    assert ops.outcome(store.get("k"))[0]["result"] == {"a": 1}
+    # Not decoded unless asked: the size and content type only
+    assert ops.outcome(store.get("k"))[0] == {"content_type": "application/json", "result_bytes": 8,
+                                              "decoded": False}
+    assert ops.outcome(store.get("k"), decode=True)[0]["result"] == {"a": 1}
     ops.forget_outcome(store, "k", c.token, by="test")
     assert store.get("k").state is State.RELEASED
+
+
+# -- in process: the admin's pages through Django's test client, on the SQLite test database ----
+
+
+class _Touch:
+    """Unpickling it creates ``path``: what a planted pickle could do instead."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (self.path,))
+
+
+@pytest.fixture
+def admin_client(django_databases: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:  # noqa: F811
+    """A logged-in superuser's test client, and an app that accepts pickle (the risky setting)."""
+    from celery import Celery
+    from django.contrib.auth import get_user_model
+    from django.test import Client, override_settings
+
+    from celery_idem.contrib.django import admin as idem_admin
+
+    app = Celery("admin-pickle", set_as_current=False)
+    app.conf.accept_content = ["json", "pickle"]
+    app.conf.result_accept_content = ["json", "pickle"]
+    monkeypatch.setattr(idem_admin, "_celery_conf", lambda: app.conf)
+    monkeypatch.setattr(idem_admin, "_celery_app", lambda: app)
+    user_model = get_user_model()
+    user = user_model.objects.filter(username="ops-inproc").first() or \
+        user_model.objects.create_superuser("ops-inproc", "ops@example.com", "ops-password")
+    with override_settings(ROOT_URLCONF="tests.django.urls", STATIC_URL="/static/",
+                           ALLOWED_HOSTS=["testserver"]):
+        client = Client()
+        client.force_login(user)
+        yield client
+
+
+def _planted(store: Any, name: str, *, ctype: str, data: bytes) -> str:
+    """A done record written through the store only (as an intruder with table access would)."""
+    got = store.claim(name, owner="h:1", task_id="t-1", attempt=0, lease=600, ttl=600)
+    store.record(name, got.token, state=State.DONE, content_type=ctype, data=data, ttl=600,
+                 claim_id=got.claim_id)
+    return str(store.prefix + name)
+
+
+def test_the_admin_decodes_a_pickled_result_only_through_the_confirmed_action(
+    admin_client: Any, store: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import pickle
+
+    from django.contrib.admin.utils import quote
+    from django.urls import reverse
+
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(_Touch(marker))
+    key = _planted(store, "planted", ctype="application/x-python-serialize", data=payload)
+    # Looking at the list and at the record's page never unpickles
+    listing = admin_client.get(reverse("admin:celery_idem_idempotencyrecord_changelist"),
+                               {"q": key})
+    assert listing.status_code == 200 and key in listing.content.decode()
+    page = admin_client.get(reverse("admin:celery_idem_idempotencyrecord_change", args=[quote(key)]))
+    assert page.status_code == 200
+    body = page.content.decode()
+    assert f"not decoded: {len(payload)} bytes of application/x-python-serialize" in body
+    assert not marker.exists()
+    # The decode action asks first, with the warning, and decodes nothing yet
+    changelist = reverse("admin:celery_idem_idempotencyrecord_changelist")
+    asked = admin_client.post(changelist, {"action": "decode_results", "_selected_action": [key]})
+    assert asked.status_code == 200
+    assert "runs its code here" in asked.content.decode() and not marker.exists()
+    # Confirmed: it decodes (the payload runs, which is what the confirmation is for), logged
+    with caplog.at_level("WARNING", logger="celery_idem"):
+        done = admin_client.post(changelist, {"action": "decode_results", "_selected_action": [key],
+                                              "confirmed": "yes"})
+    assert done.status_code == 200 and "idem-decoded" in done.content.decode()
+    assert marker.exists()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("celery_idem decoded")]
+    assert f"key={key}" in line and "by=admin:ops-inproc user=ops-inproc" in line
+
+
+def _shown_text(html: str) -> str:
+    """The page without its form values: the raw key is only where the form posts it back."""
+    import re
+
+    return re.sub(r'(name|value)="[^"]*"', "", html)
+
+
+def test_the_admin_shows_stored_strings_escaped_and_logs_the_reason(
+    admin_client: Any, store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from django.urls import reverse
+
+    name = "op:key=\x1b[31mred\u202eevil"
+    got = store.claim(name, owner="h\x1b[2J:1", task_id="t\n1", attempt=0, lease=600, ttl=600)
+    key = store.prefix + name
+    changelist = reverse("admin:celery_idem_idempotencyrecord_changelist")
+    listing = admin_client.get(changelist, {"q": store.prefix})
+    body = listing.content.decode()
+    assert listing.status_code == 200
+    assert "\x1b" not in _shown_text(body) and "\u202e" not in _shown_text(body)
+    assert "op:key=\\x1b[31mred\\u202eevil" in body and "h\\x1b[2J:1" in body
+    asked = admin_client.post(changelist, {"action": "release_claims", "_selected_action": [key],
+                                           f"seen_token:{key}": str(got.token)})
+    assert "\x1b" not in _shown_text(asked.content.decode())
+    assert 'name="idem_reason"' in asked.content.decode()
+    with caplog.at_level("WARNING", logger="celery_idem"):
+        admin_client.post(changelist, {"action": "release_claims", "_selected_action": [key],
+                                       f"seen_token:{key}": str(got.token), "confirmed": "yes",
+                                       "idem_reason": "INC-5 stuck\nforged"})
+    assert store.get(name).state is State.RELEASED
+    [record] = [r for r in caplog.records if r.getMessage().startswith("celery_idem released")]
+    assert record.idem_operator["reason"] == "INC-5 stuck\nforged"  # type: ignore[attr-defined]
+    assert record.idem_operator["user"] == "ops-inproc"  # type: ignore[attr-defined]
+    assert "reason=INC-5 stuck\\nforged" in record.getMessage() and "\n" not in record.getMessage()
 
 
 @pytest.fixture

@@ -1,9 +1,19 @@
 """The records in the Django admin: read-mostly, with the CLI's two repairs as actions.
 
 The list shows key, task, state, token, owner, updated and expires, filters on state and task,
-and searches by key; a record's page shows its decoded result or error. Nothing is editable,
-added or deleted through the admin. Two actions, each with a confirmation page and each logged
-(the ``celery_idem`` logger at WARNING, and the admin's own history):
+and searches by key; a record's page shows its metadata, a failed record's error and the size and
+content type of a done record's result. Nothing is editable, added or deleted through the admin.
+
+What the pages show came from the store, which anyone with write access to it could have
+written: keys, owners and task ids are shown with their control and bidi characters escaped
+(:func:`celery_idem.ops.printable`), and a stored result is never decoded by looking at it.
+Decoding runs the app's result serializer (with pickle accepted: whatever code a planted record
+holds), so it is its own action, **decode**, with a confirmation page that says so, for users
+with the change permission, logged at WARNING.
+
+Two repairs, each with a confirmation page (with an optional reason) and each logged (the
+``celery_idem`` logger at WARNING with the admin user, the host and the reason; the admin's own
+history; an ``idem-operator`` event when the Celery app sends events):
 
 * **release**: gives back an in-progress claim. Fenced on the token shown when the list page was
   loaded (every row of the list posts the token it displayed): if the claim was taken over,
@@ -18,11 +28,13 @@ idem forget`` commands share.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.db import router
+from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.html import format_html
@@ -36,6 +48,10 @@ from .store import DjangoStore
 __all__ = ["IdempotencyRecordAdmin"]
 
 _SEEN = "seen_token:"
+_DECODE_DESCRIPTION = "Decode the selected results (runs the result serializer)"
+_DECODE_WARNING = ("Decoding runs the Celery app's result serializer on the stored bytes, in this "
+                   "web process. With pickle in accept_content, a record someone planted in the "
+                   "table runs its code here. Decode only records whose writers you trust.")
 
 
 def _utc(epoch: float | None) -> str:
@@ -51,15 +67,37 @@ def _celery_conf() -> Any:
     return current_app.conf
 
 
+def _celery_app() -> Any:
+    """The current Celery app (for sending the operator events)."""
+    from celery import current_app
+
+    return current_app._get_current_object()
+
+
 def _key_prefix() -> str:
     return str(_celery_conf().get("idempotency_key_prefix") or "celery-idem:")
 
 
 def _task_of(key: str) -> str:
-    """The operation of a stored key (``prefix`` + ``operation:hash``), usually the task name."""
+    """The operation of a stored key, usually the task name.
+
+    Stored keys are ``prefix`` + ``operation[@scope]:ident``, the ident 32 hex digits (a
+    derived key) or ``key=``/``key#`` and the caller's key (a per-call key, which may hold ``:``
+    itself). Keys of other shapes (older per-call keys) give everything before their last ``:``.
+    """
     prefix = _key_prefix()
     bare = key[len(prefix):] if key.startswith(prefix) else key
-    return bare.rsplit(":", 1)[0] if ":" in bare else bare
+    cut = min((i for i in (bare.find(":key="), bare.find(":key#")) if i >= 0), default=-1)
+    if cut < 0:
+        cut = bare.rfind(":")
+    namespace = bare[:cut] if cut >= 0 else bare
+    return namespace.split("@", 1)[0]
+
+
+def _operator(request: HttpRequest) -> ops.Operator:
+    """The admin user as the operator, with the reason typed on the confirmation page."""
+    name = request.user.get_username()
+    return ops.Operator.here(f"admin:{name}", request.POST.get("idem_reason"), user=name)
 
 
 class TaskFilter(admin.SimpleListFilter):  # type: ignore[misc]
@@ -75,20 +113,24 @@ class TaskFilter(admin.SimpleListFilter):  # type: ignore[misc]
     def queryset(self, request: HttpRequest, queryset: Any) -> Any:
         if not self.value():
             return queryset
-        return queryset.filter(key__startswith=f"{_key_prefix()}{self.value()}:")
+        # Unscoped keys are "<operation>:...", scoped ones "<operation>@<scope>:...".
+        head = f"{_key_prefix()}{self.value()}"
+        return queryset.filter(Q(key__startswith=f"{head}:") | Q(key__startswith=f"{head}@"))
 
 
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
     """Read-mostly admin of ``celery_idem_records`` with fenced release and forget actions."""
 
-    list_display = ("key", "task", "state", "token_seen", "owner", "updated_at", "expires_at")
+    list_display = ("key_shown", "task", "state", "token_seen", "owner_shown", "updated_at",
+                    "expires_at")
     list_filter = ("state", TaskFilter)
     search_fields = ("key",)
     ordering = ("-updated",)
-    actions = ("release_claims", "forget_outcomes")
-    fields = ("key", "task", "state", "token", "owner", "task_id", "attempt", "lease",
-              "updated_at", "expires_at", "payload_hash", "claim_id", "content_type", "outcome")
+    actions = ("release_claims", "forget_outcomes", "decode_results")
+    fields = ("key_shown", "task", "state", "token", "owner_shown", "task_id_shown", "attempt",
+              "lease", "updated_at", "expires_at", "payload_hash_shown", "claim_id",
+              "content_type_shown", "stored_value")
     readonly_fields = fields
     list_per_page = 50
 
@@ -107,9 +149,32 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
 
     # -- columns -------------------------------------------------------------------------------
 
+    # Stored strings are shown escaped: HTML escaping (Django's) stops markup, not an ANSI
+    # sequence or a bidi override that makes one key read as another.
+
+    @admin.display(description="key", ordering="key")
+    def key_shown(self, obj: IdempotencyRecord) -> str:
+        return ops.printable(obj.key)
+
+    @admin.display(description="owner", ordering="owner")
+    def owner_shown(self, obj: IdempotencyRecord) -> str:
+        return ops.printable(obj.owner)
+
+    @admin.display(description="task id")
+    def task_id_shown(self, obj: IdempotencyRecord) -> str:
+        return ops.printable(obj.task_id)
+
+    @admin.display(description="payload hash")
+    def payload_hash_shown(self, obj: IdempotencyRecord) -> str:
+        return "-" if obj.payload_hash is None else ops.printable(obj.payload_hash)
+
+    @admin.display(description="content type")
+    def content_type_shown(self, obj: IdempotencyRecord) -> str:
+        return "-" if obj.content_type is None else ops.printable(obj.content_type)
+
     @admin.display(description="task")
     def task(self, obj: IdempotencyRecord) -> str:
-        return _task_of(obj.key)
+        return ops.printable(_task_of(obj.key))
 
     @admin.display(description="token", ordering="token")
     def token_seen(self, obj: IdempotencyRecord) -> str:
@@ -131,19 +196,20 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
         return _utc(obj.lease_expires)
 
     @admin.display(description="result / error")
-    def outcome(self, obj: IdempotencyRecord) -> str:
+    def stored_value(self, obj: IdempotencyRecord) -> str:
+        """A failed record's error (celery_idem's JSON, read without running any serializer);
+        for a done record, only the size and content type of its result (never decoded here)."""
         rec = self._record_of(obj)
         if rec is None:
             return "-"
-        conf = _celery_conf()
-        doc, summary = ops.outcome(rec, conf.result_serializer,
-                                   conf.result_accept_content or conf.accept_content)
+        doc, summary = ops.outcome(rec)  # decode=False: only the error JSON is read
         if doc.get("error"):
-            return f"{doc['error']['type']}: {doc['error']['message']}"
-        if "result" in doc:
-            import json
-
-            return json.dumps(doc["result"], indent=2, default=repr)
+            return ops.printable(f"{doc['error']['type']}: {doc['error']['message']}")
+        if rec.state is State.DONE:
+            return (f"not decoded: {doc['result_bytes']} bytes of "
+                    f"{ops.printable(rec.content_type or 'unknown type')}. To see the value, "
+                    f"select the record in the list and run the action \"{_DECODE_DESCRIPTION}\" "
+                    f"(it runs the app's result serializer on the stored bytes).")
         return summary
 
     # -- the store behind the actions -----------------------------------------------------------
@@ -160,6 +226,48 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
                       content_type=obj.content_type, data=None if data is None else bytes(data))
 
     # -- actions -------------------------------------------------------------------------------
+
+    @admin.action(description=_DECODE_DESCRIPTION, permissions=["change"])
+    def decode_results(self, request: HttpRequest, queryset: Any) -> HttpResponse | None:
+        """Decode the selected done records' results, after a confirmation page that warns.
+
+        Decoding runs the Celery app's result serializer on the stored bytes, in this web
+        process: with pickle in ``accept_content``, a record planted in the table runs its code.
+        Hence an action (a POST, CSRF-protected, change permission) and never a page view.
+        """
+        objs = list(queryset)
+        if request.POST.get("confirmed") != "yes":
+            return self._confirm_page(
+                request, objs, verb="decode", action="decode_results", reason=False,
+                question="Decode the stored results of these records with the Celery app's "
+                         "result serializer?",
+                warning=_DECODE_WARNING)
+        conf = _celery_conf()
+        accept = conf.result_accept_content or conf.accept_content
+        operator = _operator(request)
+        rows: list[dict[str, Any]] = []
+        for obj in objs:
+            rec = self._record_of(obj)
+            if rec is None or rec.state is not State.DONE:
+                rows.append({"key": ops.printable(obj.key), "content_type": "-", "size": "-",
+                             "value": f"not a done record ({ops.printable(obj.state)}): no result"})
+                continue
+            # Logged before decoding: if the payload takes the process down, the line is there.
+            ops.audit("decoded", operator, key=obj.key, token=rec.token,
+                      content_type=rec.content_type, bytes=len(rec.data or b""))
+            doc, summary = ops.outcome(rec, conf.result_serializer, accept, decode=True)
+            if "result" in doc and doc.get("result_error") is None:
+                value = ops.printable(json.dumps(doc["result"], indent=2, default=repr))
+            else:
+                value = summary
+            rows.append({"key": ops.printable(obj.key), "value": value,
+                         "content_type": ops.printable(rec.content_type or "-"),
+                         "size": len(rec.data or b"")})
+        self.message_user(request, _DECODE_WARNING, messages.WARNING)
+        return TemplateResponse(request, "admin/celery_idem/decoded.html", {
+            **self.admin_site.each_context(request),
+            "opts": self.model._meta, "title": "Decoded results", "rows": rows,
+        })
 
     @admin.action(description="Release the selected in-progress claims", permissions=["change"])
     def release_claims(self, request: HttpRequest, queryset: Any) -> HttpResponse | None:
@@ -183,29 +291,46 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
         seen = {k[len(_SEEN):]: v for k, v in request.POST.items() if k.startswith(_SEEN)}
         objs = list(queryset)
         if request.POST.get("confirmed") != "yes":
-            rows = [{"key": o.key, "state": o.state, "token": o.token,
-                     "seen": seen.get(o.key, o.token), "task_id": o.task_id, "owner": o.owner}
-                    for o in objs]
-            return TemplateResponse(request, "admin/celery_idem/confirm_action.html", {
-                **self.admin_site.each_context(request),
-                "opts": self.model._meta, "title": f"{verb.capitalize()} records", "rows": rows,
-                "question": question, "warning": warning, "verb": verb, "action": action,
-                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            })
+            return self._confirm_page(request, objs, verb=verb, action=action, question=question,
+                                      warning=warning, seen=seen)
         store = self._store()
-        by = f"admin:{request.user.get_username()}"
+        operator = _operator(request)
+        past = "released" if verb == "release" else "forgotten"
         for obj in objs:
             token = seen.get(obj.key)
+            shown = ops.printable(obj.key)
             try:
-                rec = run(store, obj.key, int(token) if token is not None else None, by=by)
+                rec = run(store, obj.key, int(token) if token is not None else None, by=operator)
             except ops.Refused as refused:
-                self.message_user(request, f"{obj.key}: {refused}", messages.ERROR)
+                self.message_user(request, f"{shown}: {ops.printable(refused)}", messages.ERROR)
                 continue
             except StoreUnavailable as exc:
-                self.message_user(request, f"{obj.key}: {exc}", messages.ERROR)
+                self.message_user(request, f"{shown}: {ops.printable(exc)}", messages.ERROR)
                 continue
-            past = "released" if verb == "release" else "forgotten"
-            self.log_change(request, obj, f"{past} (token {rec.token}, task {rec.task_id or '-'})")
-            self.message_user(request, f"{obj.key}: {past} (token {rec.token}); the next attempt "
+            failed = ops.send_operator_event(_celery_app(), past, operator, key=obj.key,
+                                             token=rec.token, task_id=rec.task_id)
+            if failed is not None:
+                self.message_user(request, f"{shown}: the {ops.OPERATOR_EVENT_TYPE} event was not "
+                                           f"sent ({failed})", messages.WARNING)
+            reason = f"; reason: {operator.reason}" if operator.reason else ""
+            self.log_change(request, obj, ops.printable(
+                f"{past} (token {rec.token}, task {rec.task_id or '-'}){reason}"))
+            self.message_user(request, f"{shown}: {past} (token {rec.token}); the next attempt "
                                        f"claims it with token above {rec.token}", messages.SUCCESS)
         return None
+
+    def _confirm_page(self, request: HttpRequest, objs: list[Any], *, verb: str, action: str,
+                      question: str, warning: str, seen: dict[str, str] | None = None,
+                      reason: bool = True) -> HttpResponse:
+        """The confirmation page of an action: the records (escaped), the question, a reason."""
+        seen = seen or {}
+        rows = [{"key": o.key, "key_shown": ops.printable(o.key), "state": ops.printable(o.state),
+                 "token": o.token, "seen": seen.get(o.key, o.token),
+                 "task_id": ops.printable(o.task_id), "owner": ops.printable(o.owner)}
+                for o in objs]
+        return TemplateResponse(request, "admin/celery_idem/confirm_action.html", {
+            **self.admin_site.each_context(request),
+            "opts": self.model._meta, "title": f"{verb.capitalize()} records", "rows": rows,
+            "question": question, "warning": warning, "verb": verb, "action": action,
+            "reason": reason, "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        })

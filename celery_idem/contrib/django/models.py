@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from ...ops import printable
 from .fields import KeyTextField
 
 RECORDS_TABLE = "celery_idem_records"
@@ -46,7 +47,9 @@ class IdempotencyRecord(models.Model):  # type: ignore[misc]
         verbose_name = "idempotency record"
 
     def __str__(self) -> str:
-        return f"{self.key} ({self.state}, token {self.token})"
+        # Shown by the admin (labels, history, messages): a stored key's control and bidi
+        # characters escaped, as everywhere an operator reads it.
+        return f"{printable(self.key)} ({printable(self.state)}, token {self.token})"
 
 
 class IdempotencyReceipt(models.Model):  # type: ignore[misc]
@@ -70,4 +73,4 @@ class IdempotencyReceipt(models.Model):  # type: ignore[misc]
         verbose_name = "idempotency receipt"
 
     def __str__(self) -> str:
-        return f"{self.key} (token {self.token})"
+        return f"{printable(self.key)} (token {self.token})"

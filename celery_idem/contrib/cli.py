@@ -446,10 +446,16 @@ def _json_value(text: str) -> Any:
 @click.argument("args", nargs=-1)
 @click.option("--kwargs", "kwargs_json", cls=CeleryOption, metavar="JSON",
               help_group="Call Options", help='Keyword arguments as a JSON object: \'{"note":"x"}\'.')
+@click.option("--key", "caller_key", cls=CeleryOption, metavar="KEY", default=None,
+              help_group="Call Options",
+              help="A per-call key, as apply_async(idempotency_key=KEY) passes it.")
+@click.option("--scope", cls=CeleryOption, metavar="SCOPE", default=None,
+              help_group="Call Options",
+              help="A scope, as apply_async(idempotency_scope=SCOPE) passes it.")
 @json_option
 @click.pass_context
 def key(ctx: click.Context, task_name: str, args: tuple[str, ...], kwargs_json: str | None,
-        as_json: bool) -> None:
+        caller_key: str | None, scope: str | None, as_json: bool) -> None:
     """Print the key a call of TASK with ARGS would get (ARGS are JSON values).
 
     Example: celery -A proj idem key proj.tasks.charge '"ord_1"' 4200 --kwargs '{"note":"x"}'
@@ -470,7 +476,8 @@ def key(ctx: click.Context, task_name: str, args: tuple[str, ...], kwargs_json: 
     if not isinstance(task, IdempotentTask):
         run.fail(EXIT_REFUSED, f"{task_name!r} is not an IdempotentTask: it has no key")
     try:
-        computed = task.idempotency_key_for(values, kwargs)
+        computed = task.idempotency_key_for(values, kwargs, idempotency_key=caller_key,
+                                            idempotency_scope=scope)
     except (TypeError, ValueError) as exc:
         run.fail(EXIT_REFUSED, str(exc))
     run.emit({"task": task_name, "args": values, "kwargs": kwargs, "key": computed}, shown(computed))

@@ -277,6 +277,11 @@ def test_key_prints_the_key_a_call_would_get(idem_redis: Idem) -> None:
     # Negative numbers are values, not options
     negative = idem.run("key", CHARGE, '"ord_1"', "-5")
     assert negative.stdout.strip() == tasks.charge.idempotency_key_for(("ord_1", -5))
+    # A per-call key and a scope, as apply_async takes them
+    scoped = idem.run("key", CHARGE, '"ord_1"', "4200", "--key", "agent-1", "--scope", "t-1")
+    assert scoped.stdout.strip() == f"{CHARGE}@t-1:key=agent-1"
+    bad = idem.run("key", CHARGE, '"ord_1"', "4200", "--scope", "t 1")
+    assert bad.returncode == EXIT_REFUSED and "idempotency_scope" in bad.stderr
 
 
 @pytest.mark.parametrize(

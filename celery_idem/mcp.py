@@ -7,15 +7,25 @@ The code lives in :mod:`celery_idem.contrib.mcp`; this module re-exports every p
 from __future__ import annotations
 
 from .contrib.mcp import (
+    ALLOWED_HOSTS_ENV,
+    ALLOWED_ORIGINS_ENV,
     DEFAULT_NAME,
     INSTRUCTIONS,
+    MIN_TOKEN_LENGTH,
+    TOKENS_ENV,
+    StaticTokens,
+    http_app,
+    is_loopback,
     load_toolbox,
+    scope_of,
     serve,
     serve_http,
     serve_stdio,
     server,
     text_of,
+    transport_security,
 )
 
-__all__ = ["DEFAULT_NAME", "INSTRUCTIONS", "load_toolbox", "serve", "serve_http", "serve_stdio",
-           "server", "text_of"]
+__all__ = ["ALLOWED_HOSTS_ENV", "ALLOWED_ORIGINS_ENV", "DEFAULT_NAME", "INSTRUCTIONS",
+           "MIN_TOKEN_LENGTH", "TOKENS_ENV", "StaticTokens", "http_app", "is_loopback", "load_toolbox",
+           "scope_of", "serve", "serve_http", "serve_stdio", "server", "text_of", "transport_security"]

@@ -8,6 +8,8 @@ keeps working.
 from __future__ import annotations
 
 from .contrib.tools import (
+    MAX_ARGUMENT_DEPTH,
+    MAX_ARGUMENTS_SIZE,
     MAX_MESSAGE,
     NAME_PATTERN,
     OUTCOME_SCHEMA,
@@ -23,5 +25,6 @@ from .contrib.tools import (
     validate,
 )
 
-__all__ = ["MAX_MESSAGE", "NAME_PATTERN", "OUTCOME_SCHEMA", "STATUSES", "WRITE_NOTE", "Pending",
-           "Tool", "ToolError", "ToolKind", "Toolbox", "schema_for", "tool", "validate"]
+__all__ = ["MAX_ARGUMENTS_SIZE", "MAX_ARGUMENT_DEPTH", "MAX_MESSAGE", "NAME_PATTERN",
+           "OUTCOME_SCHEMA", "STATUSES", "WRITE_NOTE", "Pending", "Tool", "ToolError", "ToolKind",
+           "Toolbox", "schema_for", "tool", "validate"]

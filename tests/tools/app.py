@@ -87,6 +87,38 @@ def create_shipment(self: IdempotentTask, order_id: str, address: str) -> dict[s
     return {"shipment_id": f"sh_{order_id}", "address": address}
 
 
+@app.task(base=IdempotentTask, bind=True)
+def sync_ledger(self: IdempotentTask, account: str) -> None:
+    """Sync an account's ledger (fails with a secret in its error text)."""
+    effect(f"sync:{account}")
+    raise RuntimeError("db connect failed: postgresql://admin:hunter2@db.internal/prod "
+                       f"(arg=sk_live_51Hx{account})")
+
+
+class CardDeclined(Exception):
+    """A decline whose text is meant for the customer (shown when the tool exposes it)."""
+
+
+class QuotaExceeded(Exception):
+    """An error marked safe to show to a model by its class."""
+
+    expose_to_model = True
+
+
+@app.task(base=IdempotentTask, bind=True)
+def charge_declined(self: IdempotentTask, order_id: str) -> None:
+    """Charge a card that is declined."""
+    effect(f"declined:{order_id}")
+    raise CardDeclined(f"card ending 4242 declined for {order_id}: insufficient funds")
+
+
+@app.task(base=IdempotentTask, bind=True)
+def over_quota(self: IdempotentTask, order_id: str) -> None:
+    """Call a provider whose quota is used up."""
+    effect(f"quota:{order_id}")
+    raise QuotaExceeded(f"daily quota of 100 calls used up ({order_id})")
+
+
 @app.task
 def stock_level(sku: str) -> dict[str, Any]:
     """How many items of a product are in stock (a read: no effect)."""
@@ -132,12 +164,21 @@ def _toolbox() -> Toolbox:
         tool(stock_level, kind="read", timeout=wait, open_world=False),
         tool(charge_with_key, timeout=wait, key_argument="request_key", destructive=False),
         tool(echo_types, timeout=wait, open_world=False),
+        tool(sync_ledger, timeout=wait, open_world=False),
     ])
 
 
 @app.task(base=IdempotentTask, bind=True)
 def charge_with_key(self: IdempotentTask, order_id: str, amount_cents: int) -> dict[str, Any]:
     """Charge a card under the caller's own key (``request_key``, used verbatim)."""
+    n = effect(f"keyed:{order_id}", self.idempotency_key)
+    return {"order_id": order_id, "amount_cents": amount_cents, "key": self.idempotency_key,
+            "effects": n}
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_check_on_enqueue=False)
+def charge_with_key_late(self: IdempotentTask, order_id: str, amount_cents: int) -> dict[str, Any]:
+    """``charge_with_key`` with no check at enqueue: a reused key is refused by the worker."""
     n = effect(f"keyed:{order_id}", self.idempotency_key)
     return {"order_id": order_id, "amount_cents": amount_cents, "key": self.idempotency_key,
             "effects": n}

@@ -11,6 +11,7 @@ import ast
 import asyncio
 import json
 import re
+import secrets
 import sys
 from typing import Any
 
@@ -25,6 +26,8 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCall
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from starlette.applications import Starlette
 
+from celery_idem import ImproperlyConfigured
+from celery_idem.mcp import http_app
 from celery_idem.tools import Toolbox, tool
 from tests.integration.harness import ROOT
 from tests.tools.app import charge_card, toolbox
@@ -150,9 +153,12 @@ def test_the_client_configuration_starts_the_server(live: Env) -> None:
 
 
 def test_the_embedding_snippet_gives_a_server_and_an_asgi_app() -> None:
-    ns = run("mcp-embed", tools=toolbox)
+    ns = run("mcp-embed", tools=toolbox, token=secrets.token_urlsafe(32))
     assert isinstance(ns["mcp_server"], Server) and ns["mcp_server"].name == "shop-tools"
     assert isinstance(ns["asgi_app"], Starlette)
+    # Not loopback: without a token verifier the app is refused
+    with pytest.raises(ImproperlyConfigured, match="CELERY_IDEM_MCP_TOKENS"):
+        http_app(ns["mcp_server"], "0.0.0.0", 8765)
 
 
 def test_the_annotations_snippet() -> None:
@@ -168,7 +174,7 @@ def test_the_annotations_snippet() -> None:
 def test_the_key_argument_snippet() -> None:
     ns = run("key-argument", tool=tool, charge_card=charge_card)
     prop = ns["keyed"].parameters["properties"]["request_key"]
-    assert prop["type"] == "string" and "used as given" in prop["description"]
+    assert prop["type"] == "string" and "new key for a new action" in prop["description"]
 
 
 def test_the_async_snippet(live: Env) -> None:

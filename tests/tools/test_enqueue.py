@@ -88,9 +88,12 @@ def test_a_key_argument_the_task_has_is_passed_on_and_used_verbatim(idle: Env) -
     keyed = tool(charge_card, key_argument="order_id", timeout=0.1)
     assert keyed.parameters == tool(charge_card).parameters
     pending = keyed.start({"order_id": "ord-as-key", "amount_cents": 5})
-    assert pending.idempotency_key == "ord-as-key"
+    # The caller's key, in charge_card's namespace (it can name no other task's action)
+    assert pending.idempotency_key == charge_card.idempotency_key_for(
+        kwargs={"order_id": "ord-as-key", "amount_cents": 5}, idempotency_key="ord-as-key") \
+        == "tests.tools.app.charge_card:key=ord-as-key"
     message = json.loads(idle.client.lindex(idle.queue, 0))  # type: ignore[arg-type]
-    assert message["headers"]["idempotency_key"] == "ord-as-key"
+    assert message["headers"]["idempotency_key"] == pending.idempotency_key
     assert json.loads(base64.b64decode(message["body"]))[1] == \
         {"order_id": "ord-as-key", "amount_cents": 5}
 

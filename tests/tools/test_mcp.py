@@ -28,7 +28,7 @@ from celery_idem.records import State
 from celery_idem.task import get_store
 from celery_idem.tools import OUTCOME_SCHEMA
 from tests.integration.harness import ROOT, free_port, wait_for
-from tests.tools.app import charge_card, toolbox
+from tests.tools.app import charge_card, charge_with_key, toolbox
 from tests.tools.conftest import Env
 from tests.tools.support import command, server_env
 
@@ -91,17 +91,18 @@ async def scenario(client: Client, live: Env) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(call)
         tg.start_soon(call)
-        # Both calls are in flight at the server: both messages reached the worker, and the
-        # first body holds the key, before it is let go.
+        # Both calls are in flight at the server: one message reached the worker (the other
+        # call attached to it at enqueue, issue 26), and its body holds the key.
         await anyio.to_thread.run_sync(lambda: wait_for(
-            lambda: received_charges(live) >= received + 2, timeout=STEP,
-            what="both calls' messages at the worker"))
+            lambda: received_charges(live) >= received + 1, timeout=STEP,
+            what="the message at the worker"))
         await claimed(charge_card.idempotency_key_for(kwargs=arguments))
         live.release(oid)
     statuses = sorted(r.structured_content["status"] for r in results)
     assert statuses == ["duplicate", "ok"], [r.structured_content for r in results]
-    # Two tasks: the second was enqueued while the first ran, and answered by the gate
-    assert results[0].structured_content["task_id"] != results[1].structured_content["task_id"]
+    # One task: the second call followed the first's message instead of sending a copy
+    assert received_charges(live) == received + 1
+    assert results[0].structured_content["task_id"] == results[1].structured_content["task_id"]
     assert results[0].structured_content["result"] == results[1].structured_content["result"]
     assert len(live.effects(f"charge:{oid}")) == 1
 
@@ -236,22 +237,27 @@ def test_the_request_id_and_meta_of_a_call_are_not_part_of_the_key(live: Env) ->
     assert len(live.effects(f"charge:{oid}")) == 1
 
 
-def test_an_explicit_key_argument_is_used_verbatim(live: Env) -> None:
+def test_an_explicit_key_argument_is_the_callers_key_of_this_tool_only(live: Env) -> None:
     oid, key = order(), f"client-key-{uuid.uuid4().hex[:8]}"
 
     async def main() -> list[Any]:
         async with Client(server(toolbox)) as client:
             return [await client.call_tool("charge_with_key", {
-                "order_id": oid, "amount_cents": cents, "request_key": key}) for cents in (10, 20)]
+                "order_id": oid, "amount_cents": cents, "request_key": key})
+                for cents in (10, 10, 20)]
 
-    first, second = anyio.run(main)
+    first, again, other = anyio.run(main)
     assert first.structured_content["status"] == "ok", first.structured_content
-    assert first.structured_content["idempotency_key"] == key
-    assert first.structured_content["result"]["key"] == key  # the body's self.idempotency_key
-    # Same key, other arguments: the same action (the caller said so), answered from its record
-    assert second.structured_content["status"] == "duplicate"
-    assert second.structured_content["result"]["amount_cents"] == 10
-    assert live.effects(f"keyed:{oid}") == [key]
+    # The caller's key, in the task's namespace: it can name no other task's action
+    assert first.structured_content["idempotency_key"] == charge_with_key.idempotency_key_for(
+        kwargs={"order_id": oid, "amount_cents": 10}, idempotency_key=key)
+    assert first.structured_content["result"]["key"] == first.structured_content["idempotency_key"]
+    assert again.structured_content["status"] == "duplicate"
+    # Same key, other arguments: another action under a used key, refused (a new key is needed)
+    out = other.structured_content
+    assert other.is_error is True and out["error"] == "IdempotencyKeyMismatch", out
+    assert "Use a new key for a new action" in other.content[0].text  # type: ignore[union-attr]
+    assert len(live.effects(f"keyed:{oid}")) == 1
 
 
 def test_the_text_content_carries_the_message_and_the_result() -> None:

@@ -24,9 +24,14 @@ Every call returns a small JSON-serialisable dict, never an exception or a stack
      "result": ...,            # the body's return value (None unless ok/duplicate)
      "message": "...",         # one sentence the model can act on
      "tool": "charge_card", "idempotency_key": "...", "task_id": "...",
-     "error": "TypeName", "retryable": bool}   # only when status is "error"
+     "error": "TypeName", "retryable": bool,   # only when status is "error"
+     "error_id": "..."}                        # when the error's text went to the log only
 
 ``duplicate`` is a success: the action had already been done and this is its recorded result.
+A body's error shows the model its type and an ``error_id`` (the text is logged under that id
+on the ``celery_idem.tools`` logger), unless it is a :class:`~celery_idem.TerminalError` or
+marked safe to show (``tool(..., expose_errors=...)``). ``Toolbox(..., scope=...)`` and
+``call(..., scope=...)`` put a write call's key in the caller's scope.
 ``in_progress`` means the bounded wait ran out while the action runs; calling again with the
 same arguments is safe and returns the result once it is there.
 
@@ -55,11 +60,21 @@ API under its first name.
 from __future__ import annotations
 
 from .factory import tool
-from .outcome import MAX_MESSAGE, NAME_PATTERN, OUTCOME_SCHEMA, STATUSES, WRITE_NOTE, ToolKind
+from .outcome import (
+    MAX_ARGUMENT_DEPTH,
+    MAX_ARGUMENTS_SIZE,
+    MAX_MESSAGE,
+    NAME_PATTERN,
+    OUTCOME_SCHEMA,
+    STATUSES,
+    WRITE_NOTE,
+    ToolKind,
+)
 from .runtime import Pending, Tool
 from .schema import ToolError, schema_for
 from .toolbox import Toolbox
 from .validation import validate
 
-__all__ = ["MAX_MESSAGE", "NAME_PATTERN", "OUTCOME_SCHEMA", "STATUSES", "WRITE_NOTE", "Pending",
-           "Tool", "ToolError", "ToolKind", "Toolbox", "schema_for", "tool", "validate"]
+__all__ = ["MAX_ARGUMENTS_SIZE", "MAX_ARGUMENT_DEPTH", "MAX_MESSAGE", "NAME_PATTERN",
+           "OUTCOME_SCHEMA", "STATUSES", "WRITE_NOTE", "Pending", "Tool", "ToolError", "ToolKind",
+           "Toolbox", "schema_for", "tool", "validate"]

@@ -22,8 +22,10 @@ __all__ = ["tool"]
 #: never sees it).
 _OWN_KEY = {
     "type": "string", "minLength": 1, "maxLength": 200,
-    "description": "Optional: your own key for this action, used as given. Calls with the same "
-                   "key are the same action, done once."}
+    "description": "Optional: your own key for this action (printable text). Calls with the "
+                   "same key and the same arguments are the same action, done once; a key "
+                   "used again with other arguments is refused: use a new key for a new "
+                   "action."}
 
 
 def tool(
@@ -39,6 +41,7 @@ def tool(
     open_world: bool = True,
     key_argument: str | None = None,
     title: str | None = None,
+    expose_errors: tuple[type[BaseException], ...] = (),
 ) -> Tool:
     """Make an agent tool from a Celery task or, for ``kind="read"``, a plain function.
 
@@ -60,20 +63,29 @@ def tool(
             ``destructiveHint``); False for one that only adds (a charge, a new shipment).
         open_world: The tool reaches beyond this system: a payment provider, e-mail, the web
             (MCP's ``openWorldHint``); False for one that works on this system's own data.
-        key_argument: For a write tool, the name of an argument whose value is the action's
-            idempotency key, used verbatim instead of the key derived from the other
-            arguments. If the task has no such parameter it is added to the schema as an
-            optional string and not passed to the task.
+        key_argument: For a write tool, the name of an argument whose value is the call's own
+            idempotency key (``apply_async(idempotency_key=...)``) instead of the key derived
+            from the other arguments. It names an action of this task only, in the call's
+            scope; used again with other arguments it is refused (a ``mismatch``). If the
+            task has no such parameter it is added to the schema as an optional string and
+            not passed to the task.
         title: A human-readable title (MCP's ``title`` annotation).
+        expose_errors: Exception types whose text the model may see when the body raises
+            them. By default the model sees only the type of an error and an error id (the
+            text, which can hold secrets or other callers' data, goes to the log), except
+            for a :class:`~celery_idem.TerminalError` or a class with
+            ``expose_to_model = True``.
 
     Raises:
         ToolError: ``target`` cannot be this kind of tool, its signature cannot be
             described in JSON Schema (the message names the parameter), or ``parameters`` is
             not a valid JSON Schema.
         ImportError: The ``[tools]`` extra (pydantic, jsonschema) is not installed.
-        ValueError: ``kind``, ``name``, ``timeout`` or ``key_argument`` is invalid.
+        ValueError: ``kind``, ``name``, ``timeout``, ``key_argument`` or ``expose_errors``
+            is invalid.
     """
     _check_options(kind, timeout)
+    expose_errors = _exception_types(expose_errors)
     label = str(getattr(target, "name", None) or getattr(target, "__qualname__", repr(target)))
     fn, signature, default_name = _body_of(target, kind, label)
     name = name or default_name
@@ -95,7 +107,15 @@ def tool(
     return Tool(target, kind=kind, name=name, description=description, parameters=schema,
                 timeout=float(timeout), options=dict(options or {}), destructive=destructive,
                 open_world=open_world, key_argument=key_argument,
-                key_passed_on=passed_on, title=title)
+                key_passed_on=passed_on, title=title, expose_errors=expose_errors)
+
+
+def _exception_types(value: Any) -> tuple[type[BaseException], ...]:
+    types = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, BaseException)):
+            raise ValueError(f"expose_errors takes exception classes, got {t!r}")
+    return types
 
 
 def _check_options(kind: Any, timeout: Any) -> None:

@@ -63,7 +63,7 @@ def mcp_spec(tool: Tool) -> dict[str, Any]:
             "annotations": mcp_annotations(tool)}
 
 
-def langchain_tool(tool: Tool) -> Any:
+def langchain_tool(tool: Tool, scope: str | None = None) -> Any:
     """The tool as a LangChain ``StructuredTool`` (see :meth:`~celery_idem.contrib.tools.Tool.langchain`).
 
     Raises:
@@ -75,17 +75,17 @@ def langchain_tool(tool: Tool) -> Any:
         raise ImportError("Tool.langchain() needs langchain-core: pip install langchain-core") from exc
 
     def run(**arguments: Any) -> dict[str, Any]:
-        return tool.invoke(arguments)
+        return tool.invoke(arguments, scope=scope)
 
     async def arun(**arguments: Any) -> dict[str, Any]:
-        return await tool.ainvoke(arguments)
+        return await tool.ainvoke(arguments, scope=scope)
 
     return StructuredTool.from_function(func=run, coroutine=arun, name=tool.name,
                                         description=tool.description,
                                         args_schema=tool.parameters)
 
 
-def pydantic_ai_tool(tool: Tool) -> Any:
+def pydantic_ai_tool(tool: Tool, scope: str | None = None) -> Any:
     """The tool as a pydantic-ai ``Tool`` (see :meth:`~celery_idem.contrib.tools.Tool.pydantic_ai`).
 
     Raises:
@@ -97,7 +97,7 @@ def pydantic_ai_tool(tool: Tool) -> Any:
         raise ImportError("Tool.pydantic_ai() needs pydantic-ai: pip install pydantic-ai-slim") from exc
 
     async def run(**arguments: Any) -> dict[str, Any]:
-        return await tool.ainvoke(arguments)
+        return await tool.ainvoke(arguments, scope=scope)
 
     return AgentTool.from_schema(run, name=tool.name, description=tool.description,
                                  json_schema=tool.parameters)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-__all__ = ["MAX_MESSAGE", "NAME_PATTERN", "OUTCOME_SCHEMA", "STATUSES", "WRITE_NOTE", "ToolError",
-           "ToolKind", "short"]
+__all__ = ["MAX_ARGUMENTS_SIZE", "MAX_ARGUMENT_DEPTH", "MAX_MESSAGE", "NAME_PATTERN",
+           "OUTCOME_SCHEMA", "STATUSES", "WRITE_NOTE", "ToolError", "ToolKind", "short"]
 
 ToolKind = Literal["read", "write"]
 #: What a call's ``status`` can be.
@@ -20,6 +20,13 @@ STATUSES = ("ok", "duplicate", "in_progress", "error")
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 #: Longest error text a model is shown (an exception message can be a whole HTTP body).
 MAX_MESSAGE = 500
+#: Deepest nesting of lists and objects a tool's arguments may have (the arguments object itself
+#: is level 1). Real tool arguments are a few levels deep; a bound keeps the parser, the schema
+#: check and the key's canonical form from recursing without end on a hostile input.
+MAX_ARGUMENT_DEPTH = 32
+#: Largest arguments a tool accepts, in characters of their JSON text (for a mapping: of its
+#: strings, plus a few per value). A model's arguments are a few kilobytes.
+MAX_ARGUMENTS_SIZE = 1_000_000
 #: Appended to a write tool's description: the model is told that repeating a call is safe.
 WRITE_NOTE = (
     "Safe to call again with the same arguments: the action is done once, and a repeated "
@@ -43,6 +50,9 @@ OUTCOME_SCHEMA: dict[str, Any] = {
         "error": {"type": "string", "description": "The error's type name (status error only)."},
         "retryable": {"type": "boolean",
                       "description": "Whether calling again may help (status error only)."},
+        "error_id": {"type": "string",
+                     "description": "The failure's id in the server's log (status error only, "
+                                    "when the details are kept there): quote it to the user."},
     },
     "required": ["status", "result", "message", "tool", "idempotency_key", "task_id"],
 }

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -19,17 +20,23 @@ from celery.result import AsyncResult
 from celery.states import FAILURE, READY_STATES, REVOKED, SUCCESS
 
 from ...app import get_store
-from ...exceptions import IdempotencyKeyMismatch, StoreUnavailable, TerminalError
-from ...keys import canonical
+from ...exceptions import IdempotencyKeyMismatch, InvalidKey, StoreUnavailable, TerminalError
+from ...keys import canonical, check_scope
 from ...task import IdempotentTask
 from . import formats
-from .outcome import ToolKind, short
-from .validation import validate
+from .outcome import MAX_ARGUMENT_DEPTH, MAX_ARGUMENTS_SIZE, ToolKind, short
+from .validation import check_bounds, validate
 
 __all__ = ["Pending", "Tool"]
 
-# The name users configure logging by (the module was celery_idem.tools).
+# The name users configure logging by (the module was celery_idem.tools); a child of the
+# library's "celery_idem" logger, so configuring that one covers it.
 logger = logging.getLogger("celery_idem.tools")
+
+#: An exception class with this attribute set to True may be shown to the model (its type and
+#: its text), as a ``TerminalError`` is; see :func:`~celery_idem.contrib.tools.tool`'s
+#: ``expose_errors``.
+EXPOSE_ATTRIBUTE = "expose_to_model"
 
 
 class Tool:
@@ -47,15 +54,18 @@ class Tool:
         target: The task or function.
         destructive: May overwrite or delete (MCP's ``destructiveHint``, write tools).
         open_world: Reaches beyond this system (MCP's ``openWorldHint``).
-        key_argument: The argument used verbatim as the key, or None (derived key).
+        key_argument: The argument whose value is the call's own key, or None (derived key).
         title: A human-readable title, or None.
+        expose_errors: Exception types whose text the model may see (besides
+            ``TerminalError`` and classes with ``expose_to_model = True``).
     """
 
     def __init__(self, target: Any, *, kind: ToolKind, name: str, description: str,
                  parameters: dict[str, Any], timeout: float, options: dict[str, Any],
                  destructive: bool = True, open_world: bool = True,
                  key_argument: str | None = None, key_passed_on: bool = True,
-                 title: str | None = None) -> None:
+                 title: str | None = None,
+                 expose_errors: tuple[type[BaseException], ...] = ()) -> None:
         self.target = target
         self.kind: ToolKind = kind
         self.name = name
@@ -68,6 +78,7 @@ class Tool:
         self.key_argument = key_argument
         self._key_passed_on = key_passed_on
         self.title = title
+        self.expose_errors = expose_errors
 
     def __repr__(self) -> str:
         return f"<Tool {self.name} ({self.kind})>"
@@ -79,25 +90,31 @@ class Tool:
         return self.invoke(arguments)
 
     def invoke(self, arguments: str | Mapping[str, Any] | None,
-               timeout: float | None = None) -> dict[str, Any]:
+               timeout: float | None = None, *, scope: str | None = None) -> dict[str, Any]:
         """Call the tool with a model's arguments (a JSON object text, or a dict).
 
         Args:
             arguments: The model's arguments: a JSON text (OpenAI's ``arguments``) or a
                 mapping (Anthropic's ``input``); None for no arguments.
             timeout: Seconds to wait for the result (default :attr:`timeout`).
+            scope: The caller's scope (a tenant, a principal): the same arguments or key in
+                two scopes are two actions (see :meth:`start`).
 
         Returns:
             The outcome dict (``status``, ``result``, ``message``, ...).
+
+        Raises:
+            InvalidKey: ``scope`` is not a valid scope (the caller's mistake, not the model's).
         """
-        return self.start(arguments).wait(timeout)
+        return self.start(arguments, scope=scope).wait(timeout)
 
     async def acall(self, **arguments: Any) -> dict[str, Any]:
         """Async :meth:`__call__`: enqueue and wait without blocking the event loop."""
         return await self.ainvoke(arguments)
 
     async def ainvoke(self, arguments: str | Mapping[str, Any] | None,
-                      timeout: float | None = None) -> dict[str, Any]:
+                      timeout: float | None = None, *, scope: str | None = None
+                      ) -> dict[str, Any]:
         """Async :meth:`invoke`: the enqueue and every poll of the result run in a thread.
 
         Cancelling the awaiting coroutine stops only the wait: the task goes on running and
@@ -106,53 +123,83 @@ class Tool:
         Args:
             arguments: The model's arguments (JSON text or a mapping; None for none).
             timeout: Seconds to wait for the result (default :attr:`timeout`).
+            scope: The caller's scope (see :meth:`start`).
 
         Returns:
             The outcome dict, as :meth:`invoke` returns it.
+
+        Raises:
+            InvalidKey: ``scope`` is not a valid scope.
         """
         # The enqueue talks to the store and the broker (blocking sockets): off the loop. A
         # cancellation while it runs leaves the thread to finish the publish.
-        pending = await asyncio.to_thread(self.start, arguments)
+        pending = await asyncio.to_thread(lambda: self.start(arguments, scope=scope))
         return await pending.wait_async(timeout)
 
-    def start(self, arguments: str | Mapping[str, Any] | None) -> Pending:
+    def start(self, arguments: str | Mapping[str, Any] | None, *,
+              scope: str | None = None) -> Pending:
         """Check the arguments and start the call, without waiting for its result.
 
         A write tool's task is enqueued (or answered from the store at once, when the action
         is already done); a read function runs to its end here. Save
         :attr:`Pending.task_id` and :attr:`Pending.idempotency_key` (to a checkpoint, say)
         before calling :meth:`Pending.wait`.
+
+        Args:
+            arguments: The model's arguments (JSON text or a mapping; None for none). At most
+                :data:`~celery_idem.contrib.tools.MAX_ARGUMENT_DEPTH` levels deep and
+                :data:`~celery_idem.contrib.tools.MAX_ARGUMENTS_SIZE` characters; anything that
+                does not parse within them is an ``InvalidArguments`` outcome.
+            scope: The caller's scope (a tenant, a principal), passed to the task as
+                ``apply_async(..., idempotency_scope=scope)``: the action's key is in that
+                scope, so the same arguments (or the same ``key_argument``) in two scopes are
+                two actions, and one scope never reads another's result. A read tool has no
+                key and ignores it.
+
+        Raises:
+            InvalidKey: ``scope`` is not a valid scope (1 to 64 characters of
+                ``A-Z a-z 0-9 . _ ~ + = / -``). The scope is the caller's, not the model's.
         """
+        if scope is not None:
+            check_scope(scope)
         parsed, problems = self._parse(arguments)
         if problems:
             # Nothing was enqueued: the model can fix the call and try again.
-            return Pending(self, outcome=self._error(
-                "InvalidArguments", f"{self.name}: {'; '.join(problems)}. Nothing was done; "
-                f"call it again with corrected arguments.", retryable=True))
+            return Pending(self, outcome=self._invalid("; ".join(problems)))
         if not isinstance(self.target, Task):
             return Pending(self, outcome=self._run_here(parsed))
-        key = self._own_key(parsed)
-        options = dict(self.options, idempotency_key=key) if key is not None else dict(self.options)
+        gated = isinstance(self.target, IdempotentTask)
+        own = self._own_key(parsed)
+        options = dict(self.options)
+        if own is not None:
+            options["idempotency_key"] = own
+        if gated and scope is not None:
+            options["idempotency_scope"] = scope
+        key: str | None = None
         try:
-            if key is None and isinstance(self.target, IdempotentTask):
-                key = self.target.idempotency_key_for(kwargs=parsed)
+            if gated:
+                key = self.target.idempotency_key_for(
+                    kwargs=parsed, idempotency_key=own, idempotency_scope=scope)
             result = self.target.apply_async(kwargs=parsed, **options)
         except IdempotencyKeyMismatch as exc:
-            return Pending(self, outcome=self._mismatch(exc, key))
+            return Pending(self, outcome=self._mismatch(exc, key, per_call=own is not None))
+        except InvalidKey as exc:
+            # The model's key (its key_argument): one it can fix. A bad scope was refused above.
+            where = f"argument {self.key_argument!r}: " if own is not None else ""
+            return Pending(self, outcome=self._invalid(f"{where}{short(exc)}", key))
         except (TypeError, ValueError) as exc:
-            return Pending(self, outcome=self._error(
-                "InvalidArguments", f"{self.name}: {short(exc)}. Nothing was done; call it "
-                f"again with corrected arguments.", retryable=True, key=key))
+            return Pending(self, outcome=self._invalid(short(exc), key))
         except Exception as exc:  # broker down, ...: nothing (or nothing known) was sent
-            logger.warning("celery_idem.tools %s: enqueue failed: %s", self.name, exc,
-                           exc_info=True)
+            # The text can hold a broker URL with its password: the log has it, the model not.
+            error_id = self._log_failure("could not be started", exc, key, None)
             return Pending(self, outcome=self._error(
-                type(exc).__name__, f"{self.name} could not be started: {short(exc)}. Calling "
-                f"it again with the same arguments is safe.", retryable=True, key=key))
+                type(exc).__name__, f"{self.name} could not be started ({type(exc).__name__}; "
+                f"error id {error_id}). Calling it again with the same arguments is safe.",
+                retryable=True, key=key, error_id=error_id))
         key = getattr(result, "idempotency_key", None) or key
-        return Pending(self, result=result, key=key)
+        return Pending(self, result=result, key=key, per_call=own is not None)
 
-    def _own_key(self, parsed: dict[str, Any]) -> str | None:
+    def _own_key(self, parsed: dict[str, Any]) -> Any:
         """The caller's own key from :attr:`key_argument` (taken out of ``parsed`` when the
         task has no such parameter), or None for the key derived from the arguments."""
         if self.key_argument is None:
@@ -160,19 +207,43 @@ class Tool:
         value = parsed.get(self.key_argument)
         if not self._key_passed_on:
             parsed.pop(self.key_argument, None)
-        # The caller's own key, verbatim (the task's apply_async checks its length).
-        return None if value is None else str(value)
+        # Passed on as given: the task's key check refuses a non-str, an empty or long one, or
+        # one with control characters (InvalidKey), which is answered as invalid arguments.
+        return value
 
-    def _parse(self, arguments: str | Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    def _parse(self, arguments: str | bytes | Mapping[str, Any] | None
+               ) -> tuple[dict[str, Any], list[str]]:
+        """The arguments as a dict, and their problems (each one sentence); never raises."""
+        try:
+            return self._parse_bounded(arguments)
+        except Exception as exc:  # a RecursionError or any other surprise of a validator
+            # The docs promise an outcome, never an exception: whatever a hostile input makes
+            # the parser or the schema check do, the call is refused as invalid. No traceback:
+            # a recursion's is a thousand frames, per hostile call.
+            logger.info("celery_idem.tools %s: arguments refused: %s: %r", self.name,
+                        type(exc).__name__, str(exc)[:200])
+            return {}, [f"the arguments could not be read ({type(exc).__name__})"]
+
+    def _parse_bounded(self, arguments: str | bytes | Mapping[str, Any] | None
+                       ) -> tuple[dict[str, Any], list[str]]:
         if arguments is None or arguments == "":
             arguments = {}
-        if isinstance(arguments, (str, bytes)):
+        if isinstance(arguments, (str, bytes, bytearray)):
+            # Sized before parsing: the parser's work (and memory) is bounded by it.
+            if len(arguments) > MAX_ARGUMENTS_SIZE:
+                return {}, [f"the arguments are larger than {MAX_ARGUMENTS_SIZE} characters"]
             try:
                 arguments = json.loads(arguments)
+            except RecursionError:  # nesting deeper than the interpreter's recursion limit
+                return {}, [f"the arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels"]
             except ValueError as exc:
-                return {}, [f"the arguments are not valid JSON ({exc})"]
+                return {}, [f"the arguments are not valid JSON ({short(exc)})"]
         if not isinstance(arguments, Mapping):
             return {}, [f"the arguments must be a JSON object, got {type(arguments).__name__}"]
+        # Bounded before the schema check and the key's canonical form walk them (recursively).
+        problem = check_bounds(arguments, MAX_ARGUMENT_DEPTH, MAX_ARGUMENTS_SIZE)
+        if problem is not None:
+            return {}, [f"the arguments are refused: {problem}"]
         parsed = {n: v for n, v in arguments.items() if v is not None or not self._null_is_default(n)}
         return parsed, validate(self.parameters, parsed)
 
@@ -189,9 +260,7 @@ class Tool:
         try:
             value = self.target(**arguments)
         except Exception as exc:
-            logger.info("celery_idem.tools %s failed: %s", self.name, exc, exc_info=True)
-            return self._error(type(exc).__name__, f"{self.name} failed: {short(exc)}",
-                               retryable=True)
+            return self._failure(exc, None, None, exc_info=True)
         return self._success("ok", value, None, None)
 
     # -- outcomes --------------------------------------------------------------------------
@@ -217,42 +286,86 @@ class Tool:
         return self._outcome(status, value, message, key, task_id)
 
     def _error(self, error: str, message: str, *, retryable: bool, key: str | None = None,
-               task_id: str | None = None) -> dict[str, Any]:
-        return {**self._outcome("error", None, message, key, task_id), "error": error,
-                "retryable": retryable}
+               task_id: str | None = None, error_id: str | None = None) -> dict[str, Any]:
+        outcome = {**self._outcome("error", None, message, key, task_id), "error": error,
+                   "retryable": retryable}
+        if error_id is not None:
+            outcome["error_id"] = error_id
+        return outcome
 
-    def _mismatch(self, exc: BaseException, key: str | None, task_id: str | None = None
-                  ) -> dict[str, Any]:
+    def _invalid(self, problem: str, key: str | None = None) -> dict[str, Any]:
+        """The outcome of arguments (or a key) that cannot be used: nothing was done."""
         return self._error(
-            "IdempotencyKeyMismatch",
-            f"{self.name} was already called for this action with different arguments, and "
-            f"the first call stands ({short(exc)}). To do a different action, change the "
-            f"arguments that identify it.", retryable=False, key=key, task_id=task_id)
+            "InvalidArguments", f"{self.name}: {problem}. Nothing was done; call it again with "
+            f"corrected arguments.", retryable=True, key=key)
 
-    def _failure(self, exc: BaseException, key: str | None, task_id: str | None) -> dict[str, Any]:
+    def _mismatch(self, exc: BaseException, key: str | None, task_id: str | None = None, *,
+                  per_call: bool = False) -> dict[str, Any]:
+        if per_call:
+            # The model chose the key: the way out is a new key, not other arguments.
+            message = (f"{self.name}: this key ({self.key_argument}) was already used for a "
+                       f"different action (other arguments), and that first action stands; "
+                       f"nothing was done now. Use a new key for a new action; repeat the first "
+                       f"call's arguments with this key to get its result.")
+        else:
+            message = (f"{self.name} was already called for this action with different "
+                       f"arguments, and the first call stands; nothing was done now. To do a "
+                       f"different action, use a new key: change the arguments that identify it.")
+        return self._error("IdempotencyKeyMismatch", message, retryable=False, key=key,
+                           task_id=task_id)
+
+    def _shown(self, exc: BaseException) -> bool:
+        """Whether the model may see ``exc``'s text (else only its type and an error id)."""
+        return (isinstance(exc, (TerminalError, *self.expose_errors))
+                or getattr(type(exc), EXPOSE_ATTRIBUTE, False) is True)
+
+    def _log_failure(self, what: str, exc: BaseException, key: str | None,
+                     task_id: str | None, traceback: str | None = None,
+                     exc_info: bool = False) -> str:
+        """Log ``exc`` in full under a new error id, and return the id (the model gets it)."""
+        error_id = uuid.uuid4().hex[:16]
+        detail = f"\n{traceback.rstrip()}" if traceback else ""
+        # %r: the text is the exception's own, whatever it holds (a newline cannot forge a line).
+        logger.warning("celery_idem.tools %s %s [error_id=%s task_id=%s key=%r]: %s: %r%s",
+                       self.name, what, error_id, task_id, key, type(exc).__name__, str(exc),
+                       detail, exc_info=exc if exc_info else None)
+        return error_id
+
+    def _failure(self, exc: BaseException, key: str | None, task_id: str | None, *,
+                 traceback: str | None = None, per_call: bool = False,
+                 exc_info: bool = False) -> dict[str, Any]:
         if isinstance(exc, IdempotencyKeyMismatch):
-            return self._mismatch(exc, key, task_id)
+            return self._mismatch(exc, key, task_id, per_call=per_call)
         terminal: tuple[type[BaseException], ...] = (TerminalError,)
         if isinstance(self.target, IdempotentTask):
             terminal += self.target.idempotency_config.terminal_on
-        text = f"{type(exc).__name__}: {short(exc)}"
+        kind = type(exc).__name__
+        if self._shown(exc):
+            text, error_id = f"{kind}: {short(exc)}", None
+        else:
+            # An exception's text can hold anything the body had (a DSN with its password, a
+            # token, another customer's data): the model gets the type and an id to quote;
+            # the operator finds the text under that id in the log.
+            error_id = self._log_failure("failed", exc, key, task_id, traceback, exc_info)
+            text = f"{kind} (the details are in the server's log under error id {error_id})"
         if isinstance(exc, terminal):
             return self._error(
-                type(exc).__name__, f"{self.name} failed for good: {text}. Calling it again with "
-                f"the same arguments returns the same error; change the arguments or tell the "
-                f"user.", retryable=False, key=key, task_id=task_id)
+                kind, f"{self.name} failed for good: {text}. Calling it again with the same "
+                f"arguments returns the same error; change the arguments or tell the user.",
+                retryable=False, key=key, task_id=task_id, error_id=error_id)
         again = ("it will not run twice at the same time" if self.kind == "write"
                  else "it has no effect")
         return self._error(
-            type(exc).__name__, f"{self.name} failed: {text}. The error is not marked "
-            f"permanent: calling it again with the same arguments is allowed ({again}).",
-            retryable=True, key=key, task_id=task_id)
+            kind, f"{self.name} failed: {text}. The error is not marked permanent: calling it "
+            f"again with the same arguments is allowed ({again}).",
+            retryable=True, key=key, task_id=task_id, error_id=error_id)
 
     def _in_progress(self, waited: float, key: str | None, task_id: str | None) -> dict[str, Any]:
         if self.kind == "write":
             message = (f"{self.name} is still in progress after {waited:g} s. It is safe to call "
-                       f"it again with the same arguments: the action will not be done twice, "
-                       f"and the call returns its result once it is ready.")
+                       f"it again with the same arguments: the call waits on the same running "
+                       f"action (nothing is sent again, the action will not be done twice), "
+                       f"and returns its result once it is ready.")
         else:
             message = (f"{self.name} gave no result within {waited:g} s; it has no effect, so "
                        f"calling it again is safe.")
@@ -301,27 +414,35 @@ class Tool:
         """
         return formats.mcp_spec(self)
 
-    def langchain(self) -> Any:
+    def langchain(self, *, scope: str | None = None) -> Any:
         """The tool as a LangChain ``StructuredTool`` (needs ``langchain-core``).
 
         The LangChain tool returns the same outcome dict.
 
+        Args:
+            scope: The scope of every call the LangChain tool makes (see :meth:`start`).
+
         Raises:
             ImportError: ``langchain-core`` is not installed (the message says what to install).
+            InvalidKey: ``scope`` is not a valid scope.
         """
-        return formats.langchain_tool(self)
+        return formats.langchain_tool(self, None if scope is None else check_scope(scope))
 
-    def pydantic_ai(self) -> Any:
+    def pydantic_ai(self, *, scope: str | None = None) -> Any:
         """The tool as a pydantic-ai ``Tool`` (needs ``pydantic-ai-slim``).
 
         Built with ``Tool.from_schema`` from this tool's JSON Schema; it awaits
         :meth:`ainvoke`, so an agent's run never blocks its event loop, and returns the same
         outcome dict.
 
+        Args:
+            scope: The scope of every call the pydantic-ai tool makes (see :meth:`start`).
+
         Raises:
             ImportError: pydantic-ai is not installed (the message says what to install).
+            InvalidKey: ``scope`` is not a valid scope.
         """
-        return formats.pydantic_ai_tool(self)
+        return formats.pydantic_ai_tool(self, None if scope is None else check_scope(scope))
 
 
 class Pending:
@@ -335,12 +456,19 @@ class Pending:
     """
 
     def __init__(self, tool: Tool, *, result: AsyncResult | None = None,
-                 key: str | None = None, outcome: dict[str, Any] | None = None) -> None:
+                 key: str | None = None, outcome: dict[str, Any] | None = None,
+                 per_call: bool = False) -> None:
         self.tool = tool
         self.result = result
         self.idempotency_key = key
+        # Whether the key is the caller's own (key_argument): a mismatch then asks for a new key.
+        self._per_call = per_call
         self.task_id: str | None = result.id if result is not None else None
-        self.answered_at_enqueue = getattr(result, "original_task_id", None) is not None
+        #: The enqueue attached to the action under way (issue 26): nothing was sent, and
+        #: ``task_id`` is the running attempt's.
+        self.attached = bool(getattr(result, "attached", False))
+        self.answered_at_enqueue = not self.attached and \
+            getattr(result, "original_task_id", None) is not None
         self.outcome = outcome
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
@@ -360,11 +488,12 @@ class Pending:
                 return tool._in_progress(timeout, key, self.task_id)
             state, value = result.state, result.result
         except Exception as exc:  # the result backend is down, or the result unreadable
-            logger.warning("celery_idem.tools %s: result of %s unreadable: %s", tool.name,
-                           self.task_id, exc, exc_info=True)
+            error_id = tool._log_failure("result unreadable", exc, key, self.task_id,
+                                         exc_info=True)
             return tool._error(type(exc).__name__, f"{tool.name}: its result could not be read "
-                               f"({short(exc)}); calling it again with the same arguments is "
-                               f"safe.", retryable=True, key=key, task_id=self.task_id)
+                               f"({type(exc).__name__}; error id {error_id}); calling it again "
+                               f"with the same arguments is safe.", retryable=True, key=key,
+                               task_id=self.task_id, error_id=error_id)
         self.outcome = self._finished(state, value)
         return self.outcome
 
@@ -372,14 +501,16 @@ class Pending:
         """The outcome of a task that is done: its ``state`` and ``value`` (result or error)."""
         tool, key = self.tool, self.idempotency_key
         if state == SUCCESS:
-            if self.answered_at_enqueue:  # a CachedResult: its id is the original task's
+            if self.answered_at_enqueue or self.attached:
+                # A CachedResult or an AttachedResult: its id is the original task's.
                 status, original = "duplicate", self.task_id
             else:
                 original = self._original_task_id()
                 status = "duplicate" if original and original != self.task_id else "ok"
             return tool._success(status, value, key, self.task_id, original)
         if state == FAILURE and isinstance(value, BaseException):
-            return tool._failure(value, key, self.task_id)
+            return tool._failure(value, key, self.task_id, per_call=self._per_call,
+                                 traceback=self._traceback())
         if state == REVOKED:
             return tool._error("Revoked", f"{tool.name} was cancelled (revoked) before it "
                                f"finished.", retryable=True, key=key, task_id=self.task_id)
@@ -414,6 +545,14 @@ class Pending:
         # Ready: wait(0) reads the state and value and builds the outcome (the store read that
         # tells a duplicate apart is a blocking call too).
         return await asyncio.to_thread(self.wait, 0.0)
+
+    def _traceback(self) -> str | None:
+        """The worker's traceback of a failed task, for the log (never for the model)."""
+        try:
+            text = self.result.traceback if self.result is not None else None
+        except Exception:  # the backend went away since: the log has the rest
+            return None
+        return text if isinstance(text, str) else None
 
     def _original_task_id(self) -> str | None:
         """The task id whose body ran for this key (a worker-side duplicate answers with it)."""

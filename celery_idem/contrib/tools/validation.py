@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from jsonschema.exceptions import ValidationError
     from jsonschema.protocols import Validator
 
-__all__ = ["check_schema", "validate"]
+__all__ = ["check_bounds", "check_schema", "validate"]
 
 
 def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> list[str]:
@@ -40,6 +40,52 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> list[str]
     kept = [e for e in errors if e.validator == "type" or tuple(e.absolute_path) not in mistyped]
     kept.sort(key=lambda e: len(e.absolute_path))  # stable: the schema's own order otherwise
     return list(dict.fromkeys(_sentence(e, path) for e in kept))  # one per missing name, etc.
+
+
+def check_bounds(value: Any, max_depth: int, max_size: int) -> str | None:
+    """Say why ``value`` is too deep, too large or not encodable; None when it is within bounds.
+
+    Walks ``value`` without recursion (a 100,000-deep list is refused, not a ``RecursionError``)
+    and stops at the first problem, so a hostile input costs at most ``max_size`` steps. Lists,
+    tuples and mappings nest (the arguments object is depth 1); a string counts its length
+    towards ``max_size``, any other value a few characters. A string that UTF-8 cannot encode
+    (a lone surrogate, which JSON's ``\\ud800`` escapes can make) is refused too: no key or
+    message could carry it.
+
+    Args:
+        value: The parsed arguments.
+        max_depth: The deepest nesting allowed.
+        max_size: The largest size allowed, in characters of (about) its JSON text.
+    """
+    size = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            size += len(item) + 2
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "a text value holds an unpaired surrogate (not valid Unicode)"
+        elif isinstance(item, (Mapping, list, tuple)):
+            if depth > max_depth:
+                return f"they are nested deeper than {max_depth} levels"
+            # Counted before its items are stacked: a huge container stops here, in one step.
+            size += 2 + len(item)
+            if size > max_size:
+                return f"they are larger than {max_size} characters"
+            if isinstance(item, Mapping):
+                for name, sub in item.items():
+                    stack.append((name, depth))
+                    stack.append((sub, depth + 1))
+            else:
+                stack.extend((sub, depth + 1) for sub in item)
+        else:
+            size += 8
+        if size > max_size:
+            return f"they are larger than {max_size} characters"
+    return None
 
 
 def check_schema(schema: Mapping[str, Any]) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "check_worker",
     "emit_answer",
     "emit_decision",
+    "emit_producer_decision",
     "events_enabled",
     "forget_store",
     "get_store",
@@ -192,23 +193,31 @@ def emit_answer(task: Task, outcome: Outcome, rec: Record, result_id: str) -> No
     (``idempotency_events``, ``task_send_sent_event``, or a worker started with ``-E``), so
     with events off an answer costs one log call and no broker round trip.
     """
+    emit_producer_decision(task, outcome, rec.key, rec.token, rec.task_id, result_id,
+                           rec.state.value)
+
+
+def emit_producer_decision(task: Task, outcome: Outcome, key: str, token: int,
+                           original_task_id: str, result_id: str, record_state: str) -> None:
+    """:func:`emit_answer` for a decision made from what the enqueue check found: a record,
+    or a queued message's reservation (``record_state="reserved"``, token 0)."""
     app = task.app
     conf = app.conf
-    extra = {"record_state": rec.state.value, "at": "enqueue"}
-    log_outcome(outcome, rec.key, rec.token, rec.task_id, result_id, extra,
+    extra = {"record_state": record_state, "at": "enqueue"}
+    log_outcome(outcome, key, token, original_task_id, result_id, extra,
                 answers=log_answers(app))
-    notify_observers(task.name, outcome, rec.key, rec.token, rec.task_id, task_span=False)
+    notify_observers(task.name, outcome, key, token, original_task_id, task_span=False)
     if not (conf.get("idempotency_events") or conf.task_send_sent_event
             or events_enabled(app)) or conf.task_always_eager:
         return
     try:
         with app.events.default_dispatcher() as dispatcher:
             dispatcher.send(
-                EVENT_TYPE, uuid=result_id, name=task.name, idempotency_key=rec.key,
-                outcome=outcome.value, original_task_id=rec.task_id, token=rec.token, **extra,
+                EVENT_TYPE, uuid=result_id, name=task.name, idempotency_key=key,
+                outcome=outcome.value, original_task_id=original_task_id, token=token, **extra,
             )
     except Exception as exc:  # monitoring must never change the answer
-        logger.debug("celery_idem event not sent key=%s: %s", rec.key, exc)
+        logger.debug("celery_idem event not sent key=%s: %s", key, exc)
 
 
 # -- worker start --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ hands them to :func:`deliver`, which
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -31,10 +32,16 @@ from .results import ResultWriter
 if TYPE_CHECKING:
     from celery import Task
 
-__all__ = ["REQUEUES_HEADER", "deliver", "requeue", "write_result"]
+__all__ = ["BUSY_FIRST", "BUSY_MAX", "REQUEUES_HEADER", "deliver", "requeue", "write_result"]
 
 #: Message header counting re-queues of a duplicate that found the key busy (not retries).
 REQUEUES_HEADER = "idempotency_requeues"
+#: A delivered copy of a busy key goes back with a countdown of BUSY_FIRST x 2^n seconds, at
+#: most BUSY_MAX, on its n-th re-queue: it holds no pool process while it waits (the worker
+#: keeps a countdown message aside), and one copy makes at most about 4 + D / BUSY_MAX
+#: messages for a body that runs D seconds (docs/scenarios.md).
+BUSY_FIRST = 0.5
+BUSY_MAX = 5.0
 
 
 def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attempt,
@@ -62,6 +69,7 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
     # No pool enforces a limit in the calling process (eager mode, a direct call).
     deadline = None if local else timelimits.request_deadline(task, req, started)
     fold = functools.partial(writer.build, req) if writer is not None and writer.folds else None
+    rounds = 0
     while True:
         try:
             outcome = gate.run(attempt, body, fold, deadline=deadline)
@@ -70,17 +78,24 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
                 if isinstance(busy.__cause__, SoftTimeLimitExceeded):
                     # A direct call inside another task's body: that task's own limit.
                     raise busy.__cause__ from None
-                continue  # no broker to re-queue to: wait another round in place
-            # A freed key is claimed by the next delivery at once; a busy one is looked
-            # at again a second later.
-            requeue(task, countdown=0.0 if busy.freed else 1.0, reason=str(busy))
+                # No broker to re-queue to: wait another round in place (backing off, since
+                # with idempotency_wait=0 the gate does not wait itself).
+                time.sleep(min(0.02 * 2 ** rounds, 0.5))
+                rounds += 1
+                continue
+            # A freed key is claimed by the next delivery at once; a busy one is looked at
+            # again later, later each time.
+            n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
+            countdown = 0.0 if busy.freed else min(BUSY_FIRST * 2.0 ** min(n, 16), BUSY_MAX)
+            requeue(task, countdown=countdown, reason=str(busy))
         except StoreUnavailable as down:
             if local:
                 raise
             emit_decision(task, Outcome.REQUEUED, attempt.key, 0, req.id or "",
                           {"reason": "store_unavailable"})
             n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
-            requeue(task, countdown=min(2.0 ** n, 30.0), reason=str(down), exc=down)
+            # (n capped: 2.0 ** n overflows a float past 1023 re-queues of a long outage)
+            requeue(task, countdown=min(2.0 ** min(n, 16), 30.0), reason=str(down), exc=down)
         else:
             if writer is not None:
                 write_result(writer, req, outcome)

@@ -26,7 +26,7 @@ from .app import emit_answer
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .gate import Gate
-from .records import Record, State
+from .records import Record, Reservation, State
 from .results import ResultWriter, answer_task_id, fire_full_barriers, store_answer
 
 if TYPE_CHECKING:
@@ -333,9 +333,10 @@ class EnqueueCheck:
 
     def publish(
         self, task: Task, gate: Gate, key: str, header: str, producer: Any, task_id: str | None,
-        send: Callable[[Any, str], AsyncResult],
-    ) -> AsyncResult | Record | None:
-        """Publish with the check within; the record if the key is done or failed.
+        send: Callable[[Any, str], AsyncResult], *, attach: bool = False,
+        reserve: tuple[str, str, int] | None = None,
+    ) -> AsyncResult | Record | Reservation | None:
+        """Publish with the check within; what was found instead, if it answers the enqueue.
 
         Args:
             task: The task being enqueued.
@@ -345,10 +346,16 @@ class EnqueueCheck:
             producer: The caller's producer, or None (one is acquired from the app's pool).
             task_id: The task id the caller chose, or None (a new one).
             send: Publishes with the given producer and task id (``Task.apply_async``).
+            attach: The enqueue may attach to an action under way: a record in progress is
+                handed back too (nothing published).
+            reserve: With ``attach``, reserve the key for the message pushed (``task_id``, the
+                fingerprint or "", the lease in ms), or hand back another message's
+                reservation (``celery_idem.attach``).
 
         Returns:
-            The result of the publish; the record (nothing was published); or None when the
-            broker cannot take the check (nothing was published: read first, then publish).
+            The result of the publish; the record or the reservation found (nothing was
+            published); or None when the broker cannot take the check (nothing was
+            published: read first, then publish).
 
         Raises:
             kombu.exceptions.EncodeError: The message cannot be encoded; nothing was sent and
@@ -363,9 +370,17 @@ class EnqueueCheck:
                 self.possible = False
                 return None
             sent_id = task_id or str(uuid())
-            token = fused.begin(store, key, header)
+            if reserve is not None:
+                reserve = (sent_id, *reserve[1:])
+            token = fused.begin(store, key, header, reserve if attach else None)
             try:
                 result = send(prod, sent_id)
+            except fused.ReservationFound as exc:
+                undo = self._undo_for(app.backend)
+                if undo is not None:
+                    undo(sent_id)
+                self.saw(True)
+                return exc.reservation
             except (fused.RecordFound, EncodeError) as exc:
                 # Not sent: the result subscription Celery made for it is not wanted.
                 undo = self._undo_for(app.backend)

@@ -37,18 +37,22 @@ class Outcome(str, enum.Enum):
     #: Producer side: an enqueue of a done or failed key was answered from the record in
     #: ``apply_async``/``delay()``; nothing was published.
     ANSWERED = "answered"
+    #: Producer side: an enqueue of a key in progress (or reserved by a queued message)
+    #: attached to that action; nothing was published (``celery_idem.attach``).
+    ATTACHED = "attached"
 
 
 #: Answers given without running the body: INFO by default, so a worker's log says which of
 #: several ``succeeded`` lines for one action ran (``original_task_id``), and the producer's
 #: says which enqueues published nothing. ``idempotency_log_answers = False`` makes them DEBUG.
-ANSWERS = frozenset({Outcome.DUPLICATE, Outcome.WAITED, Outcome.ANSWERED})
+ANSWERS = frozenset({Outcome.DUPLICATE, Outcome.WAITED, Outcome.ANSWERED, Outcome.ATTACHED})
 
 #: Outcomes an operator should see at INFO or above; the rest log at DEBUG.
 _LOUD = {
     Outcome.DUPLICATE: logging.INFO,
     Outcome.WAITED: logging.INFO,
     Outcome.ANSWERED: logging.INFO,
+    Outcome.ATTACHED: logging.INFO,
     Outcome.TAKEOVER: logging.INFO,
     Outcome.REQUEUED: logging.INFO,
     Outcome.HELD: logging.WARNING,

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Claim", "ClaimStatus", "Receipt", "Record", "State"]
+__all__ = ["Claim", "ClaimStatus", "Receipt", "Record", "Reservation", "State"]
 
 
 class State(str, enum.Enum):
@@ -126,3 +126,16 @@ class Receipt:
 
     def __repr__(self) -> str:
         return f"Receipt(key={self.key!r}, token={self.token}, task_id={self.task_id!r})"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A queued message's hold on a key no attempt has claimed yet (see ``Store.reserve``).
+
+    Attributes:
+        task_id: The task id of the message that reserved the key.
+        fingerprint: The fingerprint its call would store (None: the key has none).
+    """
+
+    task_id: str
+    fingerprint: str | None = None

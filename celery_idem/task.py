@@ -18,12 +18,15 @@ Importing this module makes celery_idem's ``ImproperlyConfigured`` Celery's too
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
+from uuid import uuid4 as uuid
 
 from celery import Task
 from celery.app.task import Context
@@ -33,11 +36,12 @@ from kombu.exceptions import EncodeError
 
 from . import timelimits
 from .app import check_worker, emit_decision, get_store, owner_id
+from .attach import attach, may_attach
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
 from .delivery import REQUEUES_HEADER, deliver
 from .enqueue import CachedResult, EnqueueCheck, answer_from_record, restore_cached, unsendable
-from .exceptions import InvalidKey, adopt_celery_base
+from .exceptions import InvalidKey, StoreUnavailable, adopt_celery_base
 from .gate import Attempt, Gate
 from .keys import (
     MAX_CALLER_KEY,
@@ -54,7 +58,7 @@ from .keys import (
     signature_of,
 )
 from .lease import current_lease
-from .records import Record
+from .records import Record, Reservation, State
 from .results import ResultWriter, result_writer
 
 if TYPE_CHECKING:
@@ -66,6 +70,8 @@ __all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 # An ``except celery.exceptions.ImproperlyConfigured`` around a task's configuration catches
 # celery_idem's: see celery_idem/exceptions.py.
 adopt_celery_base()
+
+logger = logging.getLogger("celery_idem")
 
 #: Unpickles a CachedResult pickled when it lived in this module.
 _restore_cached = restore_cached
@@ -135,10 +141,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: fields, else all of them), and the same key with other identifying arguments is refused
     #: with ``IdempotencyKeyMismatch``. False answers such a reuse from the first record.
     idempotency_fingerprint: ClassVar[bool] = True
-    #: Seconds a duplicate waits for a key in progress before re-queueing itself (re-queues
-    #: do not count against ``max_retries``). A time limit can cut it shorter: see
-    #: ``celery_idem.timelimits``.
-    idempotency_wait: ClassVar[float] = 10
+    #: Seconds a delivered duplicate holds its pool process waiting for a key in progress
+    #: before re-queueing itself with a countdown (re-queues do not count against
+    #: ``max_retries``). 0: re-queue at once, so copies never occupy the workers. A time limit
+    #: can cut it shorter: see ``celery_idem.timelimits``.
+    idempotency_wait: ClassVar[float] = 0
     #: Seconds the gate keeps retrying the record of a finished body while the store is down.
     idempotency_record_timeout: ClassVar[float] = 10
     #: Read the record before publishing, so an enqueue of a done key publishes nothing and
@@ -552,33 +559,85 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     bound = {}
                 raise unsendable(self.name, bound, serializer, exc) from exc
 
+        reserved: str | None = None  # the task id this enqueue reserved the key for
         if not republish and not canvas and self.idempotency_config.check_on_enqueue:
-            check, record = self._enqueue_check, None
-            if check.within_publish(self, self._gate):
-                # One round trip: the record is read by the script that pushes the message.
-                try:
-                    sent = check.publish(self, self._gate, key, HEADER, producer, task_id, publish)
-                except EncodeError:
-                    # Not sendable: a done key is still answered from the record (read first);
-                    # any other raises the error naming the argument, below.
-                    sent = None
-                if sent is not None and not isinstance(sent, Record):
-                    sent.idempotency_key = key
-                    return sent
-                record = sent  # the key is done: nothing was sent (None: read it first)
-            cached = answer_from_record(
-                self, self._gate, self._result_writer, key, args, kwargs, task_id, options,
-                arguments_hash=fingerprint,
-                record=record,
-            )
-            if record is None:
-                check.saw(cached is not None)
-            if cached is not None:
-                return cached
-        result = send(producer, task_id)
+            answer = self._check_enqueue(key, args, kwargs, task_id, producer, options,
+                                         fingerprint, publish)
+            if isinstance(answer, AsyncResult):
+                answer.idempotency_key = key
+                return answer
+            if answer is not None:
+                task_id = reserved = answer
+        try:
+            result = send(producer, task_id)
+        except BaseException:
+            if reserved is not None:
+                # Not sent: later enqueues must not attach to a message that does not exist.
+                with contextlib.suppress(Exception):
+                    self._gate.store.unreserve(key, reserved)
+            raise
         # So a caller (an agent keeping a checkpoint, say) can store the key with the task id.
         result.idempotency_key = key
         return result
+
+    def _check_enqueue(
+        self, key: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+        task_id: str | None, producer: Any, options: dict[str, Any],
+        fingerprint: Callable[[], str | None], publish: Callable[[Any, str], AsyncResult],
+    ) -> AsyncResult | str | None:
+        """The enqueue check: what the key's record (or reservation) says about this enqueue.
+
+        Returns:
+            The answer (a published message's result, a :class:`CachedResult` from the record,
+            an :class:`~celery_idem.attach.AttachedResult` following the action under way); or
+            the task id the key was reserved for (publish it under that id); or None: publish.
+        """
+        gate, check = self._gate, self._enqueue_check
+        store = gate.store
+        attaching = may_attach(self, options)
+        reserving = attaching and store.reserves
+        sent_id = task_id or (str(uuid()) if reserving else None)
+        lease = self.idempotency_config.lease
+        found: Record | Reservation | None = None
+        read = False
+        if check.within_publish(self, gate):
+            # One round trip: the record is read by the script that pushes the message.
+            reserve = (sent_id, fingerprint() or "", max(int(lease * 1000), 1)) \
+                if reserving and sent_id else None
+            try:
+                sent = check.publish(self, gate, key, HEADER, producer, sent_id, publish,
+                                     attach=attaching, reserve=reserve)
+            except EncodeError:
+                # Not sendable: a done key is still answered from the record (read first);
+                # any other raises the error naming the argument, below.
+                sent = None
+            if sent is not None and not isinstance(sent, (Record, Reservation)):
+                return sent
+            found, read = sent, sent is not None  # nothing was sent (None: read it first)
+        if not read:
+            try:
+                if reserving and sent_id:
+                    found = store.reserve(key, sent_id, lease, fingerprint())
+                else:
+                    found = store.get(key)
+            except StoreUnavailable as exc:
+                # The worker's gate still guards the body; publishing is safe.
+                logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
+                return None
+        answer: AsyncResult | None = None
+        if isinstance(found, Record) and found.state in (State.DONE, State.FAILED):
+            answer = answer_from_record(
+                self, gate, self._result_writer, key, args, kwargs, task_id, options,
+                arguments_hash=fingerprint, record=found,
+            )
+        elif attaching and found is not None:
+            answer = attach(self, gate, key, found, args, kwargs, options, fingerprint)
+        if not read:
+            check.saw(answer is not None)
+        if answer is not None:
+            return answer
+        # Publish: under the id reserved just now (read first, found None), else any.
+        return sent_id if (reserving and not read and found is None) else None
 
     # -- worker side ---------------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..exceptions import ImproperlyConfigured
-from ..records import Claim, Record, State
+from ..records import Claim, Record, Reservation, State
 
 __all__ = ["BackendWrite", "DurabilityFinding", "Store", "new_claim_id", "next_token"]
 
@@ -272,6 +272,43 @@ class Store(abc.ABC):
 
         For operators and the CLI; not atomic as a whole and never on the hot path.
         """
+
+    # -- reservations (the enqueue check; optional) ---------------------------------------------
+
+    #: Whether :meth:`reserve` leaves reservations. A store without them still answers
+    #: :meth:`reserve` with the record (it only reads), and enqueues attach to claims only.
+    reserves: ClassVar[bool] = False
+
+    def reserve(
+        self, key: str, task_id: str, lease: float, fingerprint: str | None = None
+    ) -> Record | Reservation | None:
+        """Read ``key``'s record and, when no attempt holds or answers it, reserve the key.
+
+        The enqueue check of a message about to be published (one round trip, as
+        :meth:`get`): later enqueues of the same key find the reservation and attach to
+        ``task_id``'s message instead of publishing copies. A reservation is not a claim:
+        the worker's claim stays the only arbiter, and it never reads reservations. It
+        expires after ``lease`` seconds, so a message that was lost (or is still queued
+        behind a long backlog) lets the next enqueue publish again.
+
+        Returns:
+            The record when there is one that is not released (the caller answers a done or
+            failed one and attaches to one in progress); the :class:`Reservation` another
+            message holds; or None: the key is now reserved for ``task_id`` (publish it).
+            The default (a store without reservations) returns :meth:`get`'s record.
+
+        Raises:
+            StoreUnavailable: The store could not be reached.
+            CorruptRecord: The stored record cannot be read.
+        """
+        return self.get(key)
+
+    def reservation(self, key: str) -> Reservation | None:
+        """The live reservation of ``key``, if any (None for a store without them)."""
+        return None
+
+    def unreserve(self, key: str, task_id: str) -> None:  # noqa: B027 - optional hook
+        """Drop ``task_id``'s reservation of ``key`` (its publish failed); others are kept."""
 
     # -- operator verbs (the CLI; never on a task's path) ---------------------------------------
 

@@ -52,7 +52,7 @@ from ..exceptions import (
     LeaseLost,
     StoreUnavailable,
 )
-from ..records import Claim, ClaimStatus, Record, State
+from ..records import Claim, ClaimStatus, Record, Reservation, State
 from .base import BackendWrite, DurabilityFinding, Store, new_claim_id
 from .redis_durability import DURABILITY_SETTINGS, config_get, durability_findings, text
 from .redis_wire import pack, wire_for
@@ -139,6 +139,17 @@ def _load(name: str) -> str:
     """The script ``<name>.lua`` as registered: the shared record parsing (``_record.lua``) first."""
     lua = resources.files(__package__).joinpath("lua")
     return lua.joinpath("_record.lua").read_text("utf-8") + lua.joinpath(f"{name}.lua").read_text("utf-8")
+
+
+def _plain(name: str) -> str:
+    """The script ``<name>.lua`` alone (it does not parse records)."""
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+#: Put before a record's name to name its reservation (``Store.reserve``): outside every
+#: store prefix, so a scan of the records never meets one, and on the record's cluster slot
+#: (the name keeps the record's hash tag).
+RESERVED = "celery-idem-reserved:"
 
 
 def _refuse_nul(**fields: str) -> None:
@@ -263,6 +274,9 @@ class RedisStore(Store):
         self._release = client.register_script(_load("release"))
         self._renew = client.register_script(_load("renew"))
         self._forget = client.register_script(_load("forget"))
+        # Plain scripts (no record parsing): the enqueue check's reservations.
+        self._reserve = client.register_script(_plain("reserve"))
+        self._unreserve = client.register_script(_plain("unreserve"))
         # The hot path to the server without redis-py's per-call layers (see redis_wire), for a
         # plain client; None for any other (Sentinel, Cluster, retries, RESP3): redis-py then.
         self._wire = wire_for(client)
@@ -447,6 +461,39 @@ class RedisStore(Store):
         self._check_fence(reply, key, token, "renew")
         raise AssertionError("unreachable")  # pragma: no cover - _check_fence raised
 
+    # -- reservations --------------------------------------------------------------------------
+
+    reserves: ClassVar[bool] = True
+
+    def reserve(
+        self, key: str, task_id: str, lease: float, fingerprint: str | None = None
+    ) -> Record | Reservation | None:
+        if "\0" in task_id or (fingerprint and "\0" in fingerprint):
+            _refuse_nul(task_id=task_id, fingerprint=fingerprint or "")
+        name = self._k(key)
+        args: list[Any] = [task_id, fingerprint or "", max(_ms(lease), 1)]
+        with _translate_errors(self, key):
+            if self.wait_replicas:
+                # Not through _run's WAIT: a reservation needs no replica's confirmation
+                # (losing one only lets a copy be published, which the claim sorts out).
+                reply = self._reserve(keys=[name, RESERVED + name], args=args)
+            else:
+                reply = self._run(self._reserve, key, args, other=RESERVED + name)
+        if reply is None:
+            return None
+        if isinstance(reply, list):
+            return _reservation(reply[0])
+        return self._decode(key, reply)
+
+    def reservation(self, key: str) -> Reservation | None:
+        with _translate_errors(self, key):
+            value = self.client.get(RESERVED + self._k(key))
+        return None if value is None else _reservation(value)
+
+    def unreserve(self, key: str, task_id: str) -> None:
+        with _translate_errors(self, key):
+            self._unreserve(keys=[RESERVED + self._k(key)], args=[task_id])
+
     def get(self, key: str) -> Record | None:
         # The producer's read (the enqueue check): a plain try, as claim and record do.
         try:
@@ -620,3 +667,8 @@ def store_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+def _reservation(value: bytes | str) -> Reservation:
+    task_id, _, fingerprint = text(value).partition("\0")
+    return Reservation(task_id, fingerprint or None)

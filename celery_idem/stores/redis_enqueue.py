@@ -31,10 +31,10 @@ import redis
 from kombu.utils.json import dumps
 
 from ..exceptions import StoreUnavailable
-from ..records import Record, State
-from .redis import RedisStore, same_server
+from ..records import Record, Reservation, State
+from .redis import RESERVED, RedisStore, same_server
 
-__all__ = ["RecordFound", "RedisStore", "begin", "end", "fuse"]
+__all__ = ["RecordFound", "RedisStore", "ReservationFound", "begin", "end", "fuse"]
 
 _LUA = resources.files(__package__).joinpath("lua", "publish.lua").read_text("utf-8")
 _SHA = hashlib.sha1(_LUA.encode()).hexdigest()
@@ -44,11 +44,20 @@ _ATTR = "_celery_idem_stores"
 
 
 class RecordFound(Exception):
-    """Raised out of the publish: the key is done or failed, and nothing was pushed."""
+    """Raised out of the publish: the key is done or failed (or, when the enqueue may attach,
+    in progress), and nothing was pushed."""
 
     def __init__(self, record: Record) -> None:
         super().__init__(record.key)
         self.record = record
+
+
+class ReservationFound(Exception):
+    """Raised out of the publish: another queued message reserved the key; nothing was pushed."""
+
+    def __init__(self, reservation: Reservation) -> None:
+        super().__init__(reservation.task_id)
+        self.reservation = reservation
 
 
 @dataclass
@@ -56,6 +65,8 @@ class _Pending:
     store: RedisStore
     key: str
     header: str
+    #: When the enqueue may attach: (task id, fingerprint or "", reservation lease in ms).
+    reserve: tuple[str, str, int] | None = None
 
 
 _PENDING: ContextVar[_Pending | None] = ContextVar("celery_idem_pending_publish", default=None)
@@ -103,11 +114,18 @@ def _compatible(channel: Any, store: Any) -> bool:
     return same_server(broker, store.client)
 
 
-def begin(store: RedisStore, key: str, header: str) -> Token[_Pending | None]:
+def begin(store: RedisStore, key: str, header: str,
+          reserve: tuple[str, str, int] | None = None) -> Token[_Pending | None]:
     """From now until :func:`end`: the publish of the message whose ``header`` is ``key``
     checks the record (and raises :class:`RecordFound` out of the publish, nothing pushed,
-    when the key is done or failed)."""
-    return _PENDING.set(_Pending(store, key, header))
+    when the key is done or failed).
+
+    With ``reserve`` (the message's task id, its fingerprint or "", a lease in ms), the
+    enqueue may attach to the action under way: a record in progress raises
+    :class:`RecordFound` too, another message's reservation :class:`ReservationFound`, and a
+    pushed message reserves the key.
+    """
+    return _PENDING.set(_Pending(store, key, header, reserve))
 
 
 def end(token: Token[_Pending | None]) -> None:
@@ -124,34 +142,44 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
     expires = getattr(self, "_expires", None)
     if kwargs.get("_publish_batch") is not None or (expires and queue in expires):
         # kombu sends this one in several commands: read first, then let kombu push it.
-        _raise_if_done(store, pending.key)
+        _raise_if_done(store, pending.key, attach=pending.reserve is not None)
         return put(self, queue, message, **kwargs)  # type: ignore[no-any-return]
     name = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
     record = store._k(pending.key)
     payload = dumps(message)  # type: ignore[no-untyped-call]
+    # EVALSHA names the queue first: kombu's global_keyprefix client prefixes exactly that
+    # key, as it does for LPUSH; the record's and the reservation's names are the store's own.
+    if pending.reserve is None:
+        keys: tuple[str, ...] = (name, record)
+        args: tuple[Any, ...] = (payload, "0")
+    else:
+        keys, args = (name, record, RESERVED + record), (payload, "1", *pending.reserve)
     with self.conn_or_acquire() as client:
-        # EVALSHA names the queue first: kombu's global_keyprefix client prefixes exactly that
-        # key, as it does for LPUSH; the record's name is the store's own.
         try:
-            reply = client.evalsha(_SHA, 2, name, record, payload)
+            reply = client.evalsha(_SHA, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
             client.script_load(_LUA)  # a new or restarted server
-            reply = client.evalsha(_SHA, 2, name, record, payload)
+            reply = client.evalsha(_SHA, len(keys), *keys, *args)
     if reply is None:
         return None  # pushed
     if reply == _CHECK:
         # Not a plain record (another program's value): nothing was pushed. The store's read
         # raises what it raises without the hook (CorruptRecord), or finds the key gone.
-        _raise_if_done(store, pending.key)
+        _raise_if_done(store, pending.key, attach=pending.reserve is not None)
         return put(self, queue, message, **kwargs)  # type: ignore[no-any-return]
+    if isinstance(reply, list):
+        task_id, _, fingerprint = reply[0].decode().partition("\0")
+        raise ReservationFound(Reservation(task_id, fingerprint or None))
     raise RecordFound(store._decode(pending.key, reply))
 
 
-def _raise_if_done(store: RedisStore, key: str) -> None:
-    """The enqueue check in two steps: read the record; raise RecordFound if done or failed."""
+def _raise_if_done(store: RedisStore, key: str, *, attach: bool = False) -> None:
+    """The enqueue check in two steps: read the record; raise RecordFound if done or failed
+    (or in progress, when the enqueue may attach)."""
     try:
         record = store.get(key)
     except StoreUnavailable:
         return  # as the check does: the worker's gate still guards the body; publish
-    if record is not None and record.state in (State.DONE, State.FAILED):
+    if record is not None and (record.state in (State.DONE, State.FAILED)
+                               or (attach and record.state is State.IN_PROGRESS)):
         raise RecordFound(record)

@@ -106,6 +106,30 @@ def refund(self, order_id, amount_cents, note="", hold=0.0):
     return {"refunded": order_id, "amount_cents": amount_cents, "key": self.idempotency_key}
 
 
+def _held_action(self, order_id, hold, marker):  # type: ignore[no-untyped-def]
+    if marker:  # the pid first, so a test can kill the process running the body
+        with open(marker, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and not flag(f"release:{order_id}"):
+        time.sleep(0.02)
+    effect(f"action:{order_id}", self.request.id)
+    return {"order_id": order_id, "task_id": self.request.id, "token": self.idempotency_token}
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=3)
+def held_action(self, order_id, hold=0.0, marker=""):
+    """Runs up to ``hold`` s (or until released), then commits one effect (issue 26)."""
+    return _held_action(self, order_id, hold, marker)
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=3,
+          idempotency_check_on_enqueue=False)
+def held_action_unchecked(self, order_id, hold=0.0, marker=""):
+    """``held_action`` with the enqueue check off: every copy is published."""
+    return _held_action(self, order_id, hold, marker)
+
+
 @app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",))
 def add_step(self, total, order_id):
     """A canvas step: adds one to ``total``."""
@@ -199,6 +223,9 @@ import signal as _signal  # noqa: E402
 _LIMITED: dict[str, object] = {
     "base": IdempotentTask, "bind": True, "idempotency_operation": "limited",
     "idempotency_fields": ("order_id",), "idempotency_lease": 5,
+    # These tests are about a delivered duplicate's wait under a time limit: every copy is
+    # published (no attach at enqueue), and it waits in the worker as before issue 26.
+    "idempotency_wait": 10, "idempotency_check_on_enqueue": False,
 }
 
 

@@ -124,7 +124,9 @@ def test_a_paused_holder_that_lost_its_lease_cannot_overwrite_the_new_holder(
     try:
         # When a duplicate reaches worker B, it takes over once the lease has run out
         cluster.worker("b", concurrency=1)
-        second = tasks.slow_charge.delay("ord_k5", str(marker), 60)
+        # (a canvas option: the copy is published, not attached to A's claim at enqueue)
+        second = tasks.slow_charge.apply_async(("ord_k5", str(marker), 60),
+                                               link_error=tasks.plain.si("x"))
         wait_for(lambda: len(marker.read_text().split()) >= 2, timeout=40, what="B's takeover")
         cluster.set_flag("release:ord_k5")
         t1, t2 = claim_tokens(marker)

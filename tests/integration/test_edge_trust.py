@@ -53,10 +53,14 @@ def test_a_per_call_key_reused_for_another_action_is_refused_at_enqueue_and_by_t
     assert not isinstance(dup, CachedResult)
     with pytest.raises(IdempotencyKeyMismatch):
         dup.get(timeout=30)
-    # While the first action is still running, the copy with other arguments is refused too
+    # While the first action is still running, the copy with other arguments is refused too:
+    # at enqueue (it would attach to the running action), and by the worker
     holder = tasks.refund.apply_async(("ord-2001", 70), {"hold": 30}, idempotency_key="agent-k2")
     wait_for(lambda: cluster.store.get(holder.idempotency_key), what="the holder's claim")
-    busy = tasks.refund.apply_async(("ord-2999", 1), idempotency_key="agent-k2")
+    with pytest.raises(IdempotencyKeyMismatch, match="in use by an action with different"):
+        tasks.refund.apply_async(("ord-2999", 1), idempotency_key="agent-k2")
+    busy = tasks.refund.apply_async(("ord-2999", 1), idempotency_key="agent-k2",
+                                    link_error=tasks.plain.si("x"))
     with pytest.raises(IdempotencyKeyMismatch):
         busy.get(timeout=30)
     cluster.set_flag("release:ord-2001")

@@ -76,17 +76,23 @@ def finish(task: Any, key: str, value: Any = None, error: BaseException | None =
 
 
 class Reads:
-    """Counts the producer's own reads of the record (the check made before the publish)."""
+    """Counts the producer's own reads of the record (the check made before the publish): a
+    ``get``, or a ``reserve`` (the read that also reserves the key for the message, issue 26)."""
 
     def __init__(self, store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.keys: list[str] = []
-        get = store.get
+        get, reserve = store.get, store.reserve
 
         def counted(key: str) -> Any:
             self.keys.append(key)
             return get(key)
 
+        def counted_reserve(key: str, *args: Any, **kwargs: Any) -> Any:
+            self.keys.append(key)
+            return reserve(key, *args, **kwargs)
+
         monkeypatch.setattr(store, "get", counted)
+        monkeypatch.setattr(store, "reserve", counted_reserve)
 
 
 def queue_length(prefix: str, queue: str = "q") -> int:

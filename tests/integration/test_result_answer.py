@@ -86,11 +86,11 @@ def test_an_answer_under_a_chosen_id_costs_one_round_trip_more_than_the_read(
 ) -> None:
     echo = make_app(idempotency_fold_results=fold)
     trips = RoundTrips(monkeypatch)
-    echo.apply_async(("v",), task_id="warm-" + uuid.uuid4().hex)  # connections made
     # The check rides on the publish (one script reads the record, and pushes only a message
     # whose key is not done), or reads the record first (see celery_idem.enqueue.EnqueueCheck).
     if not within_publish:
         echo._enqueue_check.possible = False
+    echo.apply_async(("v",), task_id="warm-" + uuid.uuid4().hex)  # connections, scripts
     # Within the publish, Celery subscribed to the unsent message's result before the script
     # ran, and that is undone: SUBSCRIBE and UNSUBSCRIBE, sent without waiting for a reply.
     pubsub = 2 if within_publish else 0

@@ -118,7 +118,8 @@ def test_a_busy_duplicate_requeues_itself_without_using_max_retries(cluster: Clu
     holder = tasks.impatient.delay("ord_9", hold=30)
     wait_for(lambda: cluster.store.get(tasks.impatient.idempotency_key_for(("ord_9",))),
              what="the holder's claim")
-    dup = tasks.impatient.delay("ord_9", hold=30)
+    # (a canvas option: the copy is published, not attached to the holder at enqueue)
+    dup = tasks.impatient.apply_async(("ord_9",), {"hold": 30}, link_error=tasks.plain.si("x"))
     # When it has re-queued itself a few times
     wait_for(lambda: w.text().count("celery_idem requeued") >= 2, timeout=30, what="re-queues")
     cluster.set_flag("release:ord_9")

@@ -19,7 +19,7 @@ import redis.exceptions
 
 from celery_idem.exceptions import CorruptRecord, LeaseLost, StoreUnavailable
 from celery_idem.keys import idempotency_key
-from celery_idem.records import ClaimStatus, State
+from celery_idem.records import ClaimStatus, Record, State
 from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore, _translate_errors
 from tests.integration.harness import RedisServer
@@ -497,3 +497,41 @@ def test_a_record_written_before_claim_ids_still_reads_fences_and_is_taken_over_
     answer = claim(store, "done")
     assert answer.status is ClaimStatus.DONE and answer.token == 7
     assert answer.record is not None and (answer.record.data, answer.record.claim_id) == (b"[1]", "")
+
+
+# -- reservations (issue 26: the enqueue check of a queued message) ----------------------------
+
+
+def test_a_reservation_is_taken_once_answered_to_the_next_and_expires(store: RedisStore) -> None:
+    from celery_idem.records import Reservation
+
+    key = f"op:{uuid.uuid4().hex}"
+    assert store.reserve(key, "t-1", LONG, "fp-1") is None  # reserved for t-1: publish
+    assert store.reserve(key, "t-2", LONG, "fp-2") == Reservation("t-1", "fp-1")
+    assert store.reservation(key) == Reservation("t-1", "fp-1")
+    store.unreserve(key, "t-2")  # not t-2's: kept
+    assert store.reservation(key) == Reservation("t-1", "fp-1")
+    store.unreserve(key, "t-1")
+    assert store.reservation(key) is None
+    # A short one expires by itself: a lost message frees the key for the next enqueue
+    assert store.reserve(key, "t-3", 0.05) is None
+    poll(store, lambda: store.reservation(key) is None, what="the reservation to expire")
+    assert store.reserve(key, "t-4", LONG) is None
+
+
+def test_a_record_answers_reserve_unless_it_is_released(store: RedisStore) -> None:
+    key = f"op:{uuid.uuid4().hex}"
+    first = claim(store, key)
+    found = store.reserve(key, "t-1", LONG)
+    assert isinstance(found, Record) and found.state is State.IN_PROGRESS
+    store.release(key, first.token, claim_id=first.claim_id)
+    assert store.reserve(key, "t-1", LONG) is None  # a released tombstone does not answer
+    # A reservation is not a claim: the worker claims regardless, and never reads it
+    assert claim(store, key, who="b").status is ClaimStatus.CLAIMED
+
+
+def test_a_reservation_lives_outside_the_prefix_and_scan_never_meets_it(store: RedisStore) -> None:
+    key = f"op:{uuid.uuid4().hex}"
+    store.reserve(key, "t-1", LONG)
+    assert [r.key for r in store.scan()] == []
+    store.unreserve(key, "t-1")

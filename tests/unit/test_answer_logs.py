@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_idem.keys import payload_hash
 from celery_idem import IdempotencyKeyMismatch, IdempotentTask
+from celery_idem.keys import payload_hash
 
 SECRET = "SECRET-NOTE-7f3a"
 

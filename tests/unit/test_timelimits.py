@@ -122,7 +122,7 @@ def test_a_wait_longer_than_the_limit_allows_is_one_warning_naming_both_settings
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     app = make_app(task_soft_time_limit=3)
-    tasks = [make_task(app), make_task(app, name="second", idempotency_wait=1)]
+    tasks = [make_task(app, idempotency_wait=10), make_task(app, name="second", idempotency_wait=1)]
     with caplog.at_level(logging.WARNING, logger="celery_idem"):
         check_worker(app, tasks, None, None)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -174,14 +174,14 @@ class Requeued(Exception):
     """Stands in for the re-queue (which would publish to a broker)."""
 
 
-@pytest.mark.parametrize(("holder_lease", "countdown"), [(60.0, 1.0), (0.2, 0.0)],
-                         ids=["still busy: a second later", "freed: at once"])
+@pytest.mark.parametrize(("holder_lease", "countdown"), [(60.0, 0.5), (0.2, 0.0)],
+                         ids=["still busy: half a second later", "freed: at once"])
 def test_a_worker_duplicate_re_queues_within_its_soft_limit(
     holder_lease: float, countdown: float, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given a worker-side request with a 1 s soft limit (0.5 s to wait) for a key held elsewhere
     app = make_app()
-    task = make_task(app, soft_time_limit=1)
+    task = make_task(app, soft_time_limit=1, idempotency_wait=10)
     key = task.idempotency_key_for(("ord_1",))
     task._gate.store.claim(key, owner="other:1", task_id="t-holder", attempt=0,
                            lease=holder_lease, ttl=600)
@@ -212,7 +212,7 @@ def test_a_soft_limit_during_the_wait_of_a_direct_call_is_the_callers_and_propag
     from billiard.exceptions import SoftTimeLimitExceeded
 
     app = make_app()
-    task = make_task(app)
+    task = make_task(app, idempotency_wait=10)
     key = task.idempotency_key_for(("ord_2",))
     task._gate.store.claim(key, owner="other:1", task_id="t-holder", attempt=0, lease=60, ttl=600)
 

@@ -1,12 +1,19 @@
 -- The enqueue check folded into the publish (celery_idem/stores/redis_enqueue.py): push the
--- message unless the key's record is done or failed, in one round trip.
--- KEYS[1]: the broker's queue list; KEYS[2]: the record. ARGV[1]: the message, as kombu packs it.
--- Replies: the record (done or failed: not pushed), false (pushed), or "check" (not pushed: the
--- value is not a plain record, so the client reads it the usual way and reports what it is).
+-- message unless the key's record answers it, in one round trip.
+-- KEYS[1]: the broker's queue list; KEYS[2]: the record; KEYS[3]: its reservation (only with
+-- ARGV[2] = '1'). ARGV[1]: the message, as kombu packs it. ARGV[2]: '1' when this enqueue may
+-- attach to an action under way (then ARGV[3] task id, ARGV[4] fingerprint or '', ARGV[5]
+-- the reservation's lease in ms), else '0'.
+-- Replies: the record (done, failed, or, when attaching, in progress: not pushed), {the
+-- reservation} (another message's, when attaching: not pushed), false (pushed, and reserved
+-- when attaching), or "check" (not pushed: the value is not a plain record, so the client
+-- reads it the usual way and reports what it is).
 local ok, value = pcall(redis.call, 'GET', KEYS[2])
 if not ok then
   return 'check'  -- WRONGTYPE: another program's key under the prefix
 end
+local attach = ARGV[2] == '1'
+local free = true
 if value then
   if string.byte(value, 1) ~= 0xC1 then
     return 'check'
@@ -15,6 +22,19 @@ if value then
   if state == 100 or state == 102 then  -- 'd' done, 'f' failed
     return value
   end
+  if state == 105 then  -- 'i' in progress: the client attaches, or publishes if the lease is gone
+    if attach then
+      return value
+    end
+    free = false
+  end
+end
+if attach and free then
+  local r = redis.call('GET', KEYS[3])
+  if r then
+    return {r}
+  end
+  redis.call('SET', KEYS[3], ARGV[3] .. '\0' .. ARGV[4], 'PX', ARGV[5])
 end
 redis.call('LPUSH', KEYS[1], ARGV[1])
 return false

@@ -1,0 +1,240 @@
+"""Attach at enqueue: a copy of an action under way publishes nothing and follows it.
+
+An enqueue whose key is in progress (a live claim), or reserved by a message still queued
+(:meth:`celery_idem.stores.base.Store.reserve`), does not publish a copy: the copy would only
+reach a worker to find the key busy and go round again. It returns an :class:`AttachedResult`
+instead, whose id is the task id of the attempt it attached to, and which resolves to the
+action's outcome:
+
+* the holder's result, from the result backend under the holder's task id (a redelivery or a
+  retry of the holder keeps that id);
+* else the outcome in the action's record, whichever attempt wrote it (a copy that took over
+  after the holder died records it under the key, whatever its own task id);
+* and when the action has no attempt left (no live claim, no reservation, no outcome) for a
+  whole lease, the handle publishes the call itself, once, and follows that message: nothing
+  is lost, and the gate still runs the body at most once.
+
+This module is the Celery seam's (it imports Celery); the decision it makes is small enough to
+stay next to the handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery.backends.base import DisabledBackend
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.result import AsyncResult
+from celery.states import FAILURE, READY_STATES, SUCCESS
+
+from .app import emit_producer_decision
+from .events import Outcome
+from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
+from .records import Record, Reservation, State
+
+if TYPE_CHECKING:
+    from celery import Task
+
+    from .gate import Gate
+
+__all__ = ["AttachedResult", "attach", "may_attach"]
+
+logger = logging.getLogger("celery_idem")
+
+#: How long one wait on the result backend lasts before the handle looks at the record: the
+#: delay after which an outcome that reached only the record (the holder's message lost, a
+#: copy's takeover recorded under another task id) is seen.
+FOLLOW_STEP = 1.0
+
+
+def may_attach(task: Task, options: Mapping[str, Any]) -> bool:
+    """Whether this enqueue may attach to an action under way instead of publishing.
+
+    Not in eager mode (the body runs in place), not for a message with a countdown or an ETA
+    (attaching would run it sooner than asked, and a reservation of it would outlive its
+    lease), and not without a result backend (the handle waits there first).
+    """
+    if task.app.conf.task_always_eager:
+        return False
+    if options.get("countdown") is not None or options.get("eta") is not None:
+        return False
+    return not isinstance(task.backend, DisabledBackend)
+
+
+def attach(
+    task: Task, gate: Gate, key: str, found: Record | Reservation,
+    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
+    fingerprint: Callable[[], str | None],
+) -> AttachedResult | None:
+    """Attach this enqueue to the action ``found`` shows under way; None: publish instead.
+
+    Args:
+        task: The task being enqueued.
+        gate: Its gate (the store and the codec).
+        key: The idempotency key.
+        found: A record in progress, or another queued message's reservation.
+        args: The call's positional arguments.
+        kwargs: The call's keyword arguments.
+        options: The other ``apply_async`` options.
+        fingerprint: Computes the call's fingerprint (None when the key has none).
+
+    Raises:
+        IdempotencyKeyMismatch: The action under way was enqueued with other identifying
+            arguments (its fingerprint differs, or it has none to compare).
+    """
+    if isinstance(found, Record):
+        if found.state is not State.IN_PROGRESS:
+            return None
+        if found.lease_expires is not None and found.lease_expires <= time.time():
+            return None  # its holder is gone: this message takes over
+        stored, holder, token, state = found.payload_hash, found.task_id, found.token, "in_progress"
+    else:
+        stored, holder, token, state = found.fingerprint, found.task_id, 0, "reserved"
+    expected = fingerprint()
+    if expected is not None and stored != expected:
+        emit_producer_decision(task, Outcome.MISMATCH, key, token, holder, holder, state)
+        raise IdempotencyKeyMismatch(
+            f"idempotency key {key!r} is in use by an action with different arguments (task "
+            f"{holder}); use a new key for a new action. Nothing was sent.",
+            key=key,
+        )
+    emit_producer_decision(task, Outcome.ATTACHED, key, token, holder, holder, state)
+    return AttachedResult(task, gate, key, holder, args, kwargs, options)
+
+
+class AttachedResult(AsyncResult):  # type: ignore[misc]
+    """The result of an enqueue that attached to its action under way: nothing was published.
+
+    It is an ``AsyncResult`` of the attempt it attached to, so ``state``, ``ready()``,
+    ``ResultSet`` and ``id`` behave as for that task id, and ``get()`` follows the action
+    through a takeover (see the module docstring). Revoking it revokes the shared action.
+
+    Attributes:
+        id: The task id of the attempt it attached to (the holder's, or the reserved
+            message's).
+        original_task_id: The same task id.
+        idempotency_key: The key.
+        attached: True (a published call's result has no such attribute).
+        followed: The result of the call this handle published itself, once the action had
+            no attempt left; None until then.
+    """
+
+    attached = True
+
+    def __init__(self, task: Task, gate: Gate, key: str, task_id: str,
+                 args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+                 options: Mapping[str, Any]) -> None:
+        super().__init__(task_id, app=task.app, task_name=task.name)
+        self.idempotency_key = key
+        self.original_task_id = task_id
+        self.followed: AsyncResult | None = None
+        self._task = task
+        self._gate = gate
+        self._call = (tuple(args or ()), dict(kwargs or {}), dict(options))
+        self._gone_since: float | None = None
+        self._found: tuple[State, Any] | None = None  # the outcome read from the record
+
+    @property
+    def state(self) -> str:
+        """The holder's state in the result backend; once the action's outcome is only in its
+        record (a takeover under another task id), ``SUCCESS`` or ``FAILURE`` from there."""
+        if self.followed is not None:
+            return str(self.followed.state)
+        state = str(super().state)
+        if state in READY_STATES:
+            return state
+        found = self._found or self._look()
+        if found is None:
+            return str(self.followed.state) if self.followed is not None else state
+        return str(FAILURE if found[0] is State.FAILED else SUCCESS)
+
+    status = state
+
+    @property
+    def result(self) -> Any:
+        """The outcome's value (or error), as ``AsyncResult.result`` gives it."""
+        if self.followed is not None:
+            return self.followed.result
+        if self._found is not None:
+            return self._found[1]
+        return super().result
+
+    info = result
+
+    def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5,
+            **kwargs: Any) -> Any:
+        """Wait for the action's outcome (see the class): its value, or its error raised.
+
+        Raises:
+            celery.exceptions.TimeoutError: Not ready within ``timeout``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.followed is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                return self.followed.get(timeout=left, propagate=propagate, interval=interval,
+                                         **kwargs)
+            if self._found is not None:
+                state, value = self._found
+                if state is State.FAILED and propagate:
+                    raise value
+                return value
+            step = FOLLOW_STEP if deadline is None else \
+                max(0.0, min(FOLLOW_STEP, deadline - time.monotonic()))
+            try:
+                return super().get(timeout=step, propagate=propagate, interval=interval, **kwargs)
+            except CeleryTimeoutError:
+                pass
+            found = self._look()
+            if found is not None:
+                state, value = found
+                if state == State.FAILED and propagate:
+                    raise value
+                return value
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError("The operation timed out.")
+
+    wait = get
+
+    def _look(self) -> tuple[State, Any] | None:
+        """Read the record: its outcome if it has one; publish once the action has no attempt."""
+        store, key = self._gate.store, self.idempotency_key
+        try:
+            rec = store.get(key)
+            live = rec is not None and rec.state is State.IN_PROGRESS and (
+                rec.lease_expires is None or rec.lease_expires > time.time())
+            if rec is not None and rec.state in (State.DONE, State.FAILED):
+                codec = self._gate.codec
+                if rec.state is State.FAILED:
+                    self._found = State.FAILED, codec.decode_error(
+                        rec.key, rec.content_type or "", rec.data or b"")
+                else:
+                    self._found = State.DONE, codec.decode_result(
+                        rec.key, rec.content_type or "", rec.data or b"")
+                return self._found
+            if not live:
+                live = store.reservation(key) is not None
+        except StoreUnavailable as exc:
+            logger.debug("celery_idem attached result: store unreachable key=%s: %s", key, exc)
+            return None
+        now = time.monotonic()
+        if live:
+            self._gone_since = None
+            return None
+        if self._gone_since is None:
+            self._gone_since = now
+            return None
+        if now - self._gone_since >= self._gate.config.lease:
+            # No claim, no reservation and no outcome for a whole lease: the message it
+            # attached to is gone (lost, or expired). Send the call itself; the gate still
+            # runs the body at most once if that message turns up after all.
+            args, kwargs, options = self._call
+            headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
+            logger.warning("celery_idem attached result: the action of key=%s has no attempt "
+                           "left (task %s); publishing the call again", key, self.id)
+            self.followed = self._task.apply_async(
+                args, kwargs, **{**options, "headers": headers})
+        return None

@@ -7,7 +7,8 @@
   decision to the log, to the observers (``celery_idem.events.OBSERVERS``; the bundled
   OpenTelemetry add-on is one) and, when the switch is on, as a Celery event.
 * :func:`check_worker`: the ``worker_init`` hook that refuses to start a worker whose store or
-  time limits are misconfigured.
+  time limits are misconfigured, and warns (through Celery's logging, once it is set up) about
+  what only degrades.
 
 The task seam (``celery_idem.task``) and the add-ons (``celery_idem.contrib``) reach the store
 and the owner through these public names.
@@ -24,12 +25,12 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
-from celery.signals import worker_init
+from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 
-from . import timelimits
-from .durability import REQUIRE_DURABLE_SETTING, check_store
+from . import probe, timelimits
+from .durability import REQUIRE_DURABLE_SETTING, check_replication, check_store
 from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers
-from .exceptions import ImproperlyConfigured
+from .exceptions import ImproperlyConfigured, StoreUnavailable
 from .records import Record
 from .stores import store_from_url
 from .stores.base import Store
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from celery import Task
 
 __all__ = [
+    "check_pool",
     "check_worker",
     "emit_answer",
     "emit_decision",
@@ -46,6 +48,7 @@ __all__ = [
     "forget_store",
     "get_store",
     "owner_id",
+    "release_held_logs",
 ]
 
 logger = logging.getLogger("celery_idem")
@@ -220,15 +223,124 @@ def emit_producer_decision(task: Task, outcome: Outcome, key: str, token: int,
         logger.debug("celery_idem event not sent key=%s: %s", key, exc)
 
 
-# -- worker start --------------------------------------------------------------------------------
+# -- worker start ---------------------------------------------------------------------------------
+#
+# worker_init runs before Celery configures logging (celery/apps/worker.py: setup_logging comes
+# after it): a line logged there reaches Python's last-resort handler (stderr, no level, no
+# timestamp) and never a --logfile. So the start checks run at worker_init, where a refusal
+# (SystemExit) still stops the worker before it consumes, but what they log is held and logged
+# again, in order and with its own timestamp, once Celery's logging is set up
+# (celeryd_after_setup), or at worker_shutdown if the worker stops before that.
+
+
+class _Hold(logging.Filter):
+    """Keeps the ``celery_idem`` logger's records instead of letting them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+_held: weakref.WeakKeyDictionary[Celery, tuple[_Hold, int]] = weakref.WeakKeyDictionary()
+
+
+def _hold_logs(app: Celery) -> None:
+    hold = _Hold()
+    _held[app] = (hold, logger.level)
+    # Every level is kept: what is shown is decided when they are released, against the level
+    # Celery sets up (the root logger's level is Python's default, WARNING, before that).
+    logger.setLevel(logging.DEBUG)
+    logger.addFilter(hold)
+
+
+def release_held_logs(app: Celery) -> None:
+    """Log what the worker-start checks of ``app`` logged while Celery's logging was not set up.
+
+    Called from ``celeryd_after_setup`` (and ``worker_shutdown``, and before a refusal); only
+    the first call logs anything, so each line appears once per worker.
+    """
+    held = _held.pop(app, None)
+    if held is None:
+        return
+    hold, level = held
+    logger.removeFilter(hold)
+    logger.setLevel(level)
+    for record in hold.records:
+        if logger.isEnabledFor(record.levelno):
+            logger.handle(record)
+
+
+@celeryd_after_setup.connect(weak=False)  # type: ignore[untyped-decorator]
+def _after_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    app = getattr(instance, "app", None)
+    if app is not None:
+        release_held_logs(app)
+
+
+@worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+def _at_shutdown(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is not None:
+        release_held_logs(app)
+
+
+def _store_setting(app: Celery) -> str:
+    """The app setting the store comes from, for messages."""
+    return "idempotency_store" if app.conf.get("idempotency_store") else "result_backend"
+
+
+def _broker_driver(sender: Any, app: Celery) -> str:
+    conn = getattr(sender, "_conninfo", None)
+    try:
+        if conn is None:
+            conn = app.connection_for_read()
+        return str(conn.transport.driver_type)
+    except Exception:  # an unknown transport: no pool warning, nothing else depends on it
+        return ""
+
+
+def _pool_name(sender: Any) -> str:
+    pool = getattr(sender, "pool_cls", None)
+    if isinstance(pool, str):
+        return pool.rpartition(":")[2].rpartition(".")[2].lower() or pool
+    module = getattr(pool, "__module__", "") or ""
+    return module.rpartition(".")[2] or repr(pool)
+
+
+def check_pool(sender: Any, app: Celery) -> None:
+    """Warn when this worker will not restore the unacked messages of a dead worker.
+
+    On a Redis broker, kombu restores a dead worker's unacked messages from a periodic scan that
+    runs on the worker's event loop (its hub). Workers without one (gevent and eventlet pools,
+    any worker started without the event loop) never run it: only a worker's start does.
+    """
+    if getattr(sender, "use_eventloop", True) or _broker_driver(sender, app) != "redis":
+        return
+    logger.warning(
+        "celery_idem this worker (pool %s) does not restore unacked messages on a Redis broker: "
+        "kombu's periodic restore (every unacked_restore_interval x unacked_restore_throttle, "
+        "for messages older than visibility_timeout) runs only on a worker's event loop, which "
+        "the %s pool does not use. A task whose worker dies mid-body (SIGKILL, OOM, a lost "
+        "host) stays unacked until one of these restores it: a prefork, solo or threads worker "
+        "consuming the same queue, the start of any worker on it, or a RabbitMQ broker (which "
+        "redelivers at once). See docs/reliability.md, 'Recovery by pool'",
+        _pool_name(sender), _pool_name(sender))
 
 
 @worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
 def check_worker(sender: Any = None, **_: Any) -> None:
-    """Celery's ``worker_init`` hook: switch events on, and check the store and time limits.
+    """Celery's ``worker_init`` hook: switch events on, and check the store, pool and time limits.
 
     Fails the worker at start-up, not at the first message, when the store or a time limit is
-    misconfigured; warns once about time limits that only degrade.
+    misconfigured: a store that rejects the credentials, names a database that does not exist
+    (``celery_idem.probe``), or cannot keep records while ``idempotency_require_durable_store``
+    is set. Warns once per worker about what only degrades (the store's durability, a pool
+    that does not restore unacked messages, time limits); those lines are logged through
+    Celery's logging once it is set up (``--logfile``, level, timestamp).
 
     Raises:
         SystemExit: The store or a time limit is misconfigured (the reason is logged at
@@ -243,14 +355,37 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     from .task import IdempotentTask  # the seam imports this module
 
     tasks = [task for task in app.tasks.values() if isinstance(task, IdempotentTask)]
-    if tasks:
+    if not tasks:
+        return
+    # Only a worker program (``celery worker``) sets Celery's logging up after this hook; an
+    # embedded WorkController runs under the logging its program set up already.
+    from celery.apps.worker import Worker  # loaded already when a worker program is the sender
+
+    if isinstance(sender, Worker):
+        _hold_logs(app)
+    try:
+        setting = _store_setting(app)
         try:
             store = get_store(app)
-            timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
-                                    getattr(sender, "soft_time_limit", None))
+        except StoreUnavailable as exc:  # a cluster client connects when it is built
+            refused = probe.refusal(exc, setting, str(app.conf.get(setting)))
+            if refused is not None:
+                raise refused from exc
+            raise
+        timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
+                                getattr(sender, "soft_time_limit", None))
+        check_pool(sender, app)
+        if probe.probe_store(store, setting):
             check_store(store, require=bool(app.conf.get(REQUIRE_DURABLE_SETTING)))
-        except ImproperlyConfigured as exc:
-            # Celery logs and swallows exceptions raised by signal handlers, and the worker would
-            # start consuming messages it can only fail: stop it here, with the reason.
-            logger.critical("celery_idem: %s", exc)
-            raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
+            check_replication(store)
+    except ImproperlyConfigured as exc:
+        # Celery logs and swallows exceptions raised by signal handlers, and the worker would
+        # start consuming messages it can only fail: stop it here, with the reason (and what
+        # was held: there will be no "after setup").
+        release_held_logs(app)
+        logger.critical("celery_idem: %s", exc)
+        raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
+    except StoreUnavailable as exc:
+        logger.warning("celery_idem could not reach the idempotency store (%s) at worker start: "
+                       "%s. The worker starts; its tasks are re-queued until the store answers",
+                       _store_setting(app), exc)

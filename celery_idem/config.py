@@ -18,7 +18,14 @@ from typing import Any
 
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
 
-__all__ = ["KNOWN_OPTIONS", "MIN_LEASE", "IdempotencyConfig", "check_options", "default_release_on"]
+__all__ = [
+    "KNOWN_OPTIONS",
+    "MIN_LEASE",
+    "IdempotencyConfig",
+    "check_options",
+    "default_release_on",
+    "near_miss",
+]
 
 #: Every ``idempotency_*`` task option. Any other attribute with that prefix is a typo and is
 #: rejected when the task class is created (Celery itself would accept it silently).
@@ -121,11 +128,84 @@ def _positive(name: str, value: Any, *, zero_ok: bool = False) -> float:
     return float(value)
 
 
+#: The prefix every option shares, and its abbreviations that a near-miss name may start with
+#: (``idem_fields``): at least this many letters of it.
+_PREFIX = "idempotency"
+_MIN_ABBREVIATION = 4
+
+
+def _distance(a: str, b: str) -> int:
+    """Edit distance between ``a`` and ``b``, a swap of two adjacent letters counting as one.
+
+    (Optimal string alignment: the typos a keyboard makes, ``feilds``, ``idempotancy``.)
+    """
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                current[j] = min(current[j], previous2[j - 2] + 1)
+        previous2, previous = previous, current
+    return previous[-1]
+
+
+def _close_suffix(tail: str, suffixes: dict[str, str]) -> str | None:
+    """The option whose suffix (what follows ``idempotency_``) ``tail`` is, give or take a typo.
+
+    One edit for a suffix of up to four letters (``ttl``, ``wait``), two for longer ones: a
+    short name two edits away from ``ttl`` is as close to many ordinary words.
+    """
+    best: tuple[int, str] | None = None
+    for suffix, option in suffixes.items():
+        d = _distance(tail, suffix)
+        if d <= (1 if len(suffix) <= 4 else 2) and (best is None or d < best[0]):
+            best = (d, option)
+    return best[1] if best else None
+
+
+def near_miss(name: str) -> str | None:
+    """The option ``name`` was probably meant to be, for a name without the exact prefix.
+
+    A name is a near miss when it is within two edits of an option (``idempotencyfields``), or
+    when what precedes its first ``_`` is the prefix misspelt or abbreviated (``idempotancy_``,
+    ``idempotent_``, ``idem_``) and what follows is an option's suffix, give or take a typo
+    (``idem_feilds``). Celery's own task attributes, private names (``_x``) and names merely
+    sharing a word with an option (``fields``, ``idempotent_transaction``) are not.
+
+    Returns:
+        The option meant, or None.
+    """
+    if name.startswith("_") or name.startswith(f"{_PREFIX}_"):
+        return None  # private, or handled as an unknown option by check_options
+    for option in sorted(KNOWN_OPTIONS):
+        if _distance(name, option) <= 2:
+            return option
+    head, sep, tail = name.partition("_")
+    if not sep or not tail:
+        return None
+    abbreviation = len(head) >= _MIN_ABBREVIATION and _PREFIX.startswith(head)
+    if not (abbreviation or _distance(head, _PREFIX) <= 2):
+        return None
+    return _close_suffix(tail, {o.removeprefix(f"{_PREFIX}_"): o for o in KNOWN_OPTIONS})
+
+
 def check_options(owner: str, namespace: Iterable[str]) -> None:
-    """Reject unknown ``idempotency_*`` names, suggesting the closest known option.
+    """Reject unknown ``idempotency_*`` names and near misses, naming the option meant.
+
+    A near miss (``idempotancy_fields``, ``idem_fields``, see :func:`near_miss`) is refused as
+    firmly as an unknown ``idempotency_*`` name: Celery keeps any keyword of ``@app.task`` as a
+    task attribute without a word, so a misspelt ``idempotency_fields`` would leave the key
+    covering every argument, and two calls differing in a note would both run.
+
+    Args:
+        owner: Name of the task (or class), for messages.
+        namespace: The names defined on the task class (``vars(cls)``).
 
     Raises:
-        ImproperlyConfigured: A name starts with ``idempotency_`` and is not an option.
+        ImproperlyConfigured: A name starts with ``idempotency_`` and is not an option, or is a
+            near miss of an option.
     """
     suffixes = {option.removeprefix("idempotency_"): option for option in KNOWN_OPTIONS}
     for name in namespace:
@@ -143,6 +223,14 @@ def check_options(owner: str, namespace: Iterable[str]) -> None:
             raise ImproperlyConfigured(
                 f"{owner}: unknown option {name!r}.{hint} Known options: "
                 f"{', '.join(sorted(KNOWN_OPTIONS))}"
+            )
+        meant = near_miss(name)
+        if meant is not None:
+            raise ImproperlyConfigured(
+                f"{owner}: {name!r} is not a celery_idem option. Did you mean {meant!r}? "
+                f"Celery would keep {name!r} as a plain attribute and celery_idem would use "
+                f"{meant}'s default instead; rename it to {meant!r} (or, if it is an attribute "
+                f"of your own, give it a name further from the option's)"
             )
 
 

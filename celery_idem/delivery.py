@@ -27,6 +27,7 @@ from .app import emit_decision
 from .events import Outcome
 from .exceptions import StoreUnavailable
 from .gate import Attempt, Gate, Requeue, RunOutcome
+from .probe import log_store_down, requeue_delay
 from .results import ResultWriter
 
 if TYPE_CHECKING:
@@ -94,8 +95,9 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
             emit_decision(task, Outcome.REQUEUED, attempt.key, 0, req.id or "",
                           {"reason": "store_unavailable"})
             n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
-            # (n capped: 2.0 ** n overflows a float past 1023 re-queues of a long outage)
-            requeue(task, countdown=min(2.0 ** min(n, 16), 30.0), reason=str(down), exc=down)
+            # WARNING with the delay, or ERROR with the cause for a mistake (celery_idem/probe.py)
+            log_store_down(task.name, req.id or "", attempt.key, down, n)
+            requeue(task, countdown=requeue_delay(n), reason=str(down), exc=down)
         else:
             if writer is not None:
                 write_result(writer, req, outcome)

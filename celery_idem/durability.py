@@ -15,8 +15,9 @@ import logging
 
 from .exceptions import ImproperlyConfigured, StoreUnavailable
 from .stores.base import Store
+from .stores.redis_durability import DURABILITY_SETTINGS
 
-__all__ = ["REQUIRE_DURABLE_SETTING", "check_store"]
+__all__ = ["REQUIRE_DURABLE_SETTING", "check_replication", "check_store"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -55,13 +56,36 @@ def check_store(store: Store, *, require: bool = False) -> None:
         return
     settings = ", ".join(f"{f.setting} {f.value}" for f in risks)
     detail = "; ".join(f.risk for f in risks)
+    # A finding about the store's own options (wait_replicas) says its fix in its risk.
+    advice = _ADVICE if any(f.setting in DURABILITY_SETTINGS for f in risks) \
+        else "see the risk above"
     if require:
         raise ImproperlyConfigured(
             f"{REQUIRE_DURABLE_SETTING} is set and the idempotency store can lose records "
-            f"({settings}): {detail}. Fix: {_ADVICE}, or unset {REQUIRE_DURABLE_SETTING}"
+            f"({settings}): {detail}. Fix: {advice}, or unset {REQUIRE_DURABLE_SETTING}"
         )
     logger.warning(
         "celery_idem the idempotency store can lose records (%s), and then run actions twice: "
         "%s. Fix: %s; set %s = True to refuse to start on such a store",
-        settings, detail, _ADVICE, REQUIRE_DURABLE_SETTING,
+        settings, detail, advice, REQUIRE_DURABLE_SETTING,
     )
+
+
+def check_replication(store: Store) -> None:
+    """Warn when a replicated store cannot confirm its writes (too few replicas connected).
+
+    A store that waits for replicas (``wait_replicas``, the cluster and Sentinel stores)
+    answers every write with ``StoreUnavailable`` while its master has fewer replicas than
+    that: the gate re-queues every task until one connects. Stores without replicas say
+    nothing (they have no ``replication_warnings``).
+    """
+    warnings = getattr(store, "replication_warnings", None)
+    if warnings is None:
+        return
+    try:
+        found = list(warnings())
+    except StoreUnavailable as exc:
+        logger.warning("celery_idem could not check the store's replicas at worker start: %s", exc)
+        return
+    for line in found:
+        logger.warning("celery_idem %s", line)

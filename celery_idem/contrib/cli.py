@@ -330,7 +330,7 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, reason: 
     doc = {"released": True, "key": key, "token": rec.token, "task_id": rec.task_id,
            "owner": rec.owner, "lease_was_live": live}
     run.emit(doc, f"released {shown(key)} (token {rec.token}, task {_or_dash(rec.task_id)}); the "
-                  f"next attempt claims it with token {rec.token + 1}")
+                  f"next attempt claims it with a higher token (above {rec.token})")
 
 
 #: The exit code for each reason an operator verb refuses (celery_idem.ops.Refused.reason).
@@ -427,8 +427,8 @@ def forget(ctx: click.Context, key: str, token: int | None, yes: bool, reason: s
     doc = {"forgotten": True, "key": key, "token": rec.token, "task_id": rec.task_id,
            "state": rec.state.value, **outcome}
     run.emit(doc, f"forgot the {rec.state.value} outcome of {shown(key)} (token {rec.token}, task "
-                  f"{_or_dash(rec.task_id)}); the next attempt claims it with token {rec.token + 1} "
-                  f"and runs the body")
+                  f"{_or_dash(rec.task_id)}); the next attempt claims it with a higher token (above "
+                  f"{rec.token}) and runs the body")
 
 
 def _json_value(text: str) -> Any:

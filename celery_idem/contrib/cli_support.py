@@ -184,8 +184,9 @@ def expiry_text(rec: Record, expires: float | None, now: float) -> str:
     """When the record goes (its TTL), and what that means for the next attempt."""
     if expires is None:
         return "-"
-    after = {State.DONE: "the next attempt runs the body again",
-             State.FAILED: "the next attempt runs the body again",
+    # Nothing happens at expiry itself: only an attempt that arrives afterwards is affected.
+    after = {State.DONE: "an attempt arriving after that runs the body again",
+             State.FAILED: "an attempt arriving after that runs the body again",
              State.IN_PROGRESS: "unless the holder records or renews it first"}.get(rec.state, "")
     return f"{utc_text(expires)} (in {ago_text(expires - now)}" + (f"; {after})" if after else ")")
 

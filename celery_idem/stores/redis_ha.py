@@ -12,12 +12,16 @@ scripts, record layout and fencing. What differs is how a key finds its server:
   every new connection, so after a failover the next call reaches the promoted replica.
 
 Redis replicates asynchronously: a write acknowledged by a master that dies before its replica
-got it is lost on failover. ``wait_replicas=1`` closes that window (see docs/redis-cluster.md).
+got it is lost on failover. Both stores therefore wait for one replica by default
+(``wait_replicas=1``, see docs/redis-cluster.md): a write is acknowledged once a replica has it.
+A deployment with no replica must say so (``wait_replicas=0``), and accepts that a failover, or
+the loss of its only master, can lose records; the worker warns at start about both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote, urlencode
@@ -30,10 +34,15 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from ..exceptions import ImproperlyConfigured, StoreUnavailable
-from .base import Store
+from .base import DurabilityFinding, Store
 from .redis import CLIENT_DEFAULTS, RedisStore, store_options, text
+from .redis_durability import DURABILITY_SETTINGS, config_get, durability_findings
 
 __all__ = ["RedisClusterStore", "RedisSentinelStore"]
+
+#: Replicas each write waits for unless the store is told otherwise: one, so a write acknowledged
+#: to a task survives the failover that promotes that replica.
+DEFAULT_WAIT_REPLICAS = 1
 
 #: Settings of Celery's ``result_backend_transport_options`` the sentinel store also honours.
 SENTINEL_TRANSPORT_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
@@ -79,7 +88,9 @@ class RedisClusterStore(RedisStore):
         client: A ``redis.cluster.RedisCluster`` (``decode_responses`` must be False).
         prefix: Prepended to every key (keep braces out of it: a ``{tag}`` in the prefix would
             put every record in one slot, on one master).
-        wait_replicas: See :class:`~celery_idem.stores.redis.RedisStore`.
+        wait_replicas: Replicas each write waits for (``WAIT``); 1 by default, so no write
+            acknowledged to a task is lost when a replica is promoted. 0 for a cluster without
+            replicas (the worker warns at start). See :class:`~celery_idem.stores.redis.RedisStore`.
         wait_timeout: See :class:`~celery_idem.stores.redis.RedisStore`.
 
     ``now()`` reads one node's clock, while each script reads the clock of the master that owns
@@ -89,7 +100,7 @@ class RedisClusterStore(RedisStore):
     schemes: ClassVar[tuple[str, ...]] = ("redis+cluster", "rediss+cluster")
 
     def __init__(self, client: RedisCluster, prefix: str = "celery-idem:", *,
-                 wait_replicas: int = 0, wait_timeout: float = 1.0) -> None:
+                 wait_replicas: int = DEFAULT_WAIT_REPLICAS, wait_timeout: float = 1.0) -> None:
         nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_primaries())  # type: ignore[no-untyped-call, unused-ignore]
         super().__init__(client, prefix, wait_replicas=wait_replicas,  # type: ignore[arg-type, unused-ignore]
                          wait_timeout=wait_timeout, location=f"cluster {nodes}")
@@ -146,19 +157,81 @@ class RedisClusterStore(RedisStore):
             for node in self.cluster.get_primaries()  # type: ignore[no-untyped-call, unused-ignore]
         ]
 
+    def _replica_clients(self) -> list[tuple[Any, str]]:
+        # A failover promotes a replica: its settings decide what survives the next restart.
+        # redis-py's slot map lists replicas only when it reads from them, so ask the cluster
+        # (CLUSTER NODES) and reach each with the masters' connection settings (auth, TLS).
+        primary = self.cluster.get_primaries()[0]  # type: ignore[no-untyped-call, unused-ignore]
+        pool = self.cluster.get_redis_connection(primary).connection_pool
+        raw = self.cluster.get_redis_connection(primary).execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call, unused-ignore]
+        kwargs = {k: v for k, v in pool.connection_kwargs.items()
+                  if k not in ("host", "port", "redis_connect_func") and not k.startswith("orig_")}
+        clients: list[tuple[Any, str]] = []
+        for host, port in _cluster_replicas(text(raw) if isinstance(raw, (bytes, str)) else ""):
+            node_pool = redis.ConnectionPool(connection_class=pool.connection_class, host=host,
+                                             port=port, **kwargs)
+            clients.append((redis.Redis(connection_pool=node_pool),
+                            f"cluster replica {host}:{port}"))
+        return clients
+
+    def check_durability(self) -> list[DurabilityFinding]:
+        """The masters' settings, every replica's (a failover promotes one), and ``wait_replicas``.
+
+        Raises:
+            StoreUnavailable: No master could be reached.
+        """
+        findings = super().check_durability()
+        try:
+            replicas = self._replica_clients()
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            return [*findings, DurabilityFinding(
+                "replicas", None, f"the cluster did not list its replicas ({exc}), so their "
+                f"settings were not checked", logging.INFO), *_wait_findings(self)]
+        try:
+            return [*findings, *_replica_findings(replicas), *_wait_findings(self)]
+        finally:
+            for client, _ in replicas:
+                client.close()
+
+    def replication_warnings(self) -> list[str]:
+        """Masters with fewer connected replicas than ``wait_replicas`` (read at worker start)."""
+        return _short_of_replicas(self, self._config_clients())
+
     # A Celery result key hashes to another slot than the record: no script can write both.
     record_with = Store.record_with
 
     def _run(self, script: Any, key: str, args: list[Any], other: str | None = None) -> Any:
-        try:
-            return super()._run(script, key, args, other)
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-            if self.wait_replicas:
+        for attempt in range(2):
+            try:
+                return super()._run(script, key, args, other)
+            except redis.exceptions.AskError as exc:  # MovedError is one too
                 # The WAIT path talks to the key's master directly, bypassing the cluster
-                # client's redirections: learn the new topology before the gate's next try.
+                # client's redirections, so during a failover or a resharding the old master
+                # answers MOVED/ASK: it did not run the script. Learn the new topology and try
+                # once more on the node that owns the slot now; a second redirection is an
+                # unfinished failover, for the gate to retry later (not a refusal).
                 with contextlib.suppress(redis.RedisError):
                     self.cluster.nodes_manager.initialize()
-            raise
+                if attempt:
+                    raise StoreUnavailable(
+                        f"the Redis Cluster store at {self.location} is moving the slot of "
+                        f"{key!r} (failover or resharding in progress; redirected: {exc})"
+                    ) from exc
+            except (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError) as exc:
+                # The cluster says it is between two topologies: an outage, not a refusal.
+                with contextlib.suppress(redis.RedisError):
+                    self.cluster.nodes_manager.initialize()
+                raise StoreUnavailable(
+                    f"the Redis Cluster store at {self.location} is failing over or resharding "
+                    f"({exc})"
+                ) from exc
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+                if self.wait_replicas:
+                    # Same path: learn the new topology before the gate's next try.
+                    with contextlib.suppress(redis.RedisError):
+                        self.cluster.nodes_manager.initialize()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     def close(self) -> None:
         self.cluster.close()
@@ -171,7 +244,9 @@ class RedisSentinelStore(RedisStore):
         sentinel: A ``redis.sentinel.Sentinel``.
         master_name: The monitored master's name.
         prefix: Prepended to every key.
-        wait_replicas: See :class:`~celery_idem.stores.redis.RedisStore`.
+        wait_replicas: Replicas each write waits for (``WAIT``); 1 by default, so no write
+            acknowledged to a task is lost when the sentinels promote a replica. 0 for a master
+            without replicas (the worker warns at start).
         wait_timeout: See :class:`~celery_idem.stores.redis.RedisStore`.
         client_options: Keyword arguments for ``Sentinel.master_for`` (``db``, ``password``,
             socket timeouts, ...).
@@ -180,7 +255,7 @@ class RedisSentinelStore(RedisStore):
     schemes: ClassVar[tuple[str, ...]] = ("sentinel",)
 
     def __init__(self, sentinel: Sentinel, master_name: str, prefix: str = "celery-idem:", *,
-                 wait_replicas: int = 0, wait_timeout: float = 1.0,
+                 wait_replicas: int = DEFAULT_WAIT_REPLICAS, wait_timeout: float = 1.0,
                  client_options: Mapping[str, Any] | None = None) -> None:
         self.sentinel = sentinel
         self.master_name = master_name
@@ -257,7 +332,112 @@ class RedisSentinelStore(RedisStore):
         return cls(sentinel, unquote(str(master_name)), prefix=prefix,
                    client_options=client_opts, **store_opts)
 
+    def _replica_clients(self) -> list[tuple[Any, str]]:
+        # The replicas the sentinels know, reached with the master's credentials and database.
+        kwargs = self.client.connection_pool.connection_kwargs
+        keep = ("username", "password", "db", "socket_timeout", "socket_connect_timeout")
+        return [
+            (redis.Redis(host=host, port=port, **{k: kwargs[k] for k in keep if k in kwargs}),
+             f"sentinel replica {host}:{port} of {self.master_name!r}")
+            for host, port in self._replica_addresses()
+        ]
+
+    def _replica_addresses(self) -> list[tuple[str, int]]:
+        found = self.sentinel.discover_slaves(self.master_name)  # type: ignore[no-untyped-call, unused-ignore]
+        return [(text(host) if isinstance(host, (bytes, str)) else str(host), int(port))
+                for host, port in found]
+
+    def check_durability(self) -> list[DurabilityFinding]:
+        """The master's settings, every replica's (a failover promotes one), and ``wait_replicas``.
+
+        Raises:
+            StoreUnavailable: The master could not be reached.
+        """
+        findings = super().check_durability()
+        try:
+            replicas = self._replica_clients()
+        except redis.RedisError as exc:
+            return [*findings, DurabilityFinding(
+                "replicas", None, f"the sentinels did not list the replicas of "
+                f"{self.master_name!r} ({exc}), so their settings were not checked",
+                logging.INFO)]
+        try:
+            return [*findings, *_replica_findings(replicas), *_wait_findings(self)]
+        finally:
+            for client, _ in replicas:
+                client.close()
+
+    def replication_warnings(self) -> list[str]:
+        """The master, when it has fewer connected replicas than ``wait_replicas``."""
+        return _short_of_replicas(self, [(self.client, self.location)])
+
     def close(self) -> None:
         super().close()
         for client in self.sentinel.sentinels:
             client.close()
+
+
+def _cluster_replicas(nodes: str) -> list[tuple[str, int]]:
+    """The replicas in a ``CLUSTER NODES`` reply that are up, as (host, port)."""
+    found: list[tuple[str, int]] = []
+    for line in nodes.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        flags = set(fields[2].split(","))
+        if "slave" not in flags or flags & {"fail", "fail?", "handshake", "noaddr"}:
+            continue
+        address = fields[1].split("@", 1)[0]  # ip:port@cport[,hostname]
+        host, _, port = address.rpartition(":")
+        if host and port.isdigit():
+            found.append((host.strip("[]"), int(port)))
+    return found
+
+
+def _replica_findings(clients: list[tuple[Any, str]]) -> list[DurabilityFinding]:
+    """Each replica's settings, like a master's; one that cannot be read is a note, not a stop."""
+    findings: list[DurabilityFinding] = []
+    for client, where in clients:
+        try:
+            settings = config_get(client, DURABILITY_SETTINGS)
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            findings.append(DurabilityFinding(
+                "CONFIG", None, f"{where} could not be checked ({exc}); a failover may promote "
+                f"it", logging.INFO))
+            continue
+        findings.extend(durability_findings(settings, where))
+    return findings
+
+
+def _wait_findings(store: RedisStore) -> list[DurabilityFinding]:
+    """``wait_replicas=0`` on a replicated store: acknowledged writes can be lost on failover."""
+    if store.wait_replicas:
+        return []
+    return [DurabilityFinding(
+        "wait_replicas", "0",
+        f"{store.location}: wait_replicas is 0, so a claim or result a master acknowledged but "
+        f"had not yet sent to its replica is lost when that replica is promoted (a failover), "
+        f"and the action runs again. Fix: remove wait_replicas from idempotency_store_options "
+        f"(the default waits for 1 replica)",
+    )]
+
+
+def _short_of_replicas(store: RedisStore, masters: list[tuple[Any, str]]) -> list[str]:
+    """A warning per master with fewer connected replicas than ``store.wait_replicas``."""
+    if not store.wait_replicas:
+        return []
+    lines: list[str] = []
+    for client, where in masters:
+        try:
+            connected = int(client.info("replication").get("connected_slaves", 0))
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise StoreUnavailable(f"could not read the replication of {where}: {exc}") from exc
+        if connected < store.wait_replicas:
+            lines.append(
+                f"{where} has {connected} connected replica(s) and the store waits for "
+                f"{store.wait_replicas} (wait_replicas): every write waits {store.wait_timeout:g} "
+                f"s and fails, and the tasks are re-queued, until a replica connects. A "
+                f"deployment without replicas sets idempotency_store_options="
+                f"{{'wait_replicas': 0}} (a failover can then lose records)"
+            )
+    return lines

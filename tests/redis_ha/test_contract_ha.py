@@ -1,8 +1,9 @@
 """The store contract suite (tests/stores/test_contract.py), run on Redis Cluster and Sentinel.
 
 Every test of the shared suite is imported and runs here against four more stores: a 6-node
-cluster (``redis+cluster://``) and a sentinel-managed master (``sentinel://``), each without and
-with ``wait_replicas=1`` (the script and a ``WAIT`` pipelined on the key's master).
+cluster (``redis+cluster://``) and a sentinel-managed master (``sentinel://``), each with
+``wait_replicas=0`` and with the default ``wait_replicas=1`` (the script and a ``WAIT`` pipelined
+on the key's master).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ HA_STORES = ["cluster", "cluster-wait", "sentinel", "sentinel-wait"]
 @pytest.fixture(params=HA_STORES)
 def make_store(request: pytest.FixtureRequest, prefix: str) -> Iterator[MakeStore]:
     kind: str = request.param
-    options: dict[str, object] = {"wait_replicas": 1} if kind.endswith("-wait") else {}
+    options: dict[str, object] = {} if kind.endswith("-wait") else {"wait_replicas": 0}
     if kind.startswith("cluster"):
         url = request.getfixturevalue("local_cluster").url
     else:
@@ -40,13 +41,22 @@ def make_store(request: pytest.FixtureRequest, prefix: str) -> Iterator[MakeStor
         store.close()
 
 
-def test_the_durability_check_reads_every_master(make_store: MakeStore) -> None:
+def test_the_durability_check_reads_every_master_and_replica(make_store: MakeStore) -> None:
     """Cluster: each master holds a share of the records, so each one's settings are read;
-    Sentinel: the current master's. The test servers run without AOF: one finding per master."""
+    Sentinel: the current master's. Every replica's too: a failover promotes one. The test
+    servers run without AOF: one finding per node, and one about wait_replicas when it is 0."""
     store = make_store()
     findings = store.check_durability()
+    waits = [f for f in findings if f.setting == "wait_replicas"]
+    assert len(waits) == (0 if getattr(store, "wait_replicas", 0) else 1)
+    findings = [f for f in findings if f.setting != "wait_replicas"]
     assert findings and {f.setting for f in findings} == {"appendonly"}
-    masters = {f.risk.split(": ", 1)[0] for f in findings}
-    assert len(masters) == len(findings)
+    nodes = {f.risk.split(": ", 1)[0] for f in findings}
+    assert len(nodes) == len(findings)
+    masters = {n for n in nodes if " master " in n}
+    replicas = {n for n in nodes if " replica " in n}
     if "cluster" in repr(store.__class__).lower():
         assert len(masters) == 3 and all(m.startswith("cluster master ") for m in masters)
+        assert len(replicas) == 3 and all(r.startswith("cluster replica ") for r in replicas)
+    else:
+        assert len(masters) == 1 and len(replicas) == 1

@@ -12,7 +12,7 @@ promotion, restarts the dead server (it rejoins as a replica), and then checks:
 
 The store runs with ``wait_replicas=1``: each claim and record is confirmed by the replica that
 the failover promotes, so no acknowledged write can be lost (docs/redis-cluster.md measures the
-default, ``wait_replicas=0``, with ``python -m tests.redis_ha.measure``).
+``wait_replicas=0`` against 1, the default, with ``python -m tests.redis_ha.measure``).
 
 Set ``IDEM_HA_WAIT=0`` to run these tests without ``WAIT`` (the measurement script does).
 """

@@ -6,7 +6,8 @@ replica is frozen (SIGSTOP) and the master drops its replication link (``CLIENT 
 replica``: what a partition between the two does), the stores write, the master is SIGKILLed,
 the replica resumed and promoted:
 
-* with ``wait_replicas=0`` (the default) the acknowledged done record is lost: the next claim of
+* with ``wait_replicas=0`` (set explicitly; the default is 1) the acknowledged done record is
+  lost: the next claim of
   the key is ``claimed`` again, so a duplicate would run its body (its token is still above the
   lost one: tokens follow the server clock across the loss);
 * with ``wait_replicas=1`` the store refuses to acknowledge (``StoreUnavailable``: the gate
@@ -116,7 +117,7 @@ def keys_on(master_of: Callable[[str], int], store: Store, master: int) -> dict[
 @pytest.fixture
 def cluster_deployment(prefix: str) -> Iterator[Deployment]:
     cluster = LocalCluster()
-    plain = store_from_url(cluster.url, prefix=prefix)
+    plain = store_from_url(cluster.url, prefix=prefix, options={"wait_replicas": 0})
     safe = store_from_url(cluster.url, prefix=prefix, options={"wait_replicas": 1})
     try:
         master = cluster.masters()[0]
@@ -150,7 +151,7 @@ def cluster_deployment(prefix: str) -> Iterator[Deployment]:
 def sentinel_deployment(prefix: str) -> Iterator[Deployment]:
     group = SentinelGroup()
     url = group.url + f"?master_name={MASTER_NAME}"
-    plain = store_from_url(url, prefix=prefix)
+    plain = store_from_url(url, prefix=prefix, options={"wait_replicas": 0})
     safe = store_from_url(url, prefix=prefix, options={"wait_replicas": 1})
     old = group.master.port
     try:

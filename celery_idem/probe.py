@@ -1,0 +1,221 @@
+"""Is a store error a configuration mistake or an outage? The worker-start probe and the run-time log.
+
+An outage heals by itself (the server comes back), so the gate re-queues the message and waits.
+A wrong password, an unknown user or a database that does not exist never heals: re-queued
+forever at INFO, it looks exactly like an outage while every caller's ``get()`` hangs. So:
+
+* :func:`probe_store` asks the store for its clock once at worker start and turns such an error
+  into :class:`~celery_idem.exceptions.ImproperlyConfigured` naming the setting the store came
+  from (``idempotency_store`` or ``result_backend``): the worker refuses to start.
+* :func:`log_store_down` is what a worker logs when it re-queues a message because the store
+  could not be used: WARNING for an outage (with the re-queue delay and its backoff), ERROR with
+  the cause for a mistake.
+* :func:`misconfiguration` decides, from the error's causes (redis-py, psycopg, PyMySQL codes).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+
+from .exceptions import ImproperlyConfigured, StoreUnavailable
+from .stores.base import Store
+
+__all__ = [
+    "REQUEUE_DELAY_CAP",
+    "log_store_down",
+    "misconfiguration",
+    "probe_store",
+    "requeue_delay",
+]
+
+logger = logging.getLogger("celery_idem")
+
+#: The longest delay before a message re-queued for an unavailable store is delivered again
+#: (seconds). The delay doubles per re-queue from 1 s: 1, 2, 4, 8, 16, 30, 30, ... There is no
+#: limit on their number: the message waits for the store rather than running unguarded or
+#: being dropped (docs/reliability.md, "When the store is down").
+REQUEUE_DELAY_CAP = 30.0
+
+AUTHENTICATION = "rejected the credentials (authentication failed)"
+MISSING_DATABASE = "has no such database"
+PERMISSION = "refused a command this worker needs (permission denied)"
+
+# What the reason means the user should fix, for the messages.
+_FIX = {
+    AUTHENTICATION: "its user name and password",
+    MISSING_DATABASE: "its database name (or create the database)",
+    PERMISSION: "the user's permissions (ACL) or the user it names",
+}
+
+# MySQL/MariaDB server error codes (first argument of PyMySQL's and mysqlclient's errors).
+_MYSQL_CODES = {
+    1044: AUTHENTICATION,  # access denied for user to database
+    1045: AUTHENTICATION,  # access denied for user (using password: YES/NO)
+    1698: AUTHENTICATION,  # access denied (auth plugin)
+    1049: MISSING_DATABASE,  # unknown database
+}
+# SQLSTATEs (PostgreSQL) that no retry fixes.
+_SQLSTATES = {
+    "28P01": AUTHENTICATION,  # invalid_password
+    "28000": AUTHENTICATION,  # invalid_authorization_specification
+    "3D000": MISSING_DATABASE,  # invalid_catalog_name
+}
+# libpq puts a connection failure's reason only in the message (no SQLSTATE on psycopg's
+# connection errors).
+_MESSAGES = (
+    (re.compile(r'database "[^"]*" does not exist'), MISSING_DATABASE),
+    (re.compile(r"password authentication failed|no password supplied|"
+                r'role "[^"]*" does not exist|authentication failed', re.I), AUTHENTICATION),
+    (re.compile(r"unable to open database file"), MISSING_DATABASE),  # sqlite, a missing folder
+    (re.compile(r"DB index is out of range|invalid DB index", re.I), MISSING_DATABASE),  # Redis
+)
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and the driver errors SQLAlchemy wraps (``orig``)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        orig = getattr(item, "orig", None)
+        todo.extend([item.__cause__, item.__context__,
+                     orig if isinstance(orig, BaseException) else None])
+
+
+def misconfiguration(exc: BaseException) -> str | None:
+    """Why ``exc`` is a configuration mistake no retry fixes, or None for an outage (or unknown).
+
+    Args:
+        exc: A store error, usually :class:`StoreUnavailable` raised from the driver's error.
+
+    Returns:
+        One of the module's reasons (authentication, missing database, permission), or None.
+    """
+    for item in _causes(exc):
+        kind = f"{type(item).__module__}.{type(item).__name__}"
+        if kind.startswith("redis.") and type(item).__name__ == "AuthenticationError":
+            return AUTHENTICATION
+        if kind.startswith("redis.") and type(item).__name__ == "NoPermissionError":
+            return PERMISSION
+        args = getattr(item, "args", ())
+        if args and isinstance(args[0], int) and args[0] in _MYSQL_CODES:
+            return _MYSQL_CODES[args[0]]
+        state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
+        if isinstance(state, str) and state in _SQLSTATES:
+            return _SQLSTATES[state]
+        if not isinstance(item, StoreUnavailable):  # our message quotes the driver's
+            text = str(item)
+            for pattern, reason in _MESSAGES:
+                if pattern.search(text):
+                    return reason
+    return None
+
+
+def _driver_message(exc: BaseException) -> str:
+    """The first line of the innermost driver error behind ``exc`` (the server's own words)."""
+    innermost = exc
+    for item in _causes(exc):
+        if not isinstance(item, StoreUnavailable):
+            innermost = item
+    lines = str(innermost).strip().splitlines()
+    return lines[0] if lines else type(innermost).__name__
+
+
+def refusal(exc: BaseException, setting: str, where: str) -> ImproperlyConfigured | None:
+    """The start-up refusal for ``exc``, or None when ``exc`` is not a configuration mistake.
+
+    Args:
+        exc: What building or probing the store raised.
+        setting: The app setting the store came from (``idempotency_store``, ``result_backend``).
+        where: The store, for the message (no password).
+    """
+    reason = misconfiguration(exc)
+    if reason is None:
+        return None
+    return ImproperlyConfigured(
+        f"the idempotency store ({setting} = {where}) {reason}: {_driver_message(exc)}. Check "
+        f"{_FIX[reason]} in {setting}; until then every task of this worker could only be "
+        f"re-queued"
+    )
+
+
+def probe_store(store: Store, setting: str) -> bool:
+    """Ask ``store`` for its clock once, at worker start; refuse a configuration mistake.
+
+    Args:
+        store: The app's idempotency store.
+        setting: The app setting it came from, for the message.
+
+    Returns:
+        True when the store answered; False when it could not be reached (logged at WARNING:
+        the worker starts, and the gate re-queues its tasks until the store answers).
+
+    Raises:
+        ImproperlyConfigured: Authentication failed, the database does not exist, or a
+            command was refused: the message names ``setting`` and what to fix.
+    """
+    try:
+        store.now()
+    except StoreUnavailable as exc:
+        refused = refusal(exc, setting, describe(store))
+        if refused is not None:
+            raise refused from exc
+        logger.warning(
+            "celery_idem could not reach the idempotency store (%s) at worker start: %s. The "
+            "worker starts; its tasks are re-queued until the store answers", setting, exc)
+        return False
+    return True
+
+
+def describe(store: Store) -> str:
+    """Where ``store`` is, for messages (never with a password)."""
+    location = getattr(store, "location", None)
+    return str(location) if location else repr(store)
+
+
+def requeue_delay(requeues: int) -> float:
+    """Seconds before a message re-queued for an unavailable store is delivered again.
+
+    Args:
+        requeues: How many times this message was re-queued before (its
+            ``idempotency_requeues`` header).
+    """
+    # The exponent is capped: 2.0 ** n overflows a float past 1023 re-queues of a long outage.
+    return min(2.0 ** min(max(requeues, 0), 16), REQUEUE_DELAY_CAP)
+
+
+def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException,
+                   requeues: int) -> None:
+    """Log one re-queue of a message because the store could not be used.
+
+    WARNING for an outage, with the delay and how it grows; ERROR, with the cause and the fix,
+    for an error no retry fixes (a password changed while the worker runs, a dropped database).
+    The message is re-queued in both cases: fixing the setting or the server lets it run.
+
+    Args:
+        task_name: The task's name.
+        task_id: The request's id.
+        key: The idempotency key.
+        exc: The store's error.
+        requeues: How many times the message was re-queued before this one.
+    """
+    delay = requeue_delay(requeues)
+    reason = misconfiguration(exc)
+    if reason is not None:
+        logger.error(
+            "celery_idem the idempotency store %s: %s (%s). Task %s[%s] key=%s re-queued in %g s "
+            "(re-queue %d); it cannot run until %s is fixed",
+            reason, _driver_message(exc), exc, task_name, task_id, key, delay, requeues + 1,
+            _FIX[reason])
+        return
+    logger.warning(
+        "celery_idem store unavailable: task %s[%s] key=%s re-queued in %g s (re-queue %d; the "
+        "delay doubles from 1 s up to %g s, with no limit on re-queues: the message waits for "
+        "the store): %s",
+        task_name, task_id, key, delay, requeues + 1, REQUEUE_DELAY_CAP, exc)

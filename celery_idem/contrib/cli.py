@@ -45,6 +45,7 @@ from celery import Celery
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .. import ops
+from ..exceptions import ImproperlyConfigured
 from ..ops import Operator, printable, shown
 from ..records import Record, State
 from ..stores.base import Store
@@ -528,4 +529,8 @@ def mcp(ctx: click.Context, toolbox_spec: str, http: str | None, name: str) -> N
     where = f"http://{address[0]}:{address[1]}/mcp" if address else "stdio"
     names = printable(", ".join(t.name for t in toolbox))
     click.echo(f"celery-idem MCP server: {len(toolbox)} tools ({names}) on {printable(where)}", err=True)
-    idem_mcp.serve(toolbox, address, name=name)
+    try:
+        idem_mcp.serve(toolbox, address, name=name)
+    except ImproperlyConfigured as exc:
+        # A bind that needs authentication and has none, say: one line naming what to set.
+        fail_with(EXIT_REFUSED, str(exc), False)

@@ -111,6 +111,7 @@ def test_a_non_loopback_bind_without_tokens_refuses_to_start(live: Env, tmp_path
                 raise AssertionError(f"the server started on 0.0.0.0 with {env}") from None
             text = (tmp_path / f"mcp-{port}.log").read_text()
             assert code != 0 and problem in text, text
+            assert "Traceback" not in text, text  # one line naming what to set
             assert not listening("127.0.0.1", port)
 
 

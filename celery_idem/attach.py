@@ -53,7 +53,8 @@ FOLLOW_STEP = 1.0
 def may_attach(task: Task, options: Mapping[str, Any]) -> bool:
     """Whether this enqueue may attach to an action under way instead of publishing.
 
-    Not in eager mode (the body runs in place), not for a message with a countdown or an ETA
+    Not in eager mode (the body runs in place), not with a task id chosen beforehand (the
+    caller's check), not for a message with a countdown or an ETA
     (attaching would run it sooner than asked, and a reservation of it would outlive its
     lease), and not without a result backend (the handle waits there first).
     """
@@ -102,7 +103,13 @@ def attach(
             key=key,
         )
     emit_producer_decision(task, Outcome.ATTACHED, key, token, holder, holder, state)
-    return AttachedResult(task, gate, key, holder, args, kwargs, options)
+    result = AttachedResult(task, gate, key, holder, args, kwargs, options)
+    if options.get("add_to_parent", True):
+        # As apply_async does: a running task lists it among its children.
+        parent = task.app.current_worker_task
+        if parent:
+            parent.add_trail(result)
+    return result
 
 
 class AttachedResult(AsyncResult):  # type: ignore[misc]

@@ -594,7 +594,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         gate, check = self._gate, self._enqueue_check
         store = gate.store
-        attaching = may_attach(self, options)
+        # A task id chosen beforehand (a frozen signature, a chain's next step) is waited on
+        # under that id: an attached handle has the holder's, so such an enqueue publishes.
+        attaching = task_id is None and may_attach(self, options)
         reserving = attaching and store.reserves
         sent_id = task_id or (str(uuid()) if reserving else None)
         lease = self.idempotency_config.lease

@@ -153,6 +153,24 @@ def build_app(s: Settings) -> Celery:
         time.sleep(IO_SECONDS)
         return action
 
+    # In-flight copies (bench/inflight.py): a body that runs ``seconds`` (or until its flag is
+    # set), with the default path, with the enqueue check off, and with the path before issue
+    # 26 emulated (check off, and each delivered copy waiting up to 10 s in its pool process).
+    def hold(action: str, seconds: float) -> str:
+        client = _counter_client(redis_url)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not client.exists(f"{action}:release"):
+            time.sleep(0.02)
+        return action
+
+    app.task(shared=False, name="bench.hold", base=IdempotentTask,
+             idempotency_fields=("action",))(hold)
+    app.task(shared=False, name="bench.hold_nocheck", base=IdempotentTask,
+             idempotency_fields=("action",), idempotency_check_on_enqueue=False)(hold)
+    app.task(shared=False, name="bench.hold_oldpath", base=IdempotentTask,
+             idempotency_fields=("action",), idempotency_check_on_enqueue=False,
+             idempotency_wait=10)(hold)
+
     _peer_tasks(app, s)
     return app
 

@@ -12,6 +12,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalEr
 __all__ = [
     "KNOWN_OPTIONS",
     "MIN_LEASE",
+    "MIN_PERIOD",
     "IdempotencyConfig",
     "check_options",
     "default_release_on",
@@ -43,6 +45,7 @@ KNOWN_OPTIONS = frozenset(
         "idempotency_record_timeout",
         "idempotency_check_on_enqueue",
         "idempotency_fingerprint",
+        "idempotency_period",
     }
 )
 
@@ -91,6 +94,10 @@ def default_release_on() -> tuple[type[BaseException], ...]:
 #: over a holder that is alive.
 MIN_LEASE = 0.5
 
+#: The shortest ``idempotency_period``: two senders of one tick (two beat processes) are
+#: usually up to a second or so apart, and a slot collapses only sends within half a period.
+MIN_PERIOD = 1.0
+
 DEFAULT_TERMINAL_ON: tuple[type[BaseException], ...] = (TerminalError, IdempotencyKeyMismatch)
 
 
@@ -110,6 +117,9 @@ class IdempotencyConfig:
     record_timeout: float
     check_on_enqueue: bool = True
     fingerprint: bool = True
+    #: Seconds of a schedule slot: a derived key gains the slot its enqueue falls in (None: no
+    #: slot). See :func:`celery_idem.keys.period_slot`.
+    period: float | None = None
 
 
 def _exception_tuple(name: str, value: Any) -> tuple[type[BaseException], ...]:
@@ -304,6 +314,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
             f"{owner}: idempotency_ttl ({ttl:g} s) must be at least idempotency_lease "
             f"({lease:g} s), or a record could vanish while its claim is live"
         )
+    period = _period(owner, getattr(attrs, "idempotency_period", None), ttl)
     release_on = attrs.idempotency_release_on
     release = default_release_on() if release_on is None else _exception_tuple(
         "idempotency_release_on", release_on
@@ -324,7 +335,32 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
                                getattr(attrs, "idempotency_check_on_enqueue", True)),
         fingerprint=_flag(owner, "idempotency_fingerprint",
                           getattr(attrs, "idempotency_fingerprint", True)),
+        period=period,
     )
+
+
+def _period(owner: str, value: Any, ttl: float) -> float | None:
+    """``idempotency_period``: None, or a finite number of seconds of at least :data:`MIN_PERIOD`
+    that the record outlives (``idempotency_ttl`` >= the period)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ImproperlyConfigured(
+            f"{owner}: idempotency_period must be a number of seconds (at least {MIN_PERIOD:g}) "
+            f"or None, got {value!r}"
+        )
+    if value < MIN_PERIOD:
+        raise ImproperlyConfigured(
+            f"{owner}: idempotency_period must be at least {MIN_PERIOD:g} s, got {value!r}: two "
+            f"senders of one tick (two beat processes) are often a second apart, and only sends "
+            f"within half a period of the same slot share a key"
+        )
+    if ttl < value:
+        raise ImproperlyConfigured(
+            f"{owner}: idempotency_ttl ({ttl:g} s) must be at least idempotency_period "
+            f"({value:g} s), or a slot's record could vanish before the slot's last send is run"
+        )
+    return float(value)
 
 
 def _flag(owner: str, name: str, value: Any) -> bool:

@@ -45,6 +45,7 @@ import enum
 import hashlib
 import inspect
 import json
+import math
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -65,6 +66,7 @@ __all__ = [
     "key_from_fields",
     "parse_key",
     "payload_hash",
+    "period_slot",
     "scoped",
     "signature_of",
 ]
@@ -122,6 +124,29 @@ def canonical_json(payload: Mapping[str, Any]) -> str:
 def payload_hash(arguments: Mapping[str, Any]) -> str:
     """Return the hash stored with ``idempotency_validate``: the full arguments, canonically."""
     return _digest(canonical_json(arguments))
+
+
+#: The field a key of a task with ``idempotency_period`` gains: the slot its enqueue falls in. Not
+#: an identifier, so no parameter has this name, and keys without a period are unchanged.
+SLOT_FIELD = "$slot"
+
+
+def period_slot(at: float, period: float) -> int | float:
+    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds).
+
+    Slot ``n * period`` holds every time in ``[(n - 1/2) * period, (n + 1/2) * period)``: two
+    sends of one scheduled instant that is a multiple of the period share its slot when each is
+    within half a period of it (early or late), however close to the instant they are, where a
+    slot cut *at* the instant (``floor(at / period)``) would part a send a moment early from one
+    a moment late. Returned as an ``int`` when whole, so the key's text does not depend on how the
+    period was written (``60`` or ``60.0``).
+
+    Example:
+        >>> period_slot(1796461199.6, 60), period_slot(1796461200.9, 60)
+        (1796461200, 1796461200)
+    """
+    centre = math.floor(at / period + 0.5) * period
+    return int(centre) if float(centre).is_integer() else centre
 
 
 def _digest(text: str) -> str:

@@ -19,9 +19,11 @@ Importing this module makes celery_idem's ``ImproperlyConfigured`` Celery's too
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import functools
 import inspect
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
@@ -46,6 +48,7 @@ from .gate import Attempt, Gate
 from .keys import (
     MAX_CALLER_KEY,
     MAX_KEY_LENGTH,
+    SLOT_FIELD,
     bind_arguments,
     caller_key,
     check_scope,
@@ -53,6 +56,7 @@ from .keys import (
     key_from_fields,
     parse_key,
     payload_hash,
+    period_slot,
     scoped,
     select_fields,
     signature_of,
@@ -153,6 +157,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: a done key's enqueue then publishes a message that the worker answers from the record
     #: (the body still runs at most once, the caller waits for the result as usual).
     idempotency_check_on_enqueue: ClassVar[bool] = True
+    #: Seconds of a schedule slot (None: no slot). A key derived from the arguments (or by
+    #: ``idempotency_key_func``) gains the multiple of the period nearest to the enqueue time:
+    #: a periodic task runs at most once per slot however many beat processes send each tick,
+    #: when they send within half a period of it. A per-call key is kept as it is.
+    idempotency_period: ClassVar[float | None] = None
 
     #: At-least-once delivery: a message is acknowledged only after the body ran, and
     #: re-delivered if the worker dies. The gate makes the repeats harmless.
@@ -229,6 +238,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def idempotency_key_for(
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, *,
         idempotency_key: str | None = None, idempotency_scope: str | None = None,
+        at: float | dt.datetime | None = None,
     ) -> str:
         """Return the key a call with these arguments gets (as stored, without the prefix).
 
@@ -246,23 +256,29 @@ class IdempotentTask(Task):  # type: ignore[misc]
             kwargs: The call's keyword arguments.
             idempotency_key: A per-call key, as passed to ``apply_async``.
             idempotency_scope: A scope, as passed to ``apply_async``.
+            at: With ``idempotency_period``, the enqueue time whose slot the key gets (Unix
+                seconds or an aware datetime; default: now). Ignored without a period, and for
+                a per-call key.
 
         Raises:
             TypeError: The arguments do not match the task's signature (and the task checks
                 them: ``typing``), or a value that is part of the key has no canonical form
                 (the message names the field).
             InvalidKey: The per-call key or the scope is not usable (the message says why).
+            ValueError: ``at`` is a naive datetime.
         """
-        return self._identify(args, kwargs, idempotency_key, idempotency_scope)[0]
+        return self._identify(args, kwargs, idempotency_key, idempotency_scope, at)[0]
 
     def _identify(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-        explicit: Any, scope: Any,
+        explicit: Any, scope: Any, at: float | dt.datetime | None = None,
     ) -> tuple[str, Callable[[], str | None]]:
         """The call's key, and a function computing its fingerprint (None: not checked).
 
         The arguments are bound once for both; the fingerprint is computed only when asked
-        (at enqueue, only once a record was found).
+        (at enqueue, only once a record was found). With ``idempotency_period`` a derived key
+        gains the slot of ``at`` (default: now, read once here: ``apply_async`` calls this once
+        and the header carries the key, so retries and redeliveries keep the slot).
         """
         cfg = self.idempotency_config
         args, kwargs = tuple(args or ()), dict(kwargs or {})
@@ -278,7 +294,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"{self.name}: idempotency_key_func returned {identity!r}; it must return a "
                     f"non-empty str"
                 )
-            key = key_from_fields(cfg.operation, {}, identity)
+            key = key_from_fields(cfg.operation, self._slot_fields({}, at), identity)
             fingerprint: Callable[[], str | None] = functools.partial(
                 self._fingerprint, args, kwargs, False)
         else:
@@ -287,11 +303,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if _failed_request(args) is not None:
                 # Handling a failure is an action of its own, apart from any ordinary call.
                 fields[ERRBACK_FIELD] = True
-            key = key_from_fields(cfg.operation, fields)
+            key = key_from_fields(cfg.operation, self._slot_fields(fields, at))
 
             def fingerprint() -> str | None:
                 return payload_hash(bound) if cfg.validate else None
         return _check_key(self.name, scoped(key, cfg.operation, scope)), fingerprint
+
+    def _slot_fields(
+        self, fields: dict[str, Any], at: float | dt.datetime | None
+    ) -> dict[str, Any]:
+        """``fields`` with the slot of ``at`` (now, when None) under ``$slot``, for a task with
+        ``idempotency_period``; unchanged without one (so its keys are as before)."""
+        period = self.idempotency_config.period
+        if period is None:
+            return fields
+        fields[SLOT_FIELD] = period_slot(_unix_time(at), period)
+        return fields
 
     def _fingerprint(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], per_call: bool
@@ -661,8 +688,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         req = self.request
         header = (req.headers or {}).get(HEADER)
         if header is None:
-            # send_task by name, another language's producer, Task.apply(): derive it here.
-            key, fingerprint = self._identify(args, kwargs, None, None)
+            # send_task by name, another language's producer, Task.apply(): derive it here
+            # (a period's slot from the message's time, when it has one, else from now).
+            key, fingerprint = self._identify(args, kwargs, None, None, _message_time(req))
             digest = fingerprint()
         else:
             key, per_call = self._header_key(header)
@@ -761,6 +789,42 @@ def _failed_request(args: Sequence[Any]) -> Context | None:
     """
     first = args[0] if args else None
     return first if isinstance(first, Context) else None
+
+
+def _clock() -> float:
+    """The wall clock a period's slot is read from (a function, so tests can replace it)."""
+    return time.time()
+
+
+def _unix_time(at: float | dt.datetime | None) -> float:
+    """``at`` as Unix seconds: now when None; an aware datetime converted; a naive one refused."""
+    if at is None:
+        return _clock()
+    if isinstance(at, dt.datetime):
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise ValueError(
+                f"at={at!r} is a naive datetime; pass an aware one (tzinfo set) or Unix seconds"
+            )
+        return at.timestamp()
+    if isinstance(at, bool) or not isinstance(at, (int, float)):
+        raise TypeError(f"at must be Unix seconds or an aware datetime, got {at!r}")
+    return float(at)
+
+
+def _message_time(request: Any) -> float | None:
+    """The time a message was sent, when it says so: its ``timestamp`` property (AMQP's, or
+    ``send_task(..., timestamp=...)``), as Unix seconds or a datetime (naive: UTC). None
+    otherwise: Celery's own messages carry no sending time."""
+    properties = getattr(request, "properties", None)
+    stamp = properties.get("timestamp") if isinstance(properties, Mapping) else None
+    if isinstance(stamp, dt.datetime):
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=dt.timezone.utc)
+        return stamp.timestamp()
+    if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp) \
+            and stamp > 0:
+        return float(stamp)
+    return None
 
 
 def _check_key(task: str, key: str) -> str:

@@ -146,10 +146,11 @@ def _plain(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
-#: Put before a record's name to name its reservation (``Store.reserve``): outside every
-#: store prefix, so a scan of the records never meets one, and on the record's cluster slot
-#: (the name keeps the record's hash tag).
-RESERVED = "celery-idem-reserved:"
+#: Put after a record's name to name its reservation (``Store.reserve``): under the store's
+#: prefix (an ACL user limited to ``~<prefix>*`` may write it), on the record's cluster slot
+#: (the name keeps the record's hash tag), and never a record's own name, since a key is
+#: printable text and this is not. A scan skips it: its value is not a record.
+RESERVED = "\x1freserved"
 
 
 def _refuse_nul(**fields: str) -> None:
@@ -476,9 +477,9 @@ class RedisStore(Store):
             if self.wait_replicas:
                 # Not through _run's WAIT: a reservation needs no replica's confirmation
                 # (losing one only lets a copy be published, which the claim sorts out).
-                reply = self._reserve(keys=[name, RESERVED + name], args=args)
+                reply = self._reserve(keys=[name, name + RESERVED], args=args)
             else:
-                reply = self._run(self._reserve, key, args, other=RESERVED + name)
+                reply = self._run(self._reserve, key, args, other=name + RESERVED)
         if reply is None:
             return None
         if isinstance(reply, list):
@@ -487,12 +488,12 @@ class RedisStore(Store):
 
     def reservation(self, key: str) -> Reservation | None:
         with _translate_errors(self, key):
-            value = self.client.get(RESERVED + self._k(key))
-        return None if value is None else _reservation(value)
+            value = self.client.get(self._k(key) + RESERVED)
+        return _reservation(value) if value else None  # b"": dropped (unreserve.lua)
 
     def unreserve(self, key: str, task_id: str) -> None:
         with _translate_errors(self, key):
-            self._unreserve(keys=[RESERVED + self._k(key)], args=[task_id])
+            self._unreserve(keys=[self._k(key) + RESERVED], args=[task_id])
 
     def get(self, key: str) -> Record | None:
         # The producer's read (the enqueue check): a plain try, as claim and record do.

@@ -153,7 +153,7 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         keys: tuple[str, ...] = (name, record)
         args: tuple[Any, ...] = (payload, "0")
     else:
-        keys, args = (name, record, RESERVED + record), (payload, "1", *pending.reserve)
+        keys, args = (name, record, record + RESERVED), (payload, "1", *pending.reserve)
     with self.conn_or_acquire() as client:
         try:
             reply = client.evalsha(_SHA, len(keys), *keys, *args)

@@ -530,8 +530,11 @@ def test_a_record_answers_reserve_unless_it_is_released(store: RedisStore) -> No
     assert claim(store, key, who="b").status is ClaimStatus.CLAIMED
 
 
-def test_a_reservation_lives_outside_the_prefix_and_scan_never_meets_it(store: RedisStore) -> None:
+def test_a_reservation_lives_under_the_prefix_and_scan_skips_it(store: RedisStore) -> None:
+    from celery_idem.stores.redis import RESERVED
+
     key = f"op:{uuid.uuid4().hex}"
     store.reserve(key, "t-1", LONG)
+    assert store.client.exists(store.prefix + key + RESERVED)  # an ACL of ~<prefix>* covers it
     assert [r.key for r in store.scan()] == []
     store.unreserve(key, "t-1")

@@ -31,7 +31,7 @@ if value then
 end
 if attach and free then
   local r = redis.call('GET', KEYS[3])
-  if r then
+  if r and r ~= '' then  -- '' is a dropped one (unreserve.lua)
     return {r}
   end
   redis.call('SET', KEYS[3], ARGV[3] .. '\0' .. ARGV[4], 'PX', ARGV[5])

@@ -9,7 +9,7 @@ if v and not (string.byte(v, 1) == 0xC1 and string.byte(v, 2) == 114) then
   return v  -- any record but a released one ('r'); a foreign value is the client's to report
 end
 local r = redis.call('GET', KEYS[2])
-if r then
+if r and r ~= '' then  -- '' is a dropped one (unreserve.lua)
   return {r}
 end
 redis.call('SET', KEYS[2], ARGV[1] .. '\0' .. ARGV[2], 'PX', ARGV[3])

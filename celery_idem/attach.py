@@ -11,8 +11,8 @@ action's outcome:
 * else the outcome in the action's record, whichever attempt wrote it (a copy that took over
   after the holder died records it under the key, whatever its own task id);
 * and when the action has no attempt left (no live claim, no reservation, no outcome) for a
-  whole lease, the handle publishes the call itself, once, and follows that message: nothing
-  is lost, and the gate still runs the body at most once.
+  whole lease, the handle publishes the call itself, once, under the task id it attached to,
+  and follows that message: nothing is lost, and the gate still runs the body at most once.
 
 This module is the Celery seam's (it imports Celery); the decision it makes is small enough to
 stay next to the handle.
@@ -242,6 +242,8 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
             headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
             logger.warning("celery_idem attached result: the action of key=%s has no attempt "
                            "left (task %s); publishing the call again", key, self.id)
+            # Under the id it attached to: whoever waits on that id (a ResultSet, a caller
+            # holding the id) gets the outcome too.
             self.followed = self._task.apply_async(
-                args, kwargs, **{**options, "headers": headers})
+                args, kwargs, task_id=self.id, **{**options, "headers": headers})
         return None

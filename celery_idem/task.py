@@ -650,9 +650,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 else:
                     found = store.get(key)
             except StoreUnavailable as exc:
-                # The worker's gate still guards the body; publishing is safe.
+                # The worker's gate still guards the body; publishing is safe. Under the id it
+                # tried to reserve: if only the reply was lost, the reservation that later
+                # enqueues attach to names a message that exists.
                 logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
-                return None
+                return sent_id if reserving and sent_id != task_id else None
         answer: AsyncResult | None = None
         if isinstance(found, Record) and found.state in (State.DONE, State.FAILED):
             answer = answer_from_record(

@@ -6,6 +6,10 @@
 * Every ``python`` block of README.md and docs/*.md parses; the quickstart (the same in both)
   has no unused import, and it runs: its ``shop.py`` under a real worker started with its own
   command line, and its producer snippet against it.
+* The README for a first hour: the two set-up commands first, then Why, Install, Quick start (its
+  own queue and Redis databases, the worker's log lines in the format and at the levels the
+  worker logs them), Flower (a declared extra), the demo; a link to every docs page, Measured
+  kept short, contributor material in docs/contributing.md; the Python versions CI runs.
 
 The site is built with ``mkdocs`` from the docs toolchain (``make test`` installs it, as ``make
 docs`` does; ``CELERY_IDEM_MKDOCS`` names another binary). Without it the site test is skipped
@@ -239,15 +243,16 @@ def test_the_quickstart_runs_under_a_real_worker(tmp_path: Path, redis_cleanup: 
                                                  prefix: str) -> None:
     require(REDIS_URL, 6379, "Redis")
     shop, worker_line, producer = _quickstart(ROOT / "docs" / "index.md")
+    docs_shop = shop
     # Its own queue and key prefix on the test Redis, so no other worker takes its tasks
     queue = f"quickstart-{uuid.uuid4().hex[:10]}"
     base = REDIS_URL.rstrip("/")
-    shop = shop.replace("redis://127.0.0.1:6379/0", f"{base}/0").replace(
-        "redis://127.0.0.1:6379/1", f"{base}/0")
+    shop = re.sub(r"redis://127\.0\.0\.1:6379/\d+", f"{base}/0", shop)
     shop += f"\napp.conf.task_default_queue = {queue!r}\napp.conf.idempotency_key_prefix = {prefix!r}\n"
     (tmp_path / "shop.py").write_text(shop)
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    args = worker_line.split()
+    # The worker consumes this run's queue where the quickstart's names its own (-Q payments)
+    args = [queue if a == _quickstart_queue(docs_shop) else a for a in worker_line.split()]
     assert args[:4] == ["celery", "-A", "shop", "worker"]
     worker = Worker(env, "quickstart", pool="solo", concurrency=1, app="shop",
                     extra=tuple(a for a in args[4:] if a not in ("-l", "INFO", "-E")))
@@ -263,6 +268,9 @@ def test_the_quickstart_runs_under_a_real_worker(tmp_path: Path, redis_cleanup: 
     # One charge: the second enqueue was answered from the record (same id), or, when it was
     # published before the first finished, the worker's gate answered it as a duplicate
     assert same == "True" or worker.text().count("celery_idem duplicate key=shop.charge_card:") == 1
+    # The README's expected log lines show the key this worker really used
+    key = re.search(r"'idempotency_key': '([^']+)'", result)
+    assert key and all(key[1] in line for line in _readme_log_lines() if "key=" in line), result
 
 
 def test_no_mermaid_diagram_has_a_raw_semicolon() -> None:
@@ -271,3 +279,132 @@ def test_no_mermaid_diagram_has_a_raw_semicolon() -> None:
     bad = [(path.name, line.strip()) for path in DOCS for block in _blocks(path, "mermaid")
            for line in block.splitlines() if ";" in line.replace("#59;", "")]
     assert bad == []
+
+
+# -- the README for the first hour (issue 28) ---------------------------------------------------
+
+README = ROOT / "README.md"
+
+
+def _sections(path: Path) -> list[tuple[str, str]]:
+    """(title, text) of every ``## `` section of ``path``, in order (code blocks included)."""
+    parts = re.split(r"^## (.+)\n", path.read_text(), flags=re.M)
+    return list(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def _quickstart_queue(shop: str) -> str:
+    found = re.search(r'^app\.conf\.task_default_queue = "([^"]+)"', shop, re.M)
+    assert found, "the quickstart's shop.py names no queue of its own (task_default_queue)"
+    return found[1]
+
+
+def _readme_log_lines() -> list[str]:
+    """The worker log lines the README shows (its ``text`` blocks)."""
+    return [line for block in _blocks(README, "text") for line in block.splitlines()
+            if line.startswith("[")]
+
+
+def test_the_readme_starts_with_the_two_commands_then_the_first_hours_sections() -> None:
+    text = README.read_text()
+    head = text[:text.index("\n## ")]
+    # The project's rule: the README starts with the two commands that do all the set-up
+    assert _blocks(README, "sh")[0] == "make demo\nmake test\n"
+    assert text.index("```sh\nmake demo\nmake test\n```") < text.index("\n## ")
+    titles = [title for title, _ in _sections(README)]
+    assert titles[:5] == ["Why", "Install", "Quick start", "Flower", "The demo: `make demo`"], titles
+    # Contributor material is in docs/contributing.md, not before Why; make test says what it costs
+    for word in ("test-fast", "test-compat", "marker", "warnings"):
+        assert word not in head, word
+    assert "17-20 minutes" in head and "apt-get" in head and "scripts/browser.sh" in head
+    contributing = (ROOT / "docs" / "contributing.md").read_text()
+    for needle in ("17-20 min", "apt-get install chromium chromium-driver", "make test-fast",
+                   "make test-compat", "make test-pythons", "--strict-markers", "filterwarnings"):
+        assert needle in contributing, needle
+
+
+def test_the_quickstart_has_its_own_queue_and_redis_databases() -> None:
+    # A shared Redis's db 0 and Celery's default queue "celery" are often another app's
+    for path in (README, ROOT / "docs" / "index.md"):
+        shop, worker_line, _ = _quickstart(path)
+        dbs = [int(db) for db in re.findall(r"redis://[^\"/]+/(\d+)", shop)]
+        assert len(dbs) == 2 and not {0, 1} & set(dbs), (path.name, dbs)
+        queue = _quickstart_queue(shop)
+        assert queue != "celery"
+        args = worker_line.split()
+        assert args[args.index("-Q") + 1] == queue, worker_line
+
+
+def test_the_readmes_log_lines_are_what_the_worker_logs() -> None:
+    import logging
+
+    from celery_idem import events
+
+    lines = _readme_log_lines()
+    decisions = [line for line in lines if "] celery_idem " in line]
+    # The claim and the record (DEBUG) and a duplicate reaching the worker (INFO) are shown
+    assert [d.split("] celery_idem ", 1)[1].split()[0] for d in decisions] == [
+        "claimed", "recorded", "duplicate"]
+    line_format = re.compile(
+        r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}: (?P<level>[A-Z]+)/[\w-]+\] "
+        r"celery_idem (?P<outcome>\w+) key=\S+ task_id=\S+ token=\d+ original_task_id=\S+"
+        r"(?: \w+=\S+)*$")
+    for line in decisions:
+        m = line_format.match(line)
+        assert m, line
+        # At the level events.log_outcome logs that outcome at
+        level = events._LOUD.get(events.Outcome(m["outcome"]), logging.DEBUG)
+        assert m["level"] == logging.getLevelName(level), line
+    # The duplicate names the task that ran, as the first line's received task
+    ran = re.search(r"Task shop\.charge_card\[([\w-]+)\] received", lines[0])
+    assert ran and f"original_task_id={ran[1]}" in decisions[-1]
+
+
+def test_every_extra_the_docs_install_is_declared_and_flower_is_one() -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(req.startswith("flower") for req in extras["flower"])
+    for path in (README, ROOT / "docs" / "index.md"):
+        named = re.findall(r"(?:'\.|celery-idem)\[([\w,]+)\]", path.read_text())
+        assert named, path.name
+        unknown = {e for group in named for e in group.split(",")} - set(extras)
+        assert not unknown, (path.name, unknown)
+    install = dict(_sections(README))["Install"]
+    assert "pip install '.[redis,flower]'" in install
+    assert "pip install 'celery-idem[redis,flower]'" in install
+
+
+def test_the_readmes_flower_section_loads_the_extension() -> None:
+    flower = dict(_sections(README))["Flower"]
+    conf = next(c for c in _blocks(README, "python") if c.startswith("# flowerconfig.py"))
+    assert "import celery_idem.contrib.flower\n" in conf and "celery_idem.contrib.flower.install()" in conf
+    assert "celery -A shop flower --conf=flowerconfig.py" in flower
+    # The [flower] extra makes `celery flower` a command (the dev venv has it through [dev])
+    celery = Path(sys.executable).parent / "celery"
+    out = subprocess.run([str(celery), "flower", "--help"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "Usage: celery flower" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_readme_links_every_docs_page_and_keeps_measured_short() -> None:
+    text = README.read_text()
+    missing = [p.name for p in DOCS if f"(docs/{p.name}" not in text]
+    assert missing == [], missing
+    measured = dict(_sections(README))["Measured"]
+    assert "docs/benchmarks.md" in measured and "docs/reliability.md" in measured
+    assert len(measured.strip().splitlines()) <= 15, "Measured is a summary: details in the docs"
+
+
+def test_the_python_versions_ci_runs_are_the_ones_declared() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {c.rsplit(" :: ", 1)[1] for c in project["classifiers"]
+                if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)}
+    pyvers = re.search(r"^PYVERS\s*\?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert pyvers
+    # The main venv's version runs the whole suite; make test-pythons the others
+    assert declared == {*pyvers[1].split(), "3.11"}, declared
+    assert project["requires-python"] == f">={min(declared, key=lambda v: int(v.split('.')[1]))}"
+    assert "make test-pythons" in (ROOT / ".ci" / "run").read_text()

@@ -4,16 +4,25 @@ and an HTTP client for the vendor SDKs that answers from a script (no network)."
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import httpx2
+import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from pydantic import Field
 
 from tests.conftest import REDIS_URL
 from tests.integration.harness import ROOT
 from tests.tools.conftest import Env
+
+#: pydantic-ai 2.55+ needs Python 3.11, so ``[dev]`` installs it on 3.11+ only (pyproject.toml's
+#: environment marker). Its tests skip below 3.11; on 3.11+ a missing pydantic-ai is an import
+#: error at collection, never a skip.
+PYDANTIC_AI = sys.version_info >= (3, 11)
+needs_pydantic_ai = pytest.mark.skipif(
+    not PYDANTIC_AI, reason="pydantic-ai needs Python 3.11+: [dev] installs it on 3.11+ only")
 
 
 def server_env(live: Env) -> dict[str, str]:

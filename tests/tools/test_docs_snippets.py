@@ -22,8 +22,6 @@ import pytest
 from langchain_core.messages import AIMessage, ToolMessage
 from mcp import Client, StdioServerParameters
 from mcp.server.lowlevel import Server
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
-from pydantic_ai.models.function import AgentInfo, FunctionModel
 from starlette.applications import Starlette
 
 from celery_idem import ImproperlyConfigured
@@ -33,13 +31,19 @@ from tests.integration.harness import ROOT
 from tests.tools.app import charge_card, toolbox
 from tests.tools.conftest import Env
 from tests.tools.support import (
+    PYDANTIC_AI,
     FakeToolModel,
     anthropic_reply,
     command,
     mock_client,
+    needs_pydantic_ai,
     openai_reply,
     server_env,
 )
+
+if PYDANTIC_AI:  # Python 3.11+ (tests.tools.support)
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 pytestmark = pytest.mark.worker
 
@@ -183,6 +187,7 @@ def test_the_async_snippet(live: Env) -> None:
     assert len(live.effects("charge:ord_1")) == 1
 
 
+@needs_pydantic_ai
 def test_the_pydantic_ai_snippet(live: Env) -> None:
     statuses: list[str] = []
 

@@ -29,6 +29,7 @@ from tests.tools.app import (
     sync_ledger,
 )
 from tests.tools.conftest import Env
+from tests.tools.support import PYDANTIC_AI
 
 pytestmark = pytest.mark.worker
 
@@ -102,9 +103,10 @@ def test_the_framework_adapters_call_in_the_toolbox_scope(live: Env) -> None:
     out = {t.name: t for t in tools.langchain()}["charge_card"].invoke(arguments)
     assert out["status"] == "ok" and "@tenant-lc:" in out["idempotency_key"], out
     # pydantic-ai's tool awaits ainvoke in the same scope: the same action, a duplicate
-    function = tools.pydantic_ai()[0].function
-    again = asyncio.run(function(**arguments))
-    assert again["status"] == "duplicate" and again["task_id"] == out["task_id"], again
+    if PYDANTIC_AI:  # Python 3.11+ (tests.tools.support); LangChain's half runs on every version
+        function = tools.pydantic_ai()[0].function
+        again = asyncio.run(function(**arguments))
+        assert again["status"] == "duplicate" and again["task_id"] == out["task_id"], again
     assert len(live.effects(f"charge:{oid}")) == 1
 
 

@@ -17,14 +17,16 @@ import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
-from pydantic_ai import Agent
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
-from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from celery_idem.tools import Toolbox, tool
 from tests.tools.app import charge_card, stock_level
 from tests.tools.conftest import Env
-from tests.tools.support import FakeToolModel
+from tests.tools.support import PYDANTIC_AI, FakeToolModel, needs_pydantic_ai
+
+if PYDANTIC_AI:  # Python 3.11+ (tests.tools.support)
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 pytestmark = pytest.mark.worker
 
@@ -39,6 +41,7 @@ def shop_tools() -> Toolbox:
     return Toolbox([tool(charge_card, timeout=WAIT), tool(stock_level, kind="read", timeout=WAIT)])
 
 
+@needs_pydantic_ai
 def test_pydantic_ai_function_model_calls_the_charge_twice_and_one_charge_results(live: Env) -> None:
     oid = order()
     arguments = {"order_id": oid, "amount_cents": 1250, "currency": "eur"}

@@ -44,7 +44,9 @@ def _pause_holder_and_take_over(
     paused = time.monotonic()
     try:
         cluster.worker("b", concurrency=1, extra=INCLUDE)
-        second = tasks.fenced_charge.delay(order_id, 4200, str(gates))
+        # A copy that reaches a worker (send_task: another producer, or a redelivery): an
+        # apply_async here would attach to A's live claim at enqueue and publish nothing.
+        second = tasks.app.send_task("fencing.charge", (order_id, 4200, str(gates)))
         _, t2 = wait_for(lambda: _claims(gates, 2), timeout=60, what="B's takeover after A's lease")
         assert t2 > t1  # the takeover's token is above the frozen holder's
         (gates / "go").write_text("")

@@ -511,15 +511,18 @@ def _inflight(out: Out, results: dict[str, Any], args: argparse.Namespace, prefi
     r = inflight.measure(args.redis_url, prefix, log, hold=4.0 if q else 15.0, reps=1 if q else 3)
     results["inflight"] = r
     idle = r["idle"]
-    rows = [["idle (no action running)", f"{idle * 1000:.1f}", "1.0", "-"]]
+    rows = [["idle (no action running)", f"{idle * 1000:.1f}", "1.0", "-", "-"]]
     rows += [[label, f"{row['latency'] * 1000:.1f}", f"{row['latency'] / idle:.1f}",
+              "-" if row["later"] is None else f"{row['later'] * 1000:.1f}",
               f"{row['copies_done']:.1f}"] for label, row in r["paths"].items()]
-    body = table(["path", "quick task latency, median ms", "x idle",
-                  "copies enqueued -> all results, median s"], rows)
+    body = table(["path", "quick task right behind the copies, median ms", "x idle",
+                  "the next quick tasks, median ms", "copies enqueued -> all results, median s"],
+                 rows)
     body += (f"\n\n`celery worker -P prefork -c 2` on Redis. One action's body runs up to "
              f"{r['hold']:g} s (it is let go once the quick tasks are timed); {r['copies']} copies of "
              f"it are enqueued back to back, then an unrelated no-op task is enqueued and waited "
-             f"for, 5 times in a row, {r['reps']} rep(s) per path (`bench/inflight.py`). The old "
+             f"for (then 4 more, one after the other), {r['reps']} rep(s) per path "
+             f"(`bench/inflight.py`). The old "
              f"path is emulated on this version: the check off (every copy published) and "
              f"`idempotency_wait=10` (each delivered copy holds a pool process up to 10 s).")
     out.add("In-flight copies: a quick task beside a running action's copies", body)

@@ -2,8 +2,9 @@
 
 ``celery worker -P prefork -c 2`` on Redis (broker, backend and store on one server). One action's
 body runs ``hold`` seconds; ``copies`` copies of it are enqueued; then an unrelated quick task
-(``bench.plain``, a no-op) is enqueued and its latency (``delay()`` to ``get()``) measured, five
-times in a row while the body still runs (the median of all reps is reported). Three
+(``bench.plain``, a no-op) is enqueued and its latency (``delay()`` to ``get()``) measured: the
+first one right behind the copies (the median over the reps is reported), then four more while
+the body still runs (reported apart). Three
 paths, side by side in one run, ``reps`` times each:
 
 * **attach** (the default): the copies publish nothing and follow the running action;
@@ -70,6 +71,7 @@ def measure(redis_url: str, prefix: str, log: Callable[[str], None], *, hold: fl
             task = app.tasks[name]
             store = task._gate.store
             lat: list[float] = []
+            later: list[float] = []
             finish: list[float] = []
             for rep in range(reps):
                 action = f"{prefix}inflight:{name}:{rep}"
@@ -78,14 +80,16 @@ def measure(redis_url: str, prefix: str, log: Callable[[str], None], *, hold: fl
                 wait_for(lambda s=store, k=key: _in_progress(s, k), 60, "the holder's claim")
                 t_copies = time.perf_counter()
                 handles = [task.delay(action, hold) for _ in range(copies)]
-                # The first quick task right behind the copies, then a few more while the body
-                # still runs (each waits for the one before).
-                lat.extend(_latency(app) for _ in range(samples))
+                # The quick task right behind the copies (the one the issue timed: it waits
+                # for whatever the copies hold), then a few more while the body still runs.
+                lat.append(_latency(app))
+                later.extend(_latency(app) for _ in range(samples - 1))
                 client.set(f"{action}:release", 1, ex=600)
                 value = holder.get(timeout=120)
                 assert all(h.get(timeout=120) == value for h in handles)
                 finish.append(time.perf_counter() - t_copies)
             row = {"latency": statistics.median(lat), "latencies": lat,
+                   "later": statistics.median(later) if later else None,
                    "copies_done": statistics.median(finish)}
             out["paths"][label] = row
             log(f"  inflight: {label}: quick task {row['latency'] * 1000:.1f} ms "

@@ -39,8 +39,8 @@ from .exceptions import CorruptRecord, LeaseLost
 from .records import Record, State
 from .stores.base import Store
 
-__all__ = ["OPERATOR_EVENT_TYPE", "Operator", "Refused", "audit", "forget_outcome", "outcome",
-           "printable", "release_claim", "send_operator_event", "shown"]
+__all__ = ["OPERATOR_EVENT_TYPE", "LeaseView", "Operator", "Refused", "audit", "forget_outcome",
+           "lease_view", "outcome", "printable", "release_claim", "send_operator_event", "shown"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -50,6 +50,13 @@ SUMMARY_LENGTH: Final = 200
 REASON_LENGTH: Final = 500
 #: The Celery event type of an operator's change (release, forget, purge).
 OPERATOR_EVENT_TYPE: Final = "idem-operator"
+
+#: A live holder renews its claim every third of its lease (celery_idem.lease), so at least two
+#: thirds of the lease are left at any time. A claim with less than that, by more than this share
+#: of the lease (and at least RENEWAL_MARGIN_MIN seconds, for a slow round trip or a late
+#: thread), is not being renewed.
+RENEWAL_MARGIN: Final = 0.1
+RENEWAL_MARGIN_MIN: Final = 2.0
 
 #: How characters that are not printable are written (the rest: ``\\xHH``, ``\\uHHHH``).
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -355,3 +362,57 @@ def outcome(rec: Record, serializer: str = "json", accept: Collection[str] | Non
 def _summary(text: str) -> str:
     text = printable(text)
     return text if len(text) <= SUMMARY_LENGTH else text[: SUMMARY_LENGTH - 1] + "…"
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """What an in-progress claim's lease says about its holder (:func:`lease_view`).
+
+    Attributes:
+        status: ``"live"`` (at least what a renewing holder keeps is left), ``"not_renewed"``
+            (less: held after an unclassified error, or its holder is gone or stalled),
+            ``"expired"``, or ``"unknown"`` (the lease is not expired, and the task's lease
+            duration is not known, so no verdict).
+        remaining: Seconds of lease left (negative: since it expired), on the store's clock.
+        lease: The task's lease duration, when known.
+        not_renewed_for: For ``not_renewed``: seconds since the claim was taken or last renewed.
+    """
+
+    status: str
+    remaining: float
+    lease: float | None = None
+    not_renewed_for: float | None = None
+
+
+def lease_view(rec: Record, now: float, lease: float | None) -> LeaseView | None:
+    """Whether ``rec``'s holder is renewing its claim, as far as the record can tell.
+
+    The record does not say why a claim is held: a holder that is running renews it every third
+    of ``lease``; one that ended with an error the task does not classify (``held``) keeps it
+    without renewing it until it runs out; so does a holder that died or is stalled. Only the
+    time left tells them apart, and only once a renewal is overdue: for up to a third of the
+    lease (plus the margin) after the last renewal, every claim reads ``live``.
+
+    Args:
+        rec: The record (None is returned unless it is an in-progress claim with a lease).
+        now: The store's clock.
+        lease: The lease duration of the record's task (``idempotency_lease``), or None.
+    """
+    if rec.state is not State.IN_PROGRESS or rec.lease_expires is None:
+        return None
+    remaining = rec.lease_expires - now
+    if remaining <= 0:
+        return LeaseView("expired", remaining, lease)
+    if lease is None or lease <= 0:
+        return LeaseView("unknown", remaining)
+    margin = max(RENEWAL_MARGIN_MIN, lease * RENEWAL_MARGIN)
+    # Since the claim was taken or last renewed, if it was taken with this lease (a renewal
+    # resets the lease and leaves ``updated``, the claim's time, as it is).
+    since = lease - remaining
+    if rec.updated is not None:
+        # A claim younger than a renewal period is never overdue (it was taken with a shorter
+        # lease: an older setting of the task's).
+        since = min(since, now - rec.updated)
+    if remaining < lease * 2 / 3 - margin and since > lease / 3 + margin:
+        return LeaseView("not_renewed", remaining, lease, since)
+    return LeaseView("live", remaining, lease)

@@ -72,6 +72,7 @@ from .cli_support import (
     run_for,
     scan_records,
     store_location,
+    task_leases,
     task_option,
     utc_text,
 )
@@ -114,13 +115,14 @@ def show(ctx: click.Context, key: str, decode: bool, as_json: bool) -> None:
                                      f"claimed, or its TTL has passed)")
         now = store.now()
         expires = store.expires_at(key)
+    lease = task_leases(run.app)(rec.key) if rec.state is State.IN_PROGRESS else None
     if decode and rec.state is State.DONE:
         run.warn(f"--decode runs the result serializer on the bytes stored under {key!r} "
                  f"({rec.content_type or 'no content type'}, {len(rec.data or b'')} bytes); "
                  f"with pickle accepted that runs whatever code they hold. Decode only records "
                  f"whose writers you trust.")
     outcome, summary = outcome_of(run.app, rec, decode)
-    doc = {**record_doc(rec, now), "expires": expires, **outcome}
+    doc = {**record_doc(rec, now, lease), "expires": expires, **outcome}
     lines = [
         ("key", shown(rec.key)),
         ("state", rec.state.value),
@@ -128,12 +130,17 @@ def show(ctx: click.Context, key: str, decode: bool, as_json: bool) -> None:
         ("owner", shown(rec.owner) if rec.owner else "-"),
         ("task id", shown(rec.task_id) if rec.task_id else "-"),
         ("attempt", str(rec.attempt)),
-        ("lease", lease_text(rec, now) + (f" (until {utc_text(rec.lease_expires)})"
-                                      if rec.state is State.IN_PROGRESS else "")),
+        ("lease", lease_text(rec, now, lease) + (f" (until {utc_text(rec.lease_expires)})"
+                                             if rec.state is State.IN_PROGRESS else "")),
         ("updated", f"{utc_text(rec.updated)} ({ago_text(now - rec.updated)} ago)"
          if rec.updated is not None else "-"),
         ("expires", expiry_text(rec, expires, now)),
     ]
+    if doc["lease_status"] == "not_renewed":
+        # The record does not keep the error: the worker that held the claim logged it.
+        lines.append(("why", f"the record does not say: a 'celery_idem held key=... task_id="
+                             f"{_or_dash(rec.task_id)}' log line (or held event) names the error "
+                             f"(error=TYPE); without one, the holder died or is stalled"))
     if rec.payload_hash:
         lines.append(("payload hash", shown(rec.payload_hash)))
     if rec.state is State.DONE:
@@ -164,6 +171,7 @@ def list_(ctx: click.Context, state_name: str | None, task_name: str | None, lim
     run = run_for(ctx, as_json)
     state = State(state_name) if state_name else None
     operation = operation_of(run.app, task_name) if task_name else None
+    lease_of = task_leases(run.app)
     with run.store() as store:
         now = store.now()
         found = scan_records(store, state, operation)
@@ -173,12 +181,14 @@ def list_(ctx: click.Context, state_name: str | None, task_name: str | None, lim
             found.close()
     more = len(page) > limit
     page = page[:limit]
-    doc = {"records": [record_doc(r, now) for r in page], "count": len(page), "limit": limit,
-           "more": more}
+    leases = [lease_of(r.key) if r.state is State.IN_PROGRESS else None for r in page]
+    doc = {"records": [record_doc(r, now, lease) for r, lease in zip(page, leases, strict=True)],
+           "count": len(page), "limit": limit, "more": more}
     rows = [("STATE", "TOKEN", "LEASE", "UPDATED", "TASK ID", "KEY")]
-    rows += [(r.state.value, str(r.token), lease_text(r, now),
+    rows += [(r.state.value, str(r.token), lease_text(r, now, lease),
               f"{ago_text(now - r.updated)} ago" if r.updated is not None else "-",
-              shown(r.task_id) if r.task_id else "-", shown(r.key)) for r in page]
+              shown(r.task_id) if r.task_id else "-", shown(r.key))
+             for r, lease in zip(page, leases, strict=True)]
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     text = "\n".join(
         "  ".join(cell.rjust(w) if i == 1 else cell.ljust(w) for i, (cell, w) in
@@ -315,13 +325,14 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, reason: 
         now = store.now()
         live = rec.lease_expires is not None and rec.lease_expires > now
         if not yes:
+            lease = task_leases(run.app)(rec.key)
             warning = (
-                f"\nThe lease is LIVE ({lease_text(rec, now)}): the holder may still be running "
+                f"\nThe lease is LIVE ({lease_text(rec, now, lease)}): the holder may still be running "
                 f"the body. After the release a duplicate can run it again, and the holder's "
                 f"record will be refused (LeaseLost)." if live else ""
             )
             _confirm(run, f"Claim of {shown(key)}: token {rec.token}, task {_or_dash(rec.task_id)}, "
-                          f"owner {_or_dash(rec.owner)}, lease {lease_text(rec, now)}.{warning}\n"
+                          f"owner {_or_dash(rec.owner)}, lease {lease_text(rec, now, lease)}.{warning}\n"
                           f"Release it?", "released")
         # The verb the Django admin shares (celery_idem.ops): fenced on the token and claim id
         # shown here, logged at WARNING with by=cli, the user, the host and the reason.

@@ -18,7 +18,7 @@ import logging
 import socket
 import time
 from collections import Counter
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, NoReturn
@@ -31,6 +31,7 @@ from .. import ops
 from ..app import get_store
 from ..events import EVENT_TYPE
 from ..exceptions import CorruptRecord, ImproperlyConfigured, StoreUnavailable
+from ..keys import parse_key
 from ..records import Record, State
 from ..stores.base import Store
 from ..task import IdempotentTask
@@ -40,7 +41,7 @@ __all__ = [
     "SCAN_BATCH", "STATE_CHOICES", "SUMMARY_LENGTH", "Run", "ago_text", "decode_option",
     "expiry_text", "fail_with", "json_option", "lease_text", "live_decisions", "operation_of",
     "outcome_of", "reason_option", "record_doc", "run_for", "scan_records", "store_location",
-    "task_option", "utc_text",
+    "task_leases", "task_option", "utc_text",
 ]
 
 EXIT_OK = 0
@@ -173,11 +174,50 @@ def ago_text(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def lease_text(rec: Record, now: float) -> str:
-    if rec.state is not State.IN_PROGRESS or rec.lease_expires is None:
+def lease_text(rec: Record, now: float, lease: float | None = None) -> str:
+    """An in-progress claim's lease, with what it says about its holder (:func:`ops.lease_view`).
+
+    ``lease`` is the duration of the record's task (:func:`task_leases`); without it the time
+    left is all there is to say: ``lease 41.2 s left``.
+    """
+    view = ops.lease_view(rec, now, lease)
+    if view is None:
         return "-"
-    left = rec.lease_expires - now
-    return f"live, {ago_text(left)} left" if left > 0 else f"expired {ago_text(left)} ago"
+    left = ago_text(view.remaining)
+    if view.status == "expired":
+        return f"expired {left} ago"
+    if view.status == "live":
+        return f"live, on schedule, {left} left"
+    if view.status == "not_renewed":
+        return (f"not renewed for {ago_text(view.not_renewed_for or 0.0)} (held after an error, or "
+                f"its holder is gone or stalled), expires in {left}")
+    return f"lease {left} left"
+
+
+def task_leases(app: Celery) -> Callable[[str], float | None]:
+    """The lease duration (``idempotency_lease``) of the task a key belongs to, or None.
+
+    A key's operation (``<operation>[@<scope>]:<ident>``) is its task's name or
+    ``idempotency_operation``: the app's idempotent tasks are looked up once. A key no task
+    of this app claims, or one whose operation's tasks have different leases, gets None.
+    """
+    app.loader.import_default_modules()
+    by_operation: dict[str, set[float]] = {}
+    for task in list(app.tasks.values()):
+        if not isinstance(task, IdempotentTask):
+            continue
+        try:
+            cfg = task.idempotency_config
+        except (ImproperlyConfigured, TypeError, ValueError):
+            continue  # a misconfigured task claims nothing: no verdict for its keys
+        by_operation.setdefault(str(cfg.operation), set()).add(float(cfg.lease))
+
+    def lease_of(key: str) -> float | None:
+        found = {lease for operation, leases in by_operation.items()
+                 if parse_key(key, operation) is not None for lease in leases}
+        return found.pop() if len(found) == 1 else None
+
+    return lease_of
 
 
 def expiry_text(rec: Record, expires: float | None, now: float) -> str:
@@ -191,8 +231,9 @@ def expiry_text(rec: Record, expires: float | None, now: float) -> str:
     return f"{utc_text(expires)} (in {ago_text(expires - now)}" + (f"; {after})" if after else ")")
 
 
-def record_doc(rec: Record, now: float) -> dict[str, Any]:
-    """The record's metadata as JSON-ready values (never its decoded result)."""
+def record_doc(rec: Record, now: float, lease: float | None = None) -> dict[str, Any]:
+    """The record's metadata as JSON-ready values (never its decoded result); ``lease`` is its
+    task's lease duration when known (``lease_status``, :func:`ops.lease_view`)."""
     doc: dict[str, Any] = {
         "key": rec.key,
         "state": rec.state.value,
@@ -203,6 +244,9 @@ def record_doc(rec: Record, now: float) -> dict[str, Any]:
         "lease_expires": rec.lease_expires,
         "lease_remaining": None,
         "lease_expired": None,
+        "lease_status": None,
+        "lease_seconds": lease,
+        "not_renewed_for": None,
         "updated": rec.updated,
         "payload_hash": rec.payload_hash,
         "content_type": rec.content_type,
@@ -211,6 +255,11 @@ def record_doc(rec: Record, now: float) -> dict[str, Any]:
     if rec.state is State.IN_PROGRESS and rec.lease_expires is not None:
         doc["lease_remaining"] = round(rec.lease_expires - now, 3)
         doc["lease_expired"] = rec.lease_expires <= now
+    view = ops.lease_view(rec, now, lease)
+    if view is not None:
+        doc["lease_status"] = view.status
+        if view.not_renewed_for is not None:
+            doc["not_renewed_for"] = round(view.not_renewed_for, 3)
     return doc
 
 

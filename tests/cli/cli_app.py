@@ -2,16 +2,19 @@
 
 ``celery -A tests.cli.cli_app idem ...`` is ``-A tests.integration.app`` plus, from the
 environment: ``IDEM_ACCEPT`` (comma-separated ``accept_content`` and ``result_accept_content``,
-e.g. ``json,pickle``) and ``IDEM_EVENTS=1`` (``idempotency_events = True``).
+e.g. ``json,pickle``) and ``IDEM_EVENTS=1`` (``idempotency_events = True``). It also defines
+two tasks of its own, for tests/cli/test_lease_status.py (run by ``-A tests.cli.cli_app``).
 """
 
 from __future__ import annotations
 
 import os
+import time
 
-from tests.integration.app import app
+from celery_idem import IdempotentTask
+from tests.integration.app import app, effect, flag
 
-__all__ = ["app"]
+__all__ = ["app", "fails_unclassified", "long_body"]
 
 if os.environ.get("IDEM_ACCEPT"):
     accept = [name.strip() for name in os.environ["IDEM_ACCEPT"].split(",") if name.strip()]
@@ -19,3 +22,24 @@ if os.environ.get("IDEM_ACCEPT"):
     app.conf.result_accept_content = accept
 if os.environ.get("IDEM_EVENTS") == "1":
     app.conf.idempotency_events = True
+
+
+# -- what `idem list` / `show` say about a claim's holder (tests/cli/test_lease_status.py) ----------
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=15)
+def fails_unclassified(self, order_id):  # type: ignore[no-untyped-def]
+    """Commits its effect, then raises an error the task does not classify: the claim is held
+    (not renewed) until its 15 s lease runs out."""
+    effect(f"action:{order_id}", self.request.id)
+    raise ValueError(f"the provider answered nonsense for {order_id}")
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=9)
+def long_body(self, order_id, hold=60.0):  # type: ignore[no-untyped-def]
+    """Runs up to ``hold`` s (until released), renewing its 9 s lease every 3 s, then commits."""
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and not flag(f"release:{order_id}"):
+        time.sleep(0.02)
+    effect(f"action:{order_id}", self.request.id)
+    return order_id

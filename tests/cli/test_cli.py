@@ -41,7 +41,7 @@ def test_show_prints_an_in_progress_claim_with_its_token_owner_lease_and_task_id
     assert lines["token"] == str(token)
     assert lines["owner"] == "host-a:42"
     assert lines["task id"] == "t-111"
-    assert lines["lease"].startswith("live, ")
+    assert lines["lease"].startswith("lease ") and " left (until " in lines["lease"]  # no task: no verdict
     # And --json has the same, for scripts
     doc = idem.json("show", "op:k1")
     assert doc["state"] == "in_progress" and doc["token"] == token and doc["task_id"] == "t-111"

@@ -137,10 +137,19 @@ def show(ctx: click.Context, key: str, decode: bool, as_json: bool) -> None:
         ("expires", expiry_text(rec, expires, now)),
     ]
     if doc["lease_status"] == "not_renewed":
-        # The record does not keep the error: the worker that held the claim logged it.
-        lines.append(("why", f"the record does not say: a 'celery_idem held key=... task_id="
-                             f"{_or_dash(rec.task_id)}' log line (or held event) names the error "
-                             f"(error=TYPE); without one, the holder died or is stalled"))
+        # The record does not keep the error; the holder's task state in the result backend
+        # does (read as JSON only, never with the app's serializer), as does the worker's log.
+        error = holder_failure(run.app, rec.task_id) if rec.task_id else None
+        doc["holder_error"] = error
+        if error is not None:
+            lines.append(("why", f"held after {printable(error)}: its task {shown(rec.task_id)} "
+                                 f"failed with an error neither released nor recorded, and the "
+                                 f"claim is kept until its lease runs out"))
+        else:
+            lines.append(("why", f"the record does not say: a 'celery_idem held key=... task_id="
+                                 f"{_or_dash(rec.task_id)}' log line (or held event) names the "
+                                 f"error (error=TYPE); without one, the holder died or is "
+                                 f"stalled"))
     if rec.payload_hash:
         lines.append(("payload hash", shown(rec.payload_hash)))
     if rec.state is State.DONE:
@@ -545,3 +554,27 @@ def mcp(ctx: click.Context, toolbox_spec: str, http: str | None, name: str) -> N
     except ImproperlyConfigured as exc:
         # A bind that needs authentication and has none, say: one line naming what to set.
         fail_with(EXIT_REFUSED, str(exc), False)
+
+
+def holder_failure(app: Celery, task_id: str) -> str | None:
+    """The exception type a task's FAILURE in the result backend names, or None.
+
+    Read raw and parsed with the ``json`` module only: a key-value backend (Redis and the like)
+    keeps Celery's meta as the result serializer wrote it, and with JSON (Celery's default) the
+    type is ``result.exc_type``. Anything else (pickle, a database backend, no FAILURE) is None:
+    an operator's tool never runs the app's serializer on stored bytes unless asked.
+    """
+    backend = app.backend
+    get, key_for = getattr(backend, "get", None), getattr(backend, "get_key_for_task", None)
+    if get is None or key_for is None:
+        return None
+    try:
+        raw = get(key_for(task_id))
+        meta = json.loads(raw) if raw else None
+    except Exception:  # unreachable, or not JSON: say nothing rather than guess
+        return None
+    if not isinstance(meta, dict) or meta.get("status") != "FAILURE":
+        return None
+    result = meta.get("result")
+    exc_type = result.get("exc_type") if isinstance(result, dict) else None
+    return exc_type if isinstance(exc_type, str) and exc_type else None

@@ -138,7 +138,8 @@ def test_a_claim_held_after_an_unclassified_error_shows_as_not_renewed(
     assert "expires in " in row
     lines = _lines(shown.stdout)
     assert lines["lease"].startswith("not renewed for ") and NOT_RENEWED in lines["lease"]
-    assert "held key=" in lines["why"] and result.id in lines["why"]
+    # and show names the error, from the task's FAILURE in the result backend (JSON only)
+    assert lines["why"].startswith("held after ValueError") and result.id in lines["why"]
     assert cluster.effects("action:ord_held") == [result.id]
 
 

@@ -89,7 +89,7 @@ def attach(
     if isinstance(found, Record):
         if found.state is not State.IN_PROGRESS:
             return None
-        if found.lease_expires is not None and found.lease_expires <= time.time():
+        if not _live(found):
             return None  # its holder is gone: this message takes over
         stored, holder, token, state = found.payload_hash, found.task_id, found.token, "in_progress"
     else:
@@ -110,6 +110,11 @@ def attach(
         if parent:
             parent.add_trail(result)
     return result
+
+
+def _live(rec: Record) -> bool:
+    """Whether an in-progress record's lease still runs (a holder that can still record)."""
+    return rec.lease_expires is None or rec.lease_expires > time.time()
 
 
 class AttachedResult(AsyncResult):  # type: ignore[misc]
@@ -211,8 +216,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         store, key = self._gate.store, self.idempotency_key
         try:
             rec = store.get(key)
-            live = rec is not None and rec.state is State.IN_PROGRESS and (
-                rec.lease_expires is None or rec.lease_expires > time.time())
+            live = rec is not None and rec.state is State.IN_PROGRESS and _live(rec)
             if rec is not None and rec.state in (State.DONE, State.FAILED):
                 codec = self._gate.codec
                 if rec.state is State.FAILED:

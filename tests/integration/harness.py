@@ -39,6 +39,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM a process started in its own session, its children included; SIGKILL if it
+    has not exited after 20 s (every wait bounded)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 class Worker:
     """One ``celery worker`` subprocess with its own log file."""
 
@@ -89,13 +101,7 @@ class Worker:
         return pid
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc)
         self._fh.close()
 
     def kill(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import redis
 from celery import Celery
 
 from celery_idem.keys import SLOT_FIELD, key_from_fields, period_slot
-from tests.integration.harness import ROOT, Worker, wait_for
+from tests.integration.harness import ROOT, Worker, stop_group, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -62,13 +61,7 @@ class Beat:
         return self.text().count(f"Sending due task {entry} ")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc)
         self._fh.close()
 
 

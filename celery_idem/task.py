@@ -694,6 +694,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # (a period's slot from the message's time, when it has one, else from now).
             key, fingerprint = self._identify(args, kwargs, None, None, _message_time(req))
             digest = fingerprint()
+            # A re-queue and Celery's retry publish from the request's headers: they carry the
+            # key derived here, or the copy would derive it again from a later clock (another
+            # period slot: the CI of 2026-12-05 ran a re-queued send_task body twice).
+            req.headers = {**(req.headers or {}), HEADER: key}
         else:
             key, per_call = self._header_key(header)
             digest = self._fingerprint(args, kwargs, per_call)

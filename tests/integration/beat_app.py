@@ -81,3 +81,12 @@ if BEAT_NAME:
             "beat": BEAT_NAME, "id": headers.get("id"), "key": headers.get("idempotency_key"),
             "time": time.time(),
         }))
+
+
+# Sent by name while another copy of its slot runs: the copy is re-queued and must keep the
+# slot its message's time gave it (the key rides the re-queue, not a later clock).
+@app.task(base=IdempotentTask, bind=True, idempotency_period=PERIOD)
+def slow_by_name(self: Any, marker: str) -> str:
+    effect("slow_by_name", self.idempotency_key)
+    time.sleep(2.0)
+    return str(self.idempotency_key)

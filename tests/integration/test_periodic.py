@@ -162,3 +162,30 @@ def test_two_beats_sending_every_tick_run_the_body_once_per_slot(
         assert r.get(timeout=10) in named
     client.close()
     ledger.close()
+
+
+def test_a_requeued_copy_sent_by_name_keeps_its_message_time_slot(
+    beat_env: dict[str, str], redis_url: str
+) -> None:
+    """Two sends by name of one old slot, delivered at once to two pool processes: one runs, the
+    other is re-queued while it does. The re-queue carries the key derived from the message's
+    time, so the copy is answered from the slot's record; deriving it again from the worker's
+    clock (a later slot) ran the body twice (CI, 2026-12-05)."""
+    ledger = redis.Redis.from_url(redis_url)
+    client = Celery("beat-client", broker=redis_url, backend=redis_url, set_as_current=False)
+    worker = Worker(beat_env, f"slow-{beat_env['IDEM_PREFIX'].strip(':')}", concurrency=2, app=APP)
+    then = period_slot(time.time(), PERIOD) - 1000 * PERIOD
+    try:
+        sent = [client.send_task(f"{APP}.slow_by_name", args=("m",), queue=beat_env["IDEM_QUEUE"],
+                                 timestamp=then + dt) for dt in (-0.2, 0.2)]
+        answers = [r.get(timeout=60) for r in sent]
+        wait_for(lambda: "celery_idem requeued" in worker.text(), timeout=30,
+                 what="the copy's re-queue while the first ran")
+    finally:
+        worker.stop()
+    key = key_from_fields(f"{APP}.slow_by_name", {"marker": "m", SLOT_FIELD: period_slot(then, PERIOD)})
+    bodies = [v.decode() for v in ledger.lrange(f"{beat_env['IDEM_PREFIX']}ledger:slow_by_name", 0, -1)]
+    assert bodies == [key], bodies
+    assert answers == [key, key]
+    client.close()
+    ledger.close()

@@ -21,12 +21,11 @@ from .exceptions import (
     TerminalError,
 )
 from .keys import idempotency_key
+from .version import __version__
 
 if _typing.TYPE_CHECKING:
     from .exceptions import ImproperlyConfigured
     from .task import CachedResult, IdempotentTask
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CachedResult",

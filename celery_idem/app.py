@@ -352,9 +352,9 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     if getattr(sender, "task_events", False) or app.conf.get("idempotency_events") \
             or app.conf.worker_send_task_events:
         _events_on.add(app)
-    from .task import IdempotentTask  # the seam imports this module
-
-    tasks = [task for task in app.tasks.values() if isinstance(task, IdempotentTask)]
+    # The app's IdempotentTasks, known by their gate (a class attribute, read without building
+    # it): this module is below the task seam and does not import it.
+    tasks = [task for task in app.tasks.values() if hasattr(type(task), "idempotency_gate")]
     if not tasks:
         return
     # Only a worker program (``celery worker``) sets Celery's logging up after this hook; an

@@ -16,6 +16,9 @@ Left to Celery, as for the Redis fold: eager runs, ignored results, callbacks, c
 chords, a backend class that stores results its own way, a store in another database or of
 another dialect, and ``idempotency_fold_results = False``. An answer for a duplicate (the
 record was written earlier) is stored by the backend's own ``store_result``.
+
+:func:`result_writer` chooses a task's writer: this module's, else the Redis backend's
+(:mod:`celery_idem.results`, which this module builds on).
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ except ImportError:  # pragma: no cover - older Celery
             """Whether no result is stored (the task's or the request's ``ignore_result``)."""
             return bool(task.ignore_result or getattr(req, "ignore_result", False))
 
-from .results import ResultWriter
+from .results import ResultWriter, redis_result_writer
 from .stores.base import BackendWrite, Store
 
-__all__ = ["DatabaseResultWriter", "database_result_writer"]
+__all__ = ["DatabaseResultWriter", "database_result_writer", "result_writer"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -145,3 +148,26 @@ def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | No
             or any(getattr(theirs, part) != getattr(ours, part) for part in _SAME_DATABASE):
         return None
     return DatabaseResultWriter(task, backend)
+
+
+def result_writer(task: Any, store: Store) -> ResultWriter | None:
+    """``task``'s result writer for ``store``, or None when results are left to Celery.
+
+    Args:
+        task: The Celery task (its ``backend`` and ``app`` are read).
+        store: The task's idempotency store.
+
+    Returns:
+        A :class:`DatabaseResultWriter` when the result backend is Celery's database backend
+        on ``store``'s PostgreSQL database (the row rides on the record's statement). Else a
+        :class:`~celery_idem.results.ResultWriter` when it is Celery's Redis backend (or a
+        subclass that stores results the same way); its ``folds`` says whether ``store`` can
+        write the result in the record's round trip. None otherwise, or when
+        ``idempotency_fold_results`` is False.
+    """
+    if task.app.conf.get("idempotency_fold_results") is False:
+        return None
+    database = database_result_writer(task, store)
+    if database is not None:  # Celery's database backend on the store's PostgreSQL
+        return database
+    return redis_result_writer(task, store)

@@ -3,7 +3,8 @@
 ``IdempotentTask.apply_async`` asks :func:`answer_from_record` before publishing: a key that is
 already done (or failed terminally) is answered with a :class:`CachedResult`, and nothing is
 published. The record is read first, or within the publish when the broker can take that
-(:class:`EnqueueCheck`). :func:`unsendable` names the argument the message serializer refused.
+(:class:`EnqueueCheck`); :func:`check_enqueue` is the whole check, attaching to an action
+under way included. :func:`unsendable` names the argument the message serializer refused.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
 from .app import emit_answer
+from .attach import attach, may_attach
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .gate import Gate
+from .identity import HEADER
 from .records import Record, Reservation, State
 from .results import ResultWriter, answer_task_id, fire_full_barriers, store_answer
 
@@ -33,8 +36,8 @@ if TYPE_CHECKING:
     from celery import Task
 
 __all__ = [
-    "CachedResult", "EnqueueCheck", "answer_from_record", "answer_request", "restore_cached",
-    "unsendable",
+    "CachedResult", "EnqueueCheck", "answer_from_record", "answer_request", "check_enqueue",
+    "restore_cached", "unsendable",
 ]
 
 logger = logging.getLogger("celery_idem")
@@ -420,3 +423,71 @@ def _undo_for(backend: Any) -> Callable[[str], None] | None:
 
 def _nothing(task_id: str) -> None:
     """Undo an ``on_task_call`` that did nothing (or only declared a reply queue)."""
+
+
+def check_enqueue(
+    task: Task, gate: Gate, check: EnqueueCheck, writer: ResultWriter | None, key: str,
+    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, task_id: str | None,
+    producer: Any, options: dict[str, Any],
+    fingerprint: Callable[[], str | None], publish: Callable[[Any, str], AsyncResult],
+) -> AsyncResult | str | None:
+    """The enqueue check: what the key's record (or reservation) says about this enqueue.
+
+    ``IdempotentTask.apply_async`` asks it before publishing a call that may be answered (not a
+    retry, a re-queue or a canvas publish), with the task's gate, :class:`EnqueueCheck` and
+    result writer; ``publish`` sends the message under the task id it is given.
+
+    Returns:
+        The answer (a published message's result, a :class:`CachedResult` from the record,
+        an :class:`~celery_idem.attach.AttachedResult` following the action under way); or
+        the task id the key was reserved for (publish it under that id); or None: publish.
+    """
+    store = gate.store
+    # A task id chosen beforehand (a frozen signature, a chain's next step) is waited on
+    # under that id: an attached handle has the holder's, so such an enqueue publishes.
+    attaching = task_id is None and may_attach(task, options)
+    reserving = attaching and store.reserves
+    sent_id = task_id or (str(uuid()) if reserving else None)
+    lease = task.idempotency_config.lease
+    found: Record | Reservation | None = None
+    read = False
+    if check.within_publish(task, gate):
+        # One round trip: the record is read by the script that pushes the message.
+        reserve = (sent_id, fingerprint() or "", max(int(lease * 1000), 1)) \
+            if reserving and sent_id else None
+        try:
+            sent = check.publish(task, gate, key, HEADER, producer, sent_id, publish,
+                                 attach=attaching, reserve=reserve)
+        except EncodeError:
+            # Not sendable: a done key is still answered from the record (read first);
+            # any other raises the error naming the argument, below.
+            sent = None
+        if sent is not None and not isinstance(sent, (Record, Reservation)):
+            return sent
+        found, read = sent, sent is not None  # nothing was sent (None: read it first)
+    if not read:
+        try:
+            if reserving and sent_id:
+                found = store.reserve(key, sent_id, lease, fingerprint())
+            else:
+                found = store.get(key)
+        except StoreUnavailable as exc:
+            # The worker's gate still guards the body; publishing is safe. Under the id it
+            # tried to reserve: if only the reply was lost, the reservation that later
+            # enqueues attach to names a message that exists.
+            logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
+            return sent_id if reserving and sent_id != task_id else None
+    answer: AsyncResult | None = None
+    if isinstance(found, Record) and found.state in (State.DONE, State.FAILED):
+        answer = answer_from_record(
+            task, gate, writer, key, args, kwargs, task_id, options,
+            arguments_hash=fingerprint, record=found,
+        )
+    elif attaching and found is not None:
+        answer = attach(task, gate, key, found, args, kwargs, options, fingerprint)
+    if not read:
+        check.saw(answer is not None)
+    if answer is not None:
+        return answer
+    # Publish: under the id reserved just now (read first, found None), else any.
+    return sent_id if (reserving and not read and found is None) else None

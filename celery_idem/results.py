@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - older Celery
 
 from .stores.base import BackendWrite, Store
 
-__all__ = ["ResultWriter", "answer_task_id", "fire_full_barriers", "result_writer", "store_answer"]
+__all__ = ["ResultWriter", "answer_task_id", "fire_full_barriers", "redis_result_writer", "store_answer"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -122,28 +122,21 @@ class ResultWriter:
         return True
 
 
-def result_writer(task: Any, store: Store) -> ResultWriter | None:
-    """``task``'s result writer for ``store``, or None when results are left to Celery.
+def redis_result_writer(task: Any, store: Store) -> ResultWriter | None:
+    """``task``'s writer when its result backend is Celery's Redis backend, else None.
+
+    :func:`celery_idem.dbresults.result_writer` chooses a task's writer: Celery's database
+    backend's first, else this one (that module builds on this one, not the other way round).
 
     Args:
-        task: The Celery task (its ``backend`` and ``app`` are read).
+        task: The Celery task (its ``backend`` is read).
         store: The task's idempotency store.
 
     Returns:
         A :class:`ResultWriter` when the result backend is Celery's Redis backend (or a subclass
         that stores results the same way); its ``folds`` says whether ``store`` can write the
-        result in the record's round trip. A
-        :class:`~celery_idem.dbresults.DatabaseResultWriter` when it is Celery's database
-        backend on ``store``'s PostgreSQL database (the row rides on the record's statement).
-        None otherwise, or when ``idempotency_fold_results`` is False.
+        result in the record's round trip. None otherwise.
     """
-    if task.app.conf.get("idempotency_fold_results") is False:
-        return None
-    from .dbresults import database_result_writer  # it builds on this module
-
-    database = database_result_writer(task, store)
-    if database is not None:  # Celery's database backend on the store's PostgreSQL
-        return database
     try:
         from celery.backends.redis import RedisBackend
 

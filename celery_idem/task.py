@@ -23,12 +23,10 @@ import datetime as dt
 import functools
 import inspect
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
-from uuid import uuid4 as uuid
 
 from celery import Task
 from celery.app.task import Context
@@ -36,34 +34,19 @@ from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
-from . import timelimits
+from . import identity, timelimits
 from .app import check_worker, emit_decision, get_store, owner_id
-from .attach import attach, may_attach
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
+from .dbresults import result_writer
 from .delivery import REQUEUES_HEADER, deliver
-from .enqueue import CachedResult, EnqueueCheck, answer_from_record, restore_cached, unsendable
-from .exceptions import InvalidKey, StoreUnavailable, adopt_celery_base
+from .enqueue import CachedResult, EnqueueCheck, check_enqueue, restore_cached, unsendable
+from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
-from .keys import (
-    MAX_CALLER_KEY,
-    MAX_KEY_LENGTH,
-    SLOT_FIELD,
-    bind_arguments,
-    caller_key,
-    check_scope,
-    check_text,
-    key_from_fields,
-    parse_key,
-    payload_hash,
-    period_slot,
-    scoped,
-    select_fields,
-    signature_of,
-)
+from .identity import HEADER, failed_request, message_time
+from .keys import bind_arguments, signature_of
 from .lease import current_lease
-from .records import Record, Reservation, State
-from .results import ResultWriter, result_writer
+from .results import ResultWriter
 
 if TYPE_CHECKING:
     from .contrib.django.receipts import DjangoReceiptTransaction
@@ -82,15 +65,8 @@ _restore_cached = restore_cached
 #: The worker_init hook's old name (``celery_idem.app.check_worker``).
 _check_worker = check_worker
 
-#: Message header that carries the key through retries, redeliveries and canvas.
-HEADER = "idempotency_key"
 #: The ``apply_async`` option that puts the call's key in a scope (a tenant, a principal).
 SCOPE_OPTION = "idempotency_scope"
-#: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
-#: field that marks a new-style errback's key. Not identifiers, so no parameter has these names.
-UNBOUND_ARGS = "*args"
-UNBOUND_KWARGS = "**kwargs"
-ERRBACK_FIELD = "$errback"
 
 
 class ReceiptFound(BaseException):
@@ -269,143 +245,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         return self._identify(args, kwargs, idempotency_key, idempotency_scope, at)[0]
 
+    # The key's identity lives in celery_idem/identity.py; these keep the task's own names.
+
     def _identify(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
         explicit: Any, scope: Any, at: float | dt.datetime | None = None,
     ) -> tuple[str, Callable[[], str | None]]:
-        """The call's key, and a function computing its fingerprint (None: not checked).
-
-        The arguments are bound once for both; the fingerprint is computed only when asked
-        (at enqueue, only once a record was found). With ``idempotency_period`` a derived key
-        gains the slot of ``at`` (default: now, read once here: ``apply_async`` calls this once
-        and the header carries the key, so retries and redeliveries keep the slot).
-        """
-        cfg = self.idempotency_config
-        args, kwargs = tuple(args or ()), dict(kwargs or {})
-        if scope is not None:
-            check_scope(scope)
-        if explicit is not None:
-            key = caller_key(cfg.operation, explicit, scope)
-            return key, functools.partial(self._fingerprint, args, kwargs, True)
-        if cfg.key_func is not None:
-            identity = cfg.key_func(*args, **kwargs)
-            if not isinstance(identity, str) or not identity:
-                raise TypeError(
-                    f"{self.name}: idempotency_key_func returned {identity!r}; it must return a "
-                    f"non-empty str"
-                )
-            key = key_from_fields(cfg.operation, self._slot_fields({}, at), identity)
-            fingerprint: Callable[[], str | None] = functools.partial(
-                self._fingerprint, args, kwargs, False)
-        else:
-            bound = self._bound(args, kwargs)
-            fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
-            if _failed_request(args) is not None:
-                # Handling a failure is an action of its own, apart from any ordinary call.
-                fields[ERRBACK_FIELD] = True
-            key = key_from_fields(cfg.operation, self._slot_fields(fields, at))
-
-            def fingerprint() -> str | None:
-                return payload_hash(bound) if cfg.validate else None
-        return _check_key(self.name, scoped(key, cfg.operation, scope)), fingerprint
-
-    def _slot_fields(
-        self, fields: dict[str, Any], at: float | dt.datetime | None
-    ) -> dict[str, Any]:
-        """``fields`` with the slot of ``at`` (now, when None) under ``$slot``, for a task with
-        ``idempotency_period``; unchanged without one (so its keys are as before)."""
-        period = self.idempotency_config.period
-        if period is None:
-            return fields
-        fields[SLOT_FIELD] = period_slot(_unix_time(at), period)
-        return fields
+        return identity.identify(self, self._signature, args, kwargs, explicit, scope, at)
 
     def _fingerprint(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], per_call: bool
     ) -> str | None:
-        """The hash stored with the record and compared on every later use of its key.
-
-        A per-call key's covers the arguments that identify the action (``idempotency_fields``,
-        else all of them), so the same key with other identifying arguments is refused; with
-        ``idempotency_validate`` any key's covers the whole call. A derived key's fields are in
-        the key itself, so without ``idempotency_validate`` it has none.
-        """
-        cfg = self.idempotency_config
-        if cfg.validate:
-            return payload_hash(self._bound(args, kwargs))
-        if not (per_call and cfg.fingerprint):
-            return None
-        bound = self._bound(args, kwargs)
-        if UNBOUND_ARGS not in bound:
-            bound = select_fields(bound, cfg.fields)
-        return payload_hash(bound)
+        return identity.fingerprint_of(self, self._signature, args, kwargs, per_call)
 
     def _header_key(self, header: Any) -> tuple[str, bool]:
-        """The stored key of a message's key header, and whether it is a per-call key.
-
-        The header is the producer's word, and a message can be forged or written by another
-        program, so it is checked as ``apply_async`` checks a caller's key. A key of this task's
-        operation (``<operation>[@<scope>]:...``, as ``apply_async`` writes it) is used as it
-        is; anything else is a caller's key of this operation (``<operation>:key=<header>``),
-        so a header can never name another operation's record, and a producer in another
-        language may send its own key as the header.
-
-        Raises:
-            InvalidKey: The header is not a str, is empty, too long or has control characters;
-                nothing is claimed or stored under it.
-        """
-        what = f"{self.name}: the message's {HEADER} header"
-        check_text(what, header, MAX_KEY_LENGTH)
-        operation = self.idempotency_config.operation
-        parts = parse_key(header, operation)
-        if parts is not None:
-            return header, parts.per_call
-        if len(header) > MAX_CALLER_KEY:
-            check_text(what, header)  # raises: too long for a caller's key
-        return caller_key(operation, header), True
-
-    def _key_arguments(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> tuple[Sequence[Any], Mapping[str, Any]]:
-        """The arguments as the key sees them: as Celery sends them, whoever calls.
-
-        * A new-style errback (``errback(request, exc, traceback, *stored)``, called by Celery
-          in-process) gets the failed task's id for the request and None for the exception
-          and the traceback: neither can be put in a key, and the id names the failure.
-        * A ``pydantic=True`` task's models are dumped the way ``apply_async`` dumps them
-          (whatever the serializer, so ``apply()``, ``delay()`` and a worker that gets the
-          dict agree); a model it leaves alone is keyed by ``model_dump(mode="json")``.
-        """
-        failed = _failed_request(args)
-        if failed is not None:
-            args = (failed.id, *(None for _ in args[1:3]), *args[3:])
-        dump = getattr(self, "_dump_pydantic_arguments", None)  # Celery >= 5.7
-        if dump is not None:
-            args, kwargs = dump(args, kwargs)
-        return args, kwargs
+        return identity.header_key(self, header)
 
     def _bound(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], *, as_sent: bool = True
     ) -> dict[str, Any]:
-        if as_sent:
-            args, kwargs = self._key_arguments(args, kwargs)
-        if self._signature is None:
-            return {"args": list(args), "kwargs": dict(kwargs)}
-        try:
-            return bind_arguments(self._signature, args, kwargs)
-        except TypeError as exc:
-            if not self._checks_arguments:
-                # typing=False: Celery sends a call that does not bind (the worker's signature
-                # may differ from this one), so the key must not refuse it. Keyed by the
-                # arguments as passed, under names no parameter can have.
-                return {UNBOUND_ARGS: list(args), UNBOUND_KWARGS: dict(kwargs)}
-            raise TypeError(f"{self.name}{self._signature}: {exc}") from None
-
-    @property
-    def _checks_arguments(self) -> bool:
-        """Whether Celery checks a call's arguments before sending it (``typing``)."""
-        typing = self.typing if self.typing is not None else self.app.strict_typing
-        return bool(typing)
+        return identity.bind(self, self._signature, args, kwargs, as_sent=as_sent)
 
     @property
     def idempotency_key(self) -> str | None:
@@ -612,63 +471,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         task_id: str | None, producer: Any, options: dict[str, Any],
         fingerprint: Callable[[], str | None], publish: Callable[[Any, str], AsyncResult],
     ) -> AsyncResult | str | None:
-        """The enqueue check: what the key's record (or reservation) says about this enqueue.
-
-        Returns:
-            The answer (a published message's result, a :class:`CachedResult` from the record,
-            an :class:`~celery_idem.attach.AttachedResult` following the action under way); or
-            the task id the key was reserved for (publish it under that id); or None: publish.
-        """
-        gate, check = self._gate, self._enqueue_check
-        store = gate.store
-        # A task id chosen beforehand (a frozen signature, a chain's next step) is waited on
-        # under that id: an attached handle has the holder's, so such an enqueue publishes.
-        attaching = task_id is None and may_attach(self, options)
-        reserving = attaching and store.reserves
-        sent_id = task_id or (str(uuid()) if reserving else None)
-        lease = self.idempotency_config.lease
-        found: Record | Reservation | None = None
-        read = False
-        if check.within_publish(self, gate):
-            # One round trip: the record is read by the script that pushes the message.
-            reserve = (sent_id, fingerprint() or "", max(int(lease * 1000), 1)) \
-                if reserving and sent_id else None
-            try:
-                sent = check.publish(self, gate, key, HEADER, producer, sent_id, publish,
-                                     attach=attaching, reserve=reserve)
-            except EncodeError:
-                # Not sendable: a done key is still answered from the record (read first);
-                # any other raises the error naming the argument, below.
-                sent = None
-            if sent is not None and not isinstance(sent, (Record, Reservation)):
-                return sent
-            found, read = sent, sent is not None  # nothing was sent (None: read it first)
-        if not read:
-            try:
-                if reserving and sent_id:
-                    found = store.reserve(key, sent_id, lease, fingerprint())
-                else:
-                    found = store.get(key)
-            except StoreUnavailable as exc:
-                # The worker's gate still guards the body; publishing is safe. Under the id it
-                # tried to reserve: if only the reply was lost, the reservation that later
-                # enqueues attach to names a message that exists.
-                logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
-                return sent_id if reserving and sent_id != task_id else None
-        answer: AsyncResult | None = None
-        if isinstance(found, Record) and found.state in (State.DONE, State.FAILED):
-            answer = answer_from_record(
-                self, gate, self._result_writer, key, args, kwargs, task_id, options,
-                arguments_hash=fingerprint, record=found,
-            )
-        elif attaching and found is not None:
-            answer = attach(self, gate, key, found, args, kwargs, options, fingerprint)
-        if not read:
-            check.saw(answer is not None)
-        if answer is not None:
-            return answer
-        # Publish: under the id reserved just now (read first, found None), else any.
-        return sent_id if (reserving and not read and found is None) else None
+        """The enqueue check (:func:`celery_idem.enqueue.check_enqueue`)."""
+        return check_enqueue(self, self._gate, self._enqueue_check, self._result_writer, key,
+                             args, kwargs, task_id, producer, options, fingerprint, publish)
 
     # -- worker side ---------------------------------------------------------------------------
 
@@ -681,7 +486,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _failed_request(args) is not None and not getattr(self.request, "idempotency_errback_",
+        if failed_request(args) is not None and not getattr(self.request, "idempotency_errback_",
                                                              False):
             return self._call_as_errback(args, kwargs)
         # Time limits count from the start of the request, and a wait for a busy key spends it.
@@ -692,7 +497,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if header is None:
             # send_task by name, another language's producer, Task.apply(): derive it here
             # (a period's slot from the message's time, when it has one, else from now).
-            key, fingerprint = self._identify(args, kwargs, None, None, _message_time(req))
+            key, fingerprint = self._identify(args, kwargs, None, None, message_time(req))
             digest = fingerprint()
             # A re-queue and Celery's retry publish from the request's headers: they carry the
             # key derived here, or the copy would derive it again from a later clock (another
@@ -758,7 +563,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         this errback's: it is the default request, or the failed request itself when a task is
         its own errback (whose key and result must stay untouched). So the errback runs under a
         request of its own, through the gate, keyed by the failed task's id
-        (:meth:`_key_arguments`): a failure handled twice (a redelivered message) runs it once.
+        (:func:`celery_idem.identity.key_arguments`): a failure handled twice (a redelivered
+        message) runs it once.
         """
         key = self.idempotency_key_for(args, kwargs)
         self.request_stack.push(Context(args=list(args), kwargs=dict(kwargs), headers={HEADER: key},
@@ -785,59 +591,3 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
         except Ignore as ignore:
             raise Replaced(*ignore.args) from None
-
-
-def _failed_request(args: Sequence[Any]) -> Context | None:
-    """The failed task's request when ``args`` are those of a new-style errback call, else None.
-
-    Celery passes the failed task's ``Context`` first; a message never carries one, so it is
-    never a business argument.
-    """
-    first = args[0] if args else None
-    return first if isinstance(first, Context) else None
-
-
-def _clock() -> float:
-    """The wall clock a period's slot is read from (a function, so tests can replace it)."""
-    return time.time()
-
-
-def _unix_time(at: float | dt.datetime | None) -> float:
-    """``at`` as Unix seconds: now when None; an aware datetime converted; a naive one refused."""
-    if at is None:
-        return _clock()
-    if isinstance(at, dt.datetime):
-        if at.tzinfo is None or at.utcoffset() is None:
-            raise ValueError(
-                f"at={at!r} is a naive datetime; pass an aware one (tzinfo set) or Unix seconds"
-            )
-        return at.timestamp()
-    if isinstance(at, bool) or not isinstance(at, (int, float)):
-        raise TypeError(f"at must be Unix seconds or an aware datetime, got {at!r}")
-    return float(at)
-
-
-def _message_time(request: Any) -> float | None:
-    """The time a message was sent, when it says so: its ``timestamp`` property (AMQP's, or
-    ``send_task(..., timestamp=...)``), as Unix seconds or a datetime (naive: UTC). None
-    otherwise: Celery's own messages carry no sending time."""
-    properties = getattr(request, "properties", None)
-    stamp = properties.get("timestamp") if isinstance(properties, Mapping) else None
-    if isinstance(stamp, dt.datetime):
-        if stamp.tzinfo is None:
-            stamp = stamp.replace(tzinfo=dt.timezone.utc)
-        return stamp.timestamp()
-    if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp) \
-            and stamp > 0:
-        return float(stamp)
-    return None
-
-
-def _check_key(task: str, key: str) -> str:
-    """A derived key as long as its operation makes it must still fit the stores' column."""
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidKey(
-            f"{task}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
-            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
-        )
-    return key

@@ -47,7 +47,7 @@ def _decisions() -> Any:
     """The counter, created on first use: the API's proxy meter forwards to a provider set later."""
     global _counter
     if _counter is None:
-        from .. import __version__
+        from ..version import __version__
 
         meter = _metrics.get_meter("celery_idem", __version__)
         _counter = meter.create_counter(

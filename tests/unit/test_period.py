@@ -3,7 +3,7 @@
 The slot is the multiple of the period nearest to the enqueue time, read once by the producer
 (``apply_async``) and carried in the key header; a worker that derives the key itself reads the
 message's ``timestamp`` property, else its own clock. The clock is replaced here
-(``celery_idem.task._clock``), so nothing waits for real time.
+(``celery_idem.identity._clock``), so nothing waits for real time.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 
 import celery_idem
-import celery_idem.task as task_module
+import celery_idem.identity as identity_module
 from celery_idem import CachedResult, IdempotentTask
 from celery_idem.config import KNOWN_OPTIONS
 from celery_idem.keys import SLOT_FIELD, key_from_fields, period_slot
@@ -38,7 +38,7 @@ def app() -> Celery:
 class Clock:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float) -> None:
         self.now = now
-        monkeypatch.setattr(task_module, "_clock", lambda: self.now)
+        monkeypatch.setattr(identity_module, "_clock", lambda: self.now)
 
 
 @pytest.fixture

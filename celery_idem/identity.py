@@ -1,0 +1,249 @@
+"""A task's key identity: the key of a call, its fingerprint, and the key a message's header names.
+
+The key derivation of :class:`~celery_idem.task.IdempotentTask`, apart from the seam's two
+hooks (``apply_async`` and ``__call__`` ask it for the key; ``idempotency_key_for`` is its public
+face). Each function takes the task (its ``name``, ``idempotency_config``, ``typing`` and
+``app`` are read) and, where arguments are bound, the signature they bind to.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import inspect
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from celery.app.task import Context
+
+from .exceptions import InvalidKey
+from .keys import (
+    MAX_CALLER_KEY,
+    MAX_KEY_LENGTH,
+    SLOT_FIELD,
+    bind_arguments,
+    caller_key,
+    check_scope,
+    check_text,
+    key_from_fields,
+    parse_key,
+    payload_hash,
+    period_slot,
+    scoped,
+    select_fields,
+)
+
+__all__ = ["ERRBACK_FIELD", "HEADER", "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request",
+           "fingerprint_of", "header_key", "identify", "key_arguments", "message_time",
+           "slot_fields"]
+
+#: Message header that carries the key through retries, redeliveries and canvas.
+HEADER = "idempotency_key"
+#: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
+#: field that marks a new-style errback's key. Not identifiers, so no parameter has these names.
+UNBOUND_ARGS = "*args"
+UNBOUND_KWARGS = "**kwargs"
+ERRBACK_FIELD = "$errback"
+
+
+def identify(
+    task: Any, signature: inspect.Signature | None, args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None, explicit: Any, scope: Any,
+    at: float | dt.datetime | None = None,
+) -> tuple[str, Callable[[], str | None]]:
+    """The call's key, and a function computing its fingerprint (None: not checked).
+
+    The arguments are bound once for both; the fingerprint is computed only when asked
+    (at enqueue, only once a record was found). With ``idempotency_period`` a derived key
+    gains the slot of ``at`` (default: now, read once here: ``apply_async`` calls this once
+    and the header carries the key, so retries and redeliveries keep the slot).
+    """
+    cfg = task.idempotency_config
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if scope is not None:
+        check_scope(scope)
+    if explicit is not None:
+        key = caller_key(cfg.operation, explicit, scope)
+        return key, functools.partial(fingerprint_of, task, signature, args, kwargs, True)
+    if cfg.key_func is not None:
+        identity = cfg.key_func(*args, **kwargs)
+        if not isinstance(identity, str) or not identity:
+            raise TypeError(
+                f"{task.name}: idempotency_key_func returned {identity!r}; it must return a "
+                f"non-empty str"
+            )
+        key = key_from_fields(cfg.operation, slot_fields(task, {}, at), identity)
+        fingerprint: Callable[[], str | None] = functools.partial(
+            fingerprint_of, task, signature, args, kwargs, False)
+    else:
+        bound = bind(task, signature, args, kwargs)
+        fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
+        if failed_request(args) is not None:
+            # Handling a failure is an action of its own, apart from any ordinary call.
+            fields[ERRBACK_FIELD] = True
+        key = key_from_fields(cfg.operation, slot_fields(task, fields, at))
+
+        def fingerprint() -> str | None:
+            return payload_hash(bound) if cfg.validate else None
+    return _check_key(task.name, scoped(key, cfg.operation, scope)), fingerprint
+
+
+def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None) -> dict[str, Any]:
+    """``fields`` with the slot of ``at`` (now, when None) under ``$slot``, for a task with
+    ``idempotency_period``; unchanged without one (so its keys are as before)."""
+    period = task.idempotency_config.period
+    if period is None:
+        return fields
+    fields[SLOT_FIELD] = period_slot(_unix_time(at), period)
+    return fields
+
+
+def fingerprint_of(
+    task: Any, signature: inspect.Signature | None, args: Sequence[Any],
+    kwargs: Mapping[str, Any], per_call: bool,
+) -> str | None:
+    """The hash stored with the record and compared on every later use of its key.
+
+    A per-call key's covers the arguments that identify the action (``idempotency_fields``,
+    else all of them), so the same key with other identifying arguments is refused; with
+    ``idempotency_validate`` any key's covers the whole call. A derived key's fields are in
+    the key itself, so without ``idempotency_validate`` it has none.
+    """
+    cfg = task.idempotency_config
+    if cfg.validate:
+        return payload_hash(bind(task, signature, args, kwargs))
+    if not (per_call and cfg.fingerprint):
+        return None
+    bound = bind(task, signature, args, kwargs)
+    if UNBOUND_ARGS not in bound:
+        bound = select_fields(bound, cfg.fields)
+    return payload_hash(bound)
+
+
+def header_key(task: Any, header: Any) -> tuple[str, bool]:
+    """The stored key of a message's key header, and whether it is a per-call key.
+
+    The header is the producer's word, and a message can be forged or written by another
+    program, so it is checked as ``apply_async`` checks a caller's key. A key of this task's
+    operation (``<operation>[@<scope>]:...``, as ``apply_async`` writes it) is used as it
+    is; anything else is a caller's key of this operation (``<operation>:key=<header>``),
+    so a header can never name another operation's record, and a producer in another
+    language may send its own key as the header.
+
+    Raises:
+        InvalidKey: The header is not a str, is empty, too long or has control characters;
+            nothing is claimed or stored under it.
+    """
+    what = f"{task.name}: the message's {HEADER} header"
+    check_text(what, header, MAX_KEY_LENGTH)
+    operation = task.idempotency_config.operation
+    parts = parse_key(header, operation)
+    if parts is not None:
+        return header, parts.per_call
+    if len(header) > MAX_CALLER_KEY:
+        check_text(what, header)  # raises: too long for a caller's key
+    return caller_key(operation, header), True
+
+
+def key_arguments(
+    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """The arguments as the key sees them: as Celery sends them, whoever calls.
+
+    * A new-style errback (``errback(request, exc, traceback, *stored)``, called by Celery
+      in-process) gets the failed task's id for the request and None for the exception
+      and the traceback: neither can be put in a key, and the id names the failure.
+    * A ``pydantic=True`` task's models are dumped the way ``apply_async`` dumps them
+      (whatever the serializer, so ``apply()``, ``delay()`` and a worker that gets the
+      dict agree); a model it leaves alone is keyed by ``model_dump(mode="json")``.
+    """
+    failed = failed_request(args)
+    if failed is not None:
+        args = (failed.id, *(None for _ in args[1:3]), *args[3:])
+    dump = getattr(task, "_dump_pydantic_arguments", None)  # Celery >= 5.7
+    if dump is not None:
+        args, kwargs = dump(args, kwargs)
+    return args, kwargs
+
+
+def bind(
+    task: Any, signature: inspect.Signature | None, args: Sequence[Any],
+    kwargs: Mapping[str, Any], *, as_sent: bool = True,
+) -> dict[str, Any]:
+    """The call's arguments by parameter name (``as_sent``: as :func:`key_arguments` sees them).
+
+    Raises:
+        TypeError: They do not bind, and the task checks its arguments (``typing``).
+    """
+    if as_sent:
+        args, kwargs = key_arguments(task, args, kwargs)
+    if signature is None:
+        return {"args": list(args), "kwargs": dict(kwargs)}
+    try:
+        return bind_arguments(signature, args, kwargs)
+    except TypeError as exc:
+        typing = task.typing if task.typing is not None else task.app.strict_typing
+        if not typing:
+            # typing=False: Celery sends a call that does not bind (the worker's signature
+            # may differ from this one), so the key must not refuse it. Keyed by the
+            # arguments as passed, under names no parameter can have.
+            return {UNBOUND_ARGS: list(args), UNBOUND_KWARGS: dict(kwargs)}
+        raise TypeError(f"{task.name}{signature}: {exc}") from None
+
+
+def failed_request(args: Sequence[Any]) -> Context | None:
+    """The failed task's request when ``args`` are those of a new-style errback call, else None.
+
+    Celery passes the failed task's ``Context`` first; a message never carries one, so it is
+    never a business argument.
+    """
+    first = args[0] if args else None
+    return first if isinstance(first, Context) else None
+
+
+def _clock() -> float:
+    """The wall clock a period's slot is read from (a function, so tests can replace it)."""
+    return time.time()
+
+
+def _unix_time(at: float | dt.datetime | None) -> float:
+    """``at`` as Unix seconds: now when None; an aware datetime converted; a naive one refused."""
+    if at is None:
+        return _clock()
+    if isinstance(at, dt.datetime):
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise ValueError(
+                f"at={at!r} is a naive datetime; pass an aware one (tzinfo set) or Unix seconds"
+            )
+        return at.timestamp()
+    if isinstance(at, bool) or not isinstance(at, (int, float)):
+        raise TypeError(f"at must be Unix seconds or an aware datetime, got {at!r}")
+    return float(at)
+
+
+def message_time(request: Any) -> float | None:
+    """The time a message was sent, when it says so: its ``timestamp`` property (AMQP's, or
+    ``send_task(..., timestamp=...)``), as Unix seconds or a datetime (naive: UTC). None
+    otherwise: Celery's own messages carry no sending time."""
+    properties = getattr(request, "properties", None)
+    stamp = properties.get("timestamp") if isinstance(properties, Mapping) else None
+    if isinstance(stamp, dt.datetime):
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=dt.timezone.utc)
+        return stamp.timestamp()
+    if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp) \
+            and stamp > 0:
+        return float(stamp)
+    return None
+
+
+def _check_key(task: str, key: str) -> str:
+    """A derived key as long as its operation makes it must still fit the stores' column."""
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKey(
+            f"{task}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
+            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
+        )
+    return key

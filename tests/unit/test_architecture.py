@@ -1,0 +1,214 @@
+"""The package's import graph, and docs/architecture.md held to the tree.
+
+* No import cycle, imports inside functions and by-name imports included. What counts as an
+  import is ``scripts/architecture.py``'s docstring: every ``import`` and ``from ... import``
+  wherever it is (relative ones resolved, ``from . import x`` to the submodule ``x`` when it is
+  one), an edge to the module named and not to the packages above it, and a string constant
+  that is exactly a celery_idem submodule's dotted name (``importlib.import_module`` by name is
+  an import like any other). Imports under ``if TYPE_CHECKING:`` never run and are left out. The
+  seven old-path shim modules (``celery_idem.saga`` ...) are left out: each is its contrib module
+  under another name, and they are going away.
+* No import from a lower group of the page's flowchart (core < seam < add-ons) into a higher
+  one, but the three the page names; every module is in a group; each arrow the flowchart
+  draws is backed by an import.
+* The page's tree and sizes are what ``python scripts/architecture.py`` writes: every module
+  listed with its line count, none listed that does not exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = "run `python scripts/architecture.py` and commit docs/architecture.md"
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("architecture_script",
+                                                  ROOT / "scripts" / "architecture.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+arch = _script()
+
+
+def _edges_text(cycles: list[list[str]], graph: dict[str, dict[str, int]]) -> str:
+    return "; ".join(
+        " -> ".join(f"{a} (line {graph[a][b]})" for a, b in itertools.pairwise(cycle))
+        + f" -> {cycle[-1]}" for cycle in cycles)
+
+
+# -- cycles ---------------------------------------------------------------------------------------
+
+
+def test_no_import_cycles() -> None:
+    graph = arch.graph()
+    found = arch.cycles(graph)
+    assert found == [], "import cycles (each import's line in the module before it): " + \
+        _edges_text(found, graph)
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    package = tmp_path / "celery_idem"
+    for name, text in files.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return package
+
+
+def test_the_checker_sees_imports_inside_functions_relative_and_by_name(tmp_path: Path) -> None:
+    package = _package(tmp_path, {
+        "__init__.py": "def __getattr__(name):\n    from . import a\n    return a\n",
+        "a.py": "from .sub import b\n",
+        "sub/__init__.py": "",
+        "sub/b.py": "def f():\n    from .. import c\n",
+        "c.py": "import importlib\nimportlib.import_module('celery_idem.a')\n",
+        # Under TYPE_CHECKING: no edge. A logger named after the package: no edge either.
+        "d.py": "import logging\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from . import e\nlogger = logging.getLogger('celery_idem')\n",
+        "e.py": "from . import d\n",
+        "f.py": "from celery_idem import d\n",
+    })
+    graph = arch.graph(package, shims=())
+    assert graph["celery_idem"] == {"celery_idem.a": 2}
+    assert graph["celery_idem.sub.b"] == {"celery_idem.c": 2}
+    assert graph["celery_idem.c"] == {"celery_idem.a": 2}
+    assert graph["celery_idem.d"] == {}
+    assert graph["celery_idem.f"] == {"celery_idem.d": 1}
+    assert arch.cycles(graph) == [["celery_idem.a", "celery_idem.sub.b", "celery_idem.c",
+                                   "celery_idem.a"]]
+
+
+# -- groups and the flowchart ---------------------------------------------------------------------
+
+
+def test_no_import_from_a_lower_group_to_a_higher_one_but_the_named_ones() -> None:
+    graph = arch.graph()
+    upward = {
+        (module, target): line
+        for module, targets in graph.items() for target, line in targets.items()
+        if arch.group_of(module) in arch.RANKS and arch.group_of(target) in arch.RANKS
+        and arch.RANKS[arch.group_of(module)] < arch.RANKS[arch.group_of(target)]
+    }
+    unnamed = {edge: line for edge, line in upward.items() if edge not in arch.UPWARD}
+    assert not unnamed, "imports from a lower group into a higher one: " + ", ".join(
+        f"{a} (line {line}) -> {b}" for (a, b), line in sorted(unnamed.items()))
+    assert set(upward) >= arch.UPWARD, f"gone, drop from UPWARD: {arch.UPWARD - set(upward)}"
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    for _, target in arch.UPWARD:
+        assert target in page, f"docs/architecture.md does not name the edge into {target}"
+
+
+def test_every_module_is_in_a_group_and_the_seam_names_modules_that_exist() -> None:
+    names = set(arch.modules())
+    assert names >= arch.SEAM, f"not modules, drop from SEAM: {arch.SEAM - names}"
+    assert {arch.group_of(name) for name in names} <= {*arch.RANKS, "accel"}
+
+
+def _flowchart() -> tuple[dict[str, str], dict[str, set[str]], list[tuple[str, str]]]:
+    """``(group of each subgraph, modules of each node, arrows)`` of the page's flowchart."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    chart = re.search(r"```mermaid\nflowchart TD\n(.*?)```", text, re.S)
+    assert chart, "docs/architecture.md has no mermaid flowchart"
+    known = arch.modules()
+    subgraphs: dict[str, str] = {}
+    nodes: dict[str, set[str]] = {}
+    members: dict[str, set[str]] = {}
+    arrows: list[tuple[str, str]] = []
+    current = None
+    for line in chart.group(1).splitlines():
+        line = line.strip()
+        if m := re.match(r"subgraph (\w+)\[", line):
+            current = m.group(1)
+            subgraphs[current] = current
+            members[current] = set()
+        elif line == "end":
+            current = None
+        elif m := re.match(r"(\w+)\[(.*)\]$", line):
+            node, label = m.groups()
+            paths = re.findall(r"([\w/]+(?:\.py|/))", label.split(":")[0])
+            mods: set[str] = set()
+            directory = ""  # `contrib/cli.py + cli_support.py`: the second in the first's
+            for path in paths:
+                if "/" in path.rstrip("/"):
+                    directory = path.rstrip("/").rpartition("/")[0] + "/"
+                elif not path.endswith("/"):
+                    path = directory + path
+                dotted = "celery_idem." + path.removesuffix(".py").strip("/").replace("/", ".")
+                mods |= {name for name in known if name == dotted
+                         or (path.endswith("/") and name.startswith(dotted + "."))}
+            assert mods, f"flowchart node {node}[{label}] names no module of celery_idem/"
+            nodes[node] = mods
+            if current:
+                members[current] |= mods
+        elif "-->" in line:
+            left, right = (side.split("&") for side in line.split("-->"))
+            arrows += [(a.strip(), b.strip()) for a in left for b in right]
+    nodes.update(members)
+    return subgraphs, nodes, arrows
+
+
+def test_the_flowchart_groups_are_the_checked_ones_and_its_arrows_hold() -> None:
+    subgraphs, nodes, arrows = _flowchart()
+    assert list(subgraphs) == sorted(arch.RANKS, key=arch.RANKS.get, reverse=True), \
+        "the flowchart's subgraphs, top to bottom, must be scripts/architecture.py's RANKS"
+    for group in subgraphs:
+        wrong = {name for name in nodes[group] if arch.group_of(name) != group}
+        assert not wrong, f"flowchart group {group} shows modules of another group: {wrong}"
+    graph = arch.graph()
+    for a, b in arrows:
+        assert a in nodes and b in nodes, f"flowchart arrow {a} --> {b}: unknown node"
+        backed = any(target in nodes[b] for module in nodes[a] for target in graph.get(module, {}))
+        assert backed, f"flowchart arrow {a} --> {b}: no module of {a} imports one of {b}"
+
+
+# -- the generated part of the page ---------------------------------------------------------------
+
+
+def test_the_page_is_what_the_script_writes() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert arch.BEGIN in page and arch.END in page, f"the generated part's markers are gone; {RUN}"
+    assert arch.rewrite() == page, f"docs/architecture.md's tree or sizes are stale: {RUN}"
+
+
+def test_the_tree_lists_every_module_and_no_other() -> None:
+    part = arch.generated()
+    listed: set[str] = set()
+    stack: list[str] = []
+    tree = re.search(r"```text\n.*?\n(.*?)```", part, re.S)
+    assert tree
+    for line in tree.group(1).splitlines():
+        m = re.match(r"((?:[│ ] {3})*)[├└]── (\S+)", line)
+        if not m:
+            continue
+        depth = len(m.group(1)) // 4
+        del stack[depth:]
+        name = m.group(2)
+        if name.endswith("/"):
+            stack.append(name.rstrip("/"))
+        else:
+            listed.add(".".join(["celery_idem", *stack, name.removesuffix(".py")])
+                       .removesuffix(".__init__"))
+    assert listed == set(arch.modules())
+
+
+@pytest.mark.parametrize("name", ["accel/__init__.py", "accel/wire.py"])
+def test_a_new_package_is_listed_by_the_script(tmp_path: Path, name: str) -> None:
+    package = _package(tmp_path, {"__init__.py": '"""Root."""\n', "accel/__init__.py":
+                                  '"""The accelerations. Off with one switch."""\n',
+                                  "accel/wire.py": '"""A wire client."""\nX = 1\n'})
+    part = arch.generated(package)
+    assert name.split("/")[-1] in part and "accel/" in part
+    assert "| accel | 2 | 3 |" in part

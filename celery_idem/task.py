@@ -501,8 +501,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             digest = fingerprint()
             # A re-queue and Celery's retry publish from the request's headers: they carry the
             # key derived here, or the copy would derive it again from a later clock (another
-            # period slot: the CI of 2026-12-05 ran a re-queued send_task body twice).
-            req.headers = {**(req.headers or {}), HEADER: key}
+            # period slot: the CI of 2026-12-05 ran a re-queued send_task body twice). Not on
+            # a direct call: its request is Celery's one default request, shared by every
+            # direct call (celery.map's items), and each call is an action of its own.
+            if not req.called_directly:
+                req.headers = {**(req.headers or {}), HEADER: key}
         else:
             key, per_call = self._header_key(header)
             digest = self._fingerprint(args, kwargs, per_call)

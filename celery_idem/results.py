@@ -53,6 +53,7 @@ except ImportError:  # pragma: no cover - older Celery
             one) or the request does (``mark_as_done`` skips the write)."""
             return bool(task.ignore_result or getattr(req, "ignore_result", False))
 
+from .config import settings
 from .stores.base import BackendWrite, Store
 
 __all__ = ["ResultWriter", "answer_task_id", "fire_full_barriers", "result_writer", "store_answer"]
@@ -137,7 +138,7 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
         backend on ``store``'s PostgreSQL database (the row rides on the record's statement).
         None otherwise, or when ``idempotency_fold_results`` is False.
     """
-    if task.app.conf.get("idempotency_fold_results") is False:
+    if not settings(task.app).fold_results:
         return None
     from .dbresults import database_result_writer  # it builds on this module
 

@@ -139,3 +139,12 @@ def test_settings_are_read_only_in_config() -> None:
         for line, text in _setting_reads(tree, constants)
     ]
     assert not offenders, "read through celery_idem.config.settings(app):\n" + "\n".join(offenders)
+
+
+def test_the_default_prefix_is_written_once() -> None:
+    literal = '"celery-idem:"'
+    holders = sorted(
+        str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
+        if literal in path.read_text() or literal.replace('"', "'") in path.read_text()
+    )
+    assert holders == ["celery_idem/config.py"], "use celery_idem.config.DEFAULT_PREFIX"

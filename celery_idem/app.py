@@ -28,7 +28,8 @@ from celery import Celery
 from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 
 from . import probe, timelimits
-from .durability import REQUIRE_DURABLE_SETTING, check_replication, check_store
+from .config import forget_settings, settings
+from .durability import check_replication, check_store
 from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers
 from .exceptions import ImproperlyConfigured, StoreUnavailable
 from .records import Record
@@ -86,8 +87,8 @@ def get_store(app: Celery) -> Store:
     store = _stores.get(app)
     if store is None:
         conf = app.conf
-        configured = conf.get("idempotency_store")
-        prefix = conf.get("idempotency_key_prefix") or "celery-idem:"
+        read = settings(app)
+        configured = read.store
         if isinstance(configured, Store):
             store = configured
         else:
@@ -98,7 +99,7 @@ def get_store(app: Celery) -> Store:
                 url = getattr(url, "url", None) or repr(url)  # a backend class or instance
             # result_backend_transport_options: where Celery users already put a sentinel
             # master_name; only the sentinel:// store reads it.
-            store = store_from_url(url, prefix=prefix, options=conf.get("idempotency_store_options"),
+            store = store_from_url(url, prefix=read.key_prefix, options=read.store_options,
                                    backend_transport_options=conf.get(
                                        "result_backend_transport_options"))
             # A store built here with its own pool is ours to close: when the app is collected,
@@ -121,7 +122,8 @@ def _close_quietly(store: Store) -> None:
 
 
 def forget_store(app: Celery) -> Store | None:
-    """Drop ``app``'s cached store (not closed), so the next :func:`get_store` builds it anew.
+    """Drop ``app``'s cached store (not closed) and settings, so the next :func:`get_store`
+    builds it anew from ``app.conf``.
 
     For tests and tools that change an app's settings after its store was built. Tasks keep the
     store their gate was built with until their ``_gate`` is rebuilt.
@@ -129,6 +131,7 @@ def forget_store(app: Celery) -> Store | None:
     Returns:
         The store that was cached, or None.
     """
+    forget_settings(app)
     return _stores.pop(app, None)
 
 
@@ -161,7 +164,7 @@ def events_enabled(app: Celery) -> bool:
 
 def log_answers(app: Celery) -> bool:
     """Whether answers log at INFO (``idempotency_log_answers``, on unless False)."""
-    return app.conf.get("idempotency_log_answers", True) is not False
+    return settings(app).log_answers
 
 
 def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: str,
@@ -210,7 +213,7 @@ def emit_producer_decision(task: Task, outcome: Outcome, key: str, token: int,
     log_outcome(outcome, key, token, original_task_id, result_id, extra,
                 answers=log_answers(app))
     notify_observers(task.name, outcome, key, token, original_task_id, task_span=False)
-    if not (conf.get("idempotency_events") or conf.task_send_sent_event
+    if not (settings(app).events or conf.task_send_sent_event
             or events_enabled(app)) or conf.task_always_eager:
         return
     try:
@@ -290,7 +293,7 @@ def _at_shutdown(sender: Any = None, **_: Any) -> None:
 
 def _store_setting(app: Celery) -> str:
     """The app setting the store comes from, for messages."""
-    return "idempotency_store" if app.conf.get("idempotency_store") else "result_backend"
+    return "idempotency_store" if settings(app).store else "result_backend"
 
 
 def _broker_driver(sender: Any, app: Celery) -> str:
@@ -349,7 +352,7 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None:
         return
-    if getattr(sender, "task_events", False) or app.conf.get("idempotency_events") \
+    if getattr(sender, "task_events", False) or settings(app).events \
             or app.conf.worker_send_task_events:
         _events_on.add(app)
     # The app's IdempotentTasks, known by their gate (a class attribute, read without building
@@ -368,7 +371,8 @@ def check_worker(sender: Any = None, **_: Any) -> None:
         try:
             store = get_store(app)
         except StoreUnavailable as exc:  # a cluster client connects when it is built
-            refused = probe.refusal(exc, setting, str(app.conf.get(setting)))
+            configured = settings(app).store or app.conf.get("result_backend")
+            refused = probe.refusal(exc, setting, str(configured))
             if refused is not None:
                 raise refused from exc
             raise
@@ -376,7 +380,7 @@ def check_worker(sender: Any = None, **_: Any) -> None:
                                 getattr(sender, "soft_time_limit", None))
         check_pool(sender, app)
         if probe.probe_store(store, setting):
-            check_store(store, require=bool(app.conf.get(REQUIRE_DURABLE_SETTING)))
+            check_store(store, require=settings(app).require_durable_store)
             check_replication(store)
     except ImproperlyConfigured as exc:
         # Celery logs and swallows exceptions raised by signal handlers, and the worker would

@@ -13,20 +13,30 @@ import functools
 import importlib
 import inspect
 import math
-from collections.abc import Callable, Iterable
+import os
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
 
 __all__ = [
+    "ACCELERATE_ENV",
+    "DEFAULT_PREFIX",
     "KNOWN_OPTIONS",
     "MIN_LEASE",
     "MIN_PERIOD",
     "IdempotencyConfig",
+    "Settings",
+    "accelerate_from_env",
     "check_options",
     "default_release_on",
+    "forget_settings",
     "near_miss",
+    "read_settings",
+    "settings",
 ]
 
 #: Every ``idempotency_*`` task option. Any other attribute with that prefix is a typo and is
@@ -56,7 +66,7 @@ _RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempo
 _APP_SETTINGS = frozenset(
     {"idempotency_store", "idempotency_key_prefix", "idempotency_store_options", "idempotency_events",
      "idempotency_receipts_table", "idempotency_fold_results", "idempotency_require_durable_store",
-     "idempotency_log_answers"}
+     "idempotency_log_answers", "idempotency_accelerate"}
 )
 
 #: Modules whose timeout/connection errors release the claim, where installed.
@@ -367,3 +377,95 @@ def _flag(owner: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ImproperlyConfigured(f"{owner}: {name} must be True or False, got {value!r}")
     return value
+
+
+# -- app settings --------------------------------------------------------------------------------
+
+#: The key prefix when ``idempotency_key_prefix`` is not set: the one place this literal lives
+#: (the stores import it from here, which imports nothing of the Celery seam).
+DEFAULT_PREFIX = "celery-idem:"
+
+#: The environment variable that turns every acceleration off (``0``, ``false``, ``no``, ``off``).
+ACCELERATE_ENV = "CELERY_IDEM_ACCELERATE"
+
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
+def accelerate_from_env() -> bool:
+    """False when ``CELERY_IDEM_ACCELERATE`` is ``0``, ``false``, ``no`` or ``off``; else True.
+
+    Read at each call, for code that has no app at hand (a store built from a URL).
+    """
+    return os.environ.get(ACCELERATE_ENV, "").strip().lower() not in _OFF
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``idempotency_*`` app settings of one app, read once (see :func:`settings`)."""
+
+    #: ``idempotency_store``: a store URL or a :class:`~celery_idem.stores.base.Store`; None
+    #: means the ``result_backend`` URL.
+    store: Any = None
+    #: ``idempotency_key_prefix``: what keeps the keys of apps sharing a store apart.
+    key_prefix: str = DEFAULT_PREFIX
+    #: ``idempotency_store_options``: extra keyword arguments for the store's client (read-only).
+    store_options: Mapping[str, Any] | None = None
+    #: ``idempotency_events``: producers and operators send ``task-idempotency`` events.
+    events: bool = False
+    #: ``idempotency_receipts_table``: the receipts table (None: the default table).
+    receipts_table: str | None = None
+    #: ``idempotency_fold_results``: off only when the setting is False.
+    fold_results: bool = True
+    #: ``idempotency_require_durable_store``: refuse to start on a store that may lose records.
+    require_durable_store: bool = False
+    #: ``idempotency_log_answers``: answers log at INFO; off only when the setting is False.
+    log_answers: bool = True
+    #: ``idempotency_accelerate`` and ``CELERY_IDEM_ACCELERATE``: the accelerations of
+    #: ``celery_idem/accel/`` are used; off when either says so.
+    accelerate: bool = True
+
+
+_settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
+
+
+def read_settings(conf: Mapping[str, Any]) -> Settings:
+    """Read a :class:`Settings` from an app's configuration (``app.conf``), now.
+
+    The environment variable ``CELERY_IDEM_ACCELERATE`` is read here too.
+    """
+    options = conf.get("idempotency_store_options")
+    return Settings(
+        store=conf.get("idempotency_store"),
+        key_prefix=conf.get("idempotency_key_prefix") or DEFAULT_PREFIX,
+        store_options=MappingProxyType(dict(options)) if options else None,
+        events=bool(conf.get("idempotency_events")),
+        receipts_table=conf.get("idempotency_receipts_table") or None,
+        fold_results=conf.get("idempotency_fold_results") is not False,
+        require_durable_store=bool(conf.get("idempotency_require_durable_store")),
+        log_answers=conf.get("idempotency_log_answers", True) is not False,
+        accelerate=conf.get("idempotency_accelerate", True) is not False and accelerate_from_env(),
+    )
+
+
+def settings(app: Any) -> Settings:
+    """The ``idempotency_*`` settings of ``app`` (a Celery app), read at the first call.
+
+    Every ``idempotency_*`` app setting the package uses is read here and nowhere else; a
+    change of ``app.conf`` after the first call is not seen (see :func:`forget_settings`).
+    """
+    found = _settings.get(app)
+    if found is None:
+        found = _settings[app] = read_settings(app.conf)
+    return found
+
+
+def forget_settings(app: Any | None = None) -> None:
+    """Drop the settings read for ``app`` (every app when None): the next read sees ``app.conf``.
+
+    For tests that change an app's settings after its first use; an application sets them once,
+    before its tasks run.
+    """
+    if app is None:
+        _settings.clear()
+    else:
+        _settings.pop(app, None)

@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - older Celery
             """Whether no result is stored (the task's or the request's ``ignore_result``)."""
             return bool(task.ignore_result or getattr(req, "ignore_result", False))
 
+from .config import settings
 from .results import ResultWriter, redis_result_writer
 from .stores.base import BackendWrite, Store
 
@@ -165,7 +166,7 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
         write the result in the record's round trip. None otherwise, or when
         ``idempotency_fold_results`` is False.
     """
-    if task.app.conf.get("idempotency_fold_results") is False:
+    if not settings(task.app).fold_results:
         return None
     database = database_result_writer(task, store)
     if database is not None:  # Celery's database backend on the store's PostgreSQL

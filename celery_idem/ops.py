@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .codec import ERROR_CONTENT_TYPE, KombuCodec
+from .config import settings
 from .exceptions import CorruptRecord, LeaseLost
 from .records import Record, State
 from .stores.base import Store
@@ -194,8 +195,7 @@ def send_operator_event(app: Any, verb: str, operator: Operator, **fields: Any) 
     Returns:
         None when the event was sent or events are off; otherwise why it was not sent.
     """
-    conf = app.conf
-    if not (conf.get("idempotency_events") or conf.get("worker_send_task_events")):
+    if not (settings(app).events or app.conf.get("worker_send_task_events")):
         return None
     try:
         with app.connection_for_write() as conn:

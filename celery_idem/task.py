@@ -37,7 +37,7 @@ from kombu.exceptions import EncodeError
 from . import identity, timelimits
 from .app import check_worker, emit_decision, get_store, owner_id
 from .codec import KombuCodec
-from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve
+from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
 from .dbresults import result_writer
 from .delivery import REQUEUES_HEADER, deliver
 from .enqueue import CachedResult, EnqueueCheck, check_enqueue, restore_cached, unsendable
@@ -354,23 +354,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Django: the receipt goes through Django's connection (no SQLAlchemy needed).
             from .contrib.django.receipts import DjangoReceiptTransaction
 
-            prefix = self.app.conf.get("idempotency_key_prefix") or "celery-idem:"
+            read = settings(self.app)
             django_tx = DjangoReceiptTransaction(
-                using=using or "default", key=prefix + key, token=token, task_id=req.id or "",
+                using=using or "default", key=read.key_prefix + key, token=token, task_id=req.id or "",
                 codec=self._gate.codec, ttl=self.idempotency_config.ttl,
-                table=table or self.app.conf.get("idempotency_receipts_table") or "celery_idem_receipts",
+                table=table or read.receipts_table or "celery_idem_receipts",
                 lease_lost=lambda: self.idempotency_lease_lost, on_found=ReceiptFound,
             )
             req.idempotency_receipt_ = django_tx
             return django_tx
 
         from .receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction  # needs sqlalchemy
-        prefix = self.app.conf.get("idempotency_key_prefix") or "celery-idem:"
+        read = settings(self.app)
         tx = ReceiptTransaction(
             session_or_connection,
-            key=prefix + key, token=token, task_id=req.id or "", codec=self._gate.codec,
+            key=read.key_prefix + key, token=token, task_id=req.id or "", codec=self._gate.codec,
             ttl=self.idempotency_config.ttl,
-            table=table or self.app.conf.get("idempotency_receipts_table") or DEFAULT_RECEIPTS_TABLE,
+            table=table or read.receipts_table or DEFAULT_RECEIPTS_TABLE,
             commit=commit, lease_lost=lambda: self.idempotency_lease_lost, on_found=ReceiptFound,
         )
         req.idempotency_receipt_ = tx

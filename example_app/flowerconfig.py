@@ -4,6 +4,6 @@ Flower reads this file before it builds its event state; the extension then show
 idempotency decision on the task page and counts it in ``/metrics`` (docs/operations.md).
 """
 
-import celery_idem.flower
+import celery_idem.contrib.flower
 
-celery_idem.flower.install()
+celery_idem.contrib.flower.install()

@@ -1,7 +1,7 @@
 """The checkout saga: charge the card, create the order, send the receipt; undo on failure.
 
 Each step is one write to the provider (``example_app/payments.py``), made with the step's own
-idempotency key and fencing token (:class:`celery_idem.saga.Step`), so a step that ran, or whose
+idempotency key and fencing token (:class:`celery_idem.contrib.saga.Step`), so a step that ran, or whose
 write reached the provider before its worker died, is never applied twice::
 
     charge_card ──> create_order ──> send_receipt
@@ -29,7 +29,7 @@ from typing import Any
 from celery import shared_task
 
 from celery_idem import IdempotentTask, TerminalError
-from celery_idem.saga import Saga, Step
+from celery_idem.contrib.saga import Saga, Step
 
 from .payments import ProviderClient, ProviderError
 

@@ -27,9 +27,9 @@ Every other event is handled exactly as before. Load it from Flower's own config
 read with ``--conf`` (a Python file; ``flowerconfig.py`` in the working directory by default)::
 
     # flowerconfig.py
-    import celery_idem.flower
+    import celery_idem.contrib.flower
 
-    celery_idem.flower.install()
+    celery_idem.contrib.flower.install()
 
 and start Flower as usual: ``celery -A proj flower --conf=flowerconfig.py``. Workers must send
 task events (``celery worker -E``, ``worker_send_task_events = True``, or

@@ -8,7 +8,7 @@ grows by one row per action for ever.
 
 Schedule it with Celery beat::
 
-    from celery_idem.maintenance import register_purge_task
+    from celery_idem.contrib.maintenance import register_purge_task
 
     register_purge_task(app, every=3600)   # adds the task and a beat_schedule entry
 

@@ -7,7 +7,7 @@ Needs the official MCP Python SDK (``pip install 'celery-idem[mcp]'``). From a s
 
 Embedded in Python::
 
-    from celery_idem.contrib.mcp import http_app, server   # or, as before: celery_idem.mcp
+    from celery_idem.contrib.mcp import http_app, server
 
     mcp_server = server(tools)        # an mcp.server.lowlevel.Server
     app = http_app(mcp_server, "127.0.0.1", 8765)   # or: await serve_stdio(mcp_server)
@@ -380,7 +380,7 @@ def load_toolbox(spec: str) -> Toolbox:
     if inspect.isfunction(value):
         value = value()
     if not isinstance(value, Toolbox):
-        raise ValueError(f"{spec} is a {type(value).__name__}, not a celery_idem.tools.Toolbox")
+        raise ValueError(f"{spec} is a {type(value).__name__}, not a celery_idem.contrib.tools.Toolbox")
     return value
 
 

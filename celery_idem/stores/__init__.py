@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..config import DEFAULT_PREFIX
 from ..exceptions import ImproperlyConfigured
 from .base import Store
 
@@ -49,7 +50,7 @@ def _scheme(url: str) -> str:
 
 def store_from_url(
     url: str,
-    prefix: str = "celery-idem:",
+    prefix: str = DEFAULT_PREFIX,
     options: Mapping[str, Any] | None = None,
     backend_transport_options: Mapping[str, Any] | None = None,
 ) -> Store:

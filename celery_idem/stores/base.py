@@ -49,6 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..config import DEFAULT_PREFIX
 from ..exceptions import ImproperlyConfigured
 from ..records import Claim, Record, Reservation, State
 
@@ -127,12 +128,12 @@ class Store(abc.ABC):
 
     schemes: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, prefix: str = "celery-idem:") -> None:
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix
 
     @classmethod
     @abc.abstractmethod
-    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> Store:
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> Store:
         """Build the store from a URL of one of its ``schemes``; ``options`` go to the client."""
 
     @abc.abstractmethod

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..config import DEFAULT_PREFIX
 from ..exceptions import LeaseLost
 from ..records import Claim, ClaimStatus, Record, State
 from .base import Store, new_claim_id, next_token
@@ -32,7 +33,7 @@ class MemoryStore(Store):
 
     schemes = ("memory",)
 
-    def __init__(self, prefix: str = "celery-idem:", clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, prefix: str = DEFAULT_PREFIX, clock: Callable[[], float] = time.time) -> None:
         super().__init__(prefix)
         self._clock = clock
         self._lock = threading.Lock()
@@ -40,7 +41,7 @@ class MemoryStore(Store):
         self._records: dict[str, tuple[Record, float]] = {}
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> MemoryStore:
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> MemoryStore:
         return cls(prefix=prefix, **options)
 
     def now(self) -> float:

@@ -45,6 +45,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ..config import DEFAULT_PREFIX
 from ..exceptions import (
     CorruptRecord,
     IdempotencyError,
@@ -247,7 +248,7 @@ class RedisStore(Store):
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix")
 
-    def __init__(self, client: redis.Redis, prefix: str = "celery-idem:", *,
+    def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
                  wait_replicas: int = 0, wait_timeout: float = 1.0,
                  location: str | None = None) -> None:
         super().__init__(prefix)
@@ -283,7 +284,7 @@ class RedisStore(Store):
         self._wire = wire_for(client)
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> RedisStore:
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> RedisStore:
         """Build a store from a Redis URL; ``options`` go to ``redis.Redis.from_url``.
 
         ``wait_replicas`` and ``wait_timeout`` in ``options`` are the store's own (see the class).

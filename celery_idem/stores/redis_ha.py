@@ -33,6 +33,7 @@ from redis.connection import parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from ..config import DEFAULT_PREFIX
 from ..exceptions import ImproperlyConfigured, StoreUnavailable
 from .base import DurabilityFinding, Store
 from .redis import CLIENT_DEFAULTS, RedisStore, store_options, text
@@ -99,7 +100,7 @@ class RedisClusterStore(RedisStore):
 
     schemes: ClassVar[tuple[str, ...]] = ("redis+cluster", "rediss+cluster")
 
-    def __init__(self, client: RedisCluster, prefix: str = "celery-idem:", *,
+    def __init__(self, client: RedisCluster, prefix: str = DEFAULT_PREFIX, *,
                  wait_replicas: int = DEFAULT_WAIT_REPLICAS, wait_timeout: float = 1.0) -> None:
         nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_primaries())  # type: ignore[no-untyped-call, unused-ignore]
         super().__init__(client, prefix, wait_replicas=wait_replicas,  # type: ignore[arg-type, unused-ignore]
@@ -107,7 +108,7 @@ class RedisClusterStore(RedisStore):
         self.cluster = client
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "celery-idem:",
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
                  **options: Any) -> RedisClusterStore:
         """Build a store from ``redis+cluster://[user:password@]host:port[,host:port...][?...]``.
 
@@ -254,7 +255,7 @@ class RedisSentinelStore(RedisStore):
 
     schemes: ClassVar[tuple[str, ...]] = ("sentinel",)
 
-    def __init__(self, sentinel: Sentinel, master_name: str, prefix: str = "celery-idem:", *,
+    def __init__(self, sentinel: Sentinel, master_name: str, prefix: str = DEFAULT_PREFIX, *,
                  wait_replicas: int = DEFAULT_WAIT_REPLICAS, wait_timeout: float = 1.0,
                  client_options: Mapping[str, Any] | None = None) -> None:
         self.sentinel = sentinel
@@ -271,7 +272,7 @@ class RedisSentinelStore(RedisStore):
                          location=f"sentinel master {master_name!r} (db {db}) via {nodes}")
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "celery-idem:",
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
                  backend_transport_options: Mapping[str, Any] | None = None,
                  **options: Any) -> RedisSentinelStore:
         """Build a store from Celery's sentinel URL.

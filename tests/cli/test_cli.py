@@ -12,7 +12,7 @@ import time
 import pytest
 
 from celery_idem import TerminalError
-from celery_idem.cli import EXIT_CHANGED, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_UNAVAILABLE
+from celery_idem.contrib.cli import EXIT_CHANGED, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_UNAVAILABLE
 from celery_idem.records import ClaimStatus, State
 from tests.cli.conftest import Idem
 from tests.integration import app as tasks

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from celery_idem import LeaseLost, TerminalError
-from celery_idem.cli import EXIT_CHANGED, EXIT_NOT_FOUND, EXIT_REFUSED
+from celery_idem.contrib.cli import EXIT_CHANGED, EXIT_NOT_FOUND, EXIT_REFUSED
 from celery_idem.records import ClaimStatus, State
 from tests.cli.conftest import LONG, Idem
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_idem.cli import EXIT_UNAVAILABLE
+from celery_idem.contrib.cli import EXIT_UNAVAILABLE
 from celery_idem.records import State
 from tests.cli.conftest import Idem, _idem
 from tests.integration.harness import free_port, wait_for

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from celery_idem.tools import tool
+from celery_idem.contrib.tools import tool
 from example_app.agent import Agent, ScriptedModel, order_details
 
 
@@ -34,7 +34,7 @@ class Never(Done):
 
 
 class FakeTool:
-    """A write tool (the interface of celery_idem.tools.Tool) that records its calls."""
+    """A write tool (the interface of celery_idem.contrib.tools.Tool) that records its calls."""
 
     kind = "write"
 

@@ -239,13 +239,13 @@ def _operations_flowerconfig() -> str:
     text = (ROOT / "docs" / "operations.md").read_text()
     for block in text.split("```python")[1:]:
         code = block.split("```", 1)[0]
-        if "celery_idem.flower.install()" in code:
+        if "celery_idem.contrib.flower.install()" in code:
             return code
     raise AssertionError("docs/operations.md shows no flowerconfig.py")
 
 
 def test_flower_loads_the_extension_the_way_the_docs_say() -> None:
-    # docs/operations.md: Flower with --conf=<a file that calls celery_idem.flower.install()>,
+    # docs/operations.md: Flower with --conf=<a file that calls celery_idem.contrib.flower.install()>,
     # and workers that send task events (-E)
     command = services()["flower"]["command"]
     assert command[:4] == ["celery", "-A", "example_app.celery_app", "flower"]

@@ -4,7 +4,7 @@ One stack per test package (Flower takes a few seconds to start): a Cluster of i
 broker database of its own (Redis db 7) so the events of other people's workers on the shared
 server do not reach this Flower, one worker, and one ``celery flower`` subprocess started the
 documented way, with ``--conf`` pointing to a ``flowerconfig.py`` that calls
-``celery_idem.flower.install()``.
+``celery_idem.contrib.flower.install()``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from tests.integration.harness import ROOT, Worker, free_port, wait_for
 
 #: What docs/operations.md tells operators to put in flowerconfig.py.
 FLOWERCONFIG = """\
-import celery_idem.flower
+import celery_idem.contrib.flower
 
-celery_idem.flower.install()
+celery_idem.contrib.flower.install()
 """
 
 #: Broker and result database of the Flower tests (db 0 carries everybody else's events).

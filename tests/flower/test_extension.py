@@ -1,4 +1,4 @@
-"""celery_idem.flower on Flower's own event state, without servers: what it changes and what not."""
+"""celery_idem.contrib.flower on Flower's own event state, without servers: what it changes and what not."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import flower.events
 from celery.events.state import State as CeleryState
 from prometheus_client import REGISTRY
 
-import celery_idem.flower
-from celery_idem.flower import FIELDS, IdempotencyTaskState
+import celery_idem.contrib.flower
+from celery_idem.contrib.flower import FIELDS, IdempotencyTaskState
 
 _clock = itertools.count(1)
 
@@ -47,8 +47,8 @@ def test_plain_celery_state_shows_no_decision() -> None:
 
 
 def test_install_gives_flower_a_task_state_with_the_decisions_and_counts_them() -> None:
-    celery_idem.flower.install()
-    celery_idem.flower.install()  # idempotent: registers the counter once
+    celery_idem.contrib.flower.install()
+    celery_idem.contrib.flower.install()  # idempotent: registers the counter once
     assert flower.events.EventsState.Task is IdempotencyTaskState
 
     def count() -> float:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_idem import CachedResult
+from celery_idem.config import forget_settings
 from tests.flower.conftest import Stack, decisions
 from tests.integration import app as tasks
 
@@ -23,10 +24,12 @@ def producer_events(stack: Stack) -> Iterator[None]:
     conf = tasks.app.conf
     saved = conf.get("idempotency_events")
     conf.idempotency_events = True
+    forget_settings(tasks.app)  # settings are read once per app: read the change
     try:
         yield
     finally:
         conf.idempotency_events = saved
+        forget_settings(tasks.app)
 
 
 def test_an_enqueue_answered_from_the_record_is_shown_and_counted_in_flower(

@@ -15,7 +15,8 @@ def test_without_opentelemetry_installed_nothing_is_imported_or_called() -> None
 import sys
 sys.modules["opentelemetry"] = None  # as if not installed
 from celery import Celery
-from celery_idem import IdempotentTask, otel
+from celery_idem import IdempotentTask
+from celery_idem.contrib import otel
 app = Celery("x", set_as_current=False)
 app.conf.task_always_eager = True
 app.conf.idempotency_store = "memory://"

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_idem import IdempotentTask
-from celery_idem.saga import Saga
+from celery_idem.contrib.saga import Saga
 from example_app.saga import run_checkout
 from tests.integration.app import PREFIX, _ledger, app
 

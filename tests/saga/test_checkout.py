@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from celery_idem import CachedResult
-from celery_idem.saga import SagaFailed
+from celery_idem.contrib.saga import SagaFailed
 from example_app.payments import ProviderClient
 from tests.integration.conftest import Cluster
 from tests.saga import tasks

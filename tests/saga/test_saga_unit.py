@@ -11,8 +11,8 @@ import pytest
 from celery import Celery
 
 from celery_idem import IdempotentTask, LeaseLost, TerminalError, idempotency_key
+from celery_idem.contrib.saga import CompensationFailed, Saga, SagaFailed, Step, step_key
 from celery_idem.records import State
-from celery_idem.saga import CompensationFailed, Saga, SagaFailed, Step, step_key
 from celery_idem.task import get_store
 
 

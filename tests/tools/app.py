@@ -21,7 +21,7 @@ import redis
 from celery import Celery
 
 from celery_idem import IdempotentTask, TerminalError
-from celery_idem.tools import Toolbox, tool
+from celery_idem.contrib.tools import Toolbox, tool
 
 REDIS = os.environ.get("TOOLS_REDIS", "redis://127.0.0.1:6379/0")
 PREFIX = os.environ.get("TOOLS_PREFIX", "tools-test:")

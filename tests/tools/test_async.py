@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
+from celery_idem.contrib.tools import Toolbox, tool
 from celery_idem.records import State
 from celery_idem.task import get_store
-from celery_idem.tools import Toolbox, tool
 from tests.integration.harness import wait_for
 from tests.tools.app import charge_card
 from tests.tools.conftest import Env

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from celery_idem.contrib.tools import Toolbox, tool
 from celery_idem.records import State
 from celery_idem.task import get_store
-from celery_idem.tools import Toolbox, tool
 from tests.integration.harness import wait_for
 from tests.tools.app import cancel_order, charge_card, create_shipment, refund, stock_level
 from tests.tools.conftest import Env

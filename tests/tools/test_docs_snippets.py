@@ -25,8 +25,8 @@ from mcp.server.lowlevel import Server
 from starlette.applications import Starlette
 
 from celery_idem import ImproperlyConfigured
-from celery_idem.mcp import http_app
-from celery_idem.tools import Toolbox, tool
+from celery_idem.contrib.mcp import http_app
+from celery_idem.contrib.tools import Toolbox, tool
 from tests.integration.harness import ROOT
 from tests.tools.app import charge_card, toolbox
 from tests.tools.conftest import Env

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from celery_idem import InvalidKey
-from celery_idem.tools import MAX_ARGUMENT_DEPTH, MAX_ARGUMENTS_SIZE, Toolbox, tool
+from celery_idem.contrib.tools import MAX_ARGUMENT_DEPTH, MAX_ARGUMENTS_SIZE, Toolbox, tool
 from tests.tools.app import (
     CardDeclined,
     charge_card,

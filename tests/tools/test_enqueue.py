@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 from mcp import Client
 
-from celery_idem.mcp import server
-from celery_idem.tools import Toolbox, tool
+from celery_idem.contrib.mcp import server
+from celery_idem.contrib.tools import Toolbox, tool
 from tests.tools.app import charge_card, toolbox
 from tests.tools.conftest import Env
 

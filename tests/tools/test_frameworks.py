@@ -18,7 +18,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from celery_idem.tools import Toolbox, tool
+from celery_idem.contrib.tools import Toolbox, tool
 from tests.tools.app import charge_card, stock_level
 from tests.tools.conftest import Env
 from tests.tools.support import PYDANTIC_AI, FakeToolModel, needs_pydantic_ai

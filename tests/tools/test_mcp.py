@@ -23,10 +23,10 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.server.lowlevel import Server
 from mcp.types import REQUEST_TIMEOUT
 
-from celery_idem.mcp import INSTRUCTIONS, load_toolbox, server, text_of
+from celery_idem.contrib.mcp import INSTRUCTIONS, load_toolbox, server, text_of
+from celery_idem.contrib.tools import OUTCOME_SCHEMA
 from celery_idem.records import State
 from celery_idem.task import get_store
-from celery_idem.tools import OUTCOME_SCHEMA
 from tests.integration.harness import ROOT, free_port, wait_for
 from tests.tools.app import charge_card, charge_with_key, toolbox
 from tests.tools.conftest import Env
@@ -272,7 +272,7 @@ def test_the_toolbox_spec_is_checked() -> None:
     assert load_toolbox("tests.tools.app:toolbox") is toolbox
     assert len(load_toolbox("tests.tools.app:_toolbox")) == len(toolbox)  # a factory
     for bad, problem in [("tests.tools.app", "MODULE:NAME"), ("tests.tools.app:nope", "no attribute"),
-                         ("tests.tools.app:charge_card", "not a celery_idem.tools.Toolbox")]:
+                         ("tests.tools.app:charge_card", "not a celery_idem.contrib.tools.Toolbox")]:
         with pytest.raises(ValueError, match=problem):
             load_toolbox(bad)
 

@@ -28,7 +28,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.server.auth.provider import AccessToken
 from mcp.types import LATEST_PROTOCOL_VERSION
 
-from celery_idem.mcp import TOKENS_ENV, StaticTokens, scope_of, server
+from celery_idem.contrib.mcp import TOKENS_ENV, StaticTokens, scope_of, server
 from tests.integration.harness import ROOT, free_port, wait_for
 from tests.tools.app import charge_with_key, toolbox
 from tests.tools.conftest import Env

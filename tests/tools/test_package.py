@@ -1,4 +1,4 @@
-"""The tools add-on as a package: its old import paths, its layout, and what pydantic and
+"""The tools add-on as a package: its layout, and what pydantic and
 jsonschema (the ``[tools]`` extra) bring to the schema and the checks.
 
 No worker: building a tool and checking arguments talk to no server.
@@ -18,27 +18,11 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict  # pydantic needs it below Python 3.12
 
 import celery_idem.contrib.tools as contrib_tools
-import celery_idem.tools as old_tools
 from celery_idem.contrib.tools import ToolError, tool, validate
 from tests.tools.app import charge_card
 
 PACKAGE = Path(contrib_tools.__file__).parent
 CONTRIB = PACKAGE.parent
-
-
-def test_the_old_import_path_is_the_same_api() -> None:
-    assert old_tools.__all__ == contrib_tools.__all__
-    for name in old_tools.__all__:
-        assert getattr(old_tools, name) is getattr(contrib_tools, name), name
-
-
-def test_the_old_mcp_path_is_the_same_api() -> None:
-    import celery_idem.contrib.mcp as contrib_mcp
-    import celery_idem.mcp as old_mcp
-
-    for name in old_mcp.__all__:
-        assert getattr(old_mcp, name) is getattr(contrib_mcp, name), name
-    assert set(contrib_mcp.__all__) <= set(old_mcp.__all__)
 
 
 def test_importing_the_package_imports_neither_pydantic_nor_jsonschema() -> None:

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from mcp import Client
 
-from celery_idem.mcp import server
+from celery_idem.contrib.mcp import server
 from tests.tools.app import echo_types, toolbox
 from tests.tools.conftest import Env
 

@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_idem import IdempotentTask
-from celery_idem.tools import WRITE_NOTE, Tool, Toolbox, ToolError, tool, validate
+from celery_idem.contrib.tools import WRITE_NOTE, Tool, Toolbox, ToolError, tool, validate
 from tests.tools.app import charge_card, create_shipment, stock_level
 
 CHARGE_PARAMETERS = {
@@ -298,7 +298,7 @@ def test_importing_the_module_imports_no_optional_package() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, celery_idem.tools; "
+    code = ("import sys, celery_idem.contrib.tools; "
             "print(sorted(m for m in ('langchain_core', 'pydantic', 'redis', 'sqlalchemy') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -25,7 +25,7 @@ from openai.types.chat import ChatCompletionToolParam
 from openai.types.responses import FunctionToolParam
 from pydantic import TypeAdapter
 
-from celery_idem.tools import OUTCOME_SCHEMA, Tool, Toolbox, tool
+from celery_idem.contrib.tools import OUTCOME_SCHEMA, Tool, Toolbox, tool
 from tests.tools.app import charge_card, toolbox
 from tests.tools.support import anthropic_reply, mock_client, openai_reply
 

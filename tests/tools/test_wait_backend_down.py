@@ -11,7 +11,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_idem import IdempotentTask
-from celery_idem.tools import Pending, tool
+from celery_idem.contrib.tools import Pending, tool
 from tests.integration.harness import free_port
 
 

@@ -12,12 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "celery_idem"
 
-#: The old import paths of the add-ons moved to celery_idem/contrib/: each is the moved module
-#: under its old name, not code of its own.
-SHIMS = {"celery_idem.cli", "celery_idem.flower", "celery_idem.maintenance", "celery_idem.mcp",
-         "celery_idem.otel", "celery_idem.saga", "celery_idem.tools"}
-
-#: Private names used across modules: none (keep it that way; a re-export shim is not a use).
+#: Private names used across modules: none (keep it that way).
 ALLOWED: set[tuple[str, str]] = set()
 
 
@@ -98,7 +93,7 @@ def _crossings(module: str, path: Path) -> Iterator[str]:
 def test_no_private_imports_across_modules() -> None:
     found = {
         (module, name)
-        for module, path in _modules() if module not in SHIMS
+        for module, path in _modules()
         for name in _crossings(module, path)
         if name.rpartition(".")[0] != module
     }

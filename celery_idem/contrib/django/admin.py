@@ -40,6 +40,7 @@ from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
 from ... import ops
+from ...config import settings
 from ...exceptions import StoreUnavailable
 from ...records import Record, State
 from .models import IdempotencyRecord
@@ -75,7 +76,7 @@ def _celery_app() -> Any:
 
 
 def _key_prefix() -> str:
-    return str(_celery_conf().get("idempotency_key_prefix") or "celery-idem:")
+    return settings(_celery_app()).key_prefix
 
 
 def _task_of(key: str) -> str:

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+from ...config import DEFAULT_PREFIX
 from ...exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
 from ...stores.base import Store, new_claim_id, next_token
@@ -68,7 +69,7 @@ class DjangoStore(Store):
 
     schemes = ("django",)
 
-    def __init__(self, using: str = "default", *, prefix: str = "celery-idem:",
+    def __init__(self, using: str = "default", *, prefix: str = DEFAULT_PREFIX,
                  table_name: str = DEFAULT_TABLE) -> None:
         super().__init__(prefix)
         try:
@@ -105,7 +106,7 @@ class DjangoStore(Store):
         install_worker_signals()
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> DjangoStore:
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> DjangoStore:
         """Build the store from ``django://``, ``django://<alias>`` or ``django-db``.
 
         ``django-db`` is django-celery-results' result backend: the store then lives in the

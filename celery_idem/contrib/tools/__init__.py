@@ -29,7 +29,7 @@ Every call returns a small JSON-serialisable dict, never an exception or a stack
 
 ``duplicate`` is a success: the action had already been done and this is its recorded result.
 A body's error shows the model its type and an ``error_id`` (the text is logged under that id
-on the ``celery_idem.tools`` logger), unless it is a :class:`~celery_idem.TerminalError` or
+on the ``celery_idem.contrib.tools`` logger), unless it is a :class:`~celery_idem.TerminalError` or
 marked safe to show (``tool(..., expose_errors=...)``). ``Toolbox(..., scope=...)`` and
 ``call(..., scope=...)`` put a write call's key in the caller's scope.
 ``in_progress`` means the bounded wait ran out while the action runs; calling again with the
@@ -53,8 +53,7 @@ The package, along its seams:
 - :mod:`~celery_idem.contrib.tools.outcome`: the outcome dict's schema and limits.
 
 Building a tool needs the ``[tools]`` extra (pydantic and jsonschema); both are imported when
-the first tool is built or called, not with this package. ``celery_idem.tools`` is the same
-API under its first name.
+the first tool is built or called, not with this package.
 """
 
 from __future__ import annotations

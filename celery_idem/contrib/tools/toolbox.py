@@ -35,7 +35,8 @@ class Toolbox:
         self._tools: dict[str, Tool] = {}
         for t in tools:
             if not isinstance(t, Tool):
-                raise TypeError(f"Toolbox takes Tool objects (from celery_idem.tools.tool), got {t!r}")
+                raise TypeError(
+                    f"Toolbox takes Tool objects (from celery_idem.contrib.tools.tool), got {t!r}")
             if t.name in self._tools:
                 raise ValueError(f"two tools are named {t.name!r}; pass name= to one of them")
             self._tools[t.name] = t

@@ -16,6 +16,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.sql.elements import ColumnElement
 
+from ...config import DEFAULT_PREFIX
 from ...exceptions import StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
 from ..base import BackendWrite, Store, new_claim_id
@@ -59,7 +60,7 @@ class SQLStore(Store):
         self,
         url: str,
         *,
-        prefix: str = "celery-idem:",
+        prefix: str = DEFAULT_PREFIX,
         table_name: str = DEFAULT_TABLE_NAME,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -84,7 +85,7 @@ class SQLStore(Store):
         self._fold_refused = False
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "celery-idem:", **options: Any) -> SQLStore:
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> SQLStore:
         """Build the store from a ``db+...`` URL.
 
         Args:

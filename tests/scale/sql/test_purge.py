@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_idem import IdempotentTask
-from celery_idem.maintenance import PURGE_TASK_NAME, purge_expired, register_purge_task
+from celery_idem.contrib.maintenance import PURGE_TASK_NAME, purge_expired, register_purge_task
 from celery_idem.records import State
 from celery_idem.stores.memory import MemoryStore
 from celery_idem.stores.sql import SQLStore

@@ -98,7 +98,9 @@ def get_store(app: Celery) -> Store:
                 url = getattr(url, "url", None) or repr(url)  # a backend class or instance
             # result_backend_transport_options: where Celery users already put a sentinel
             # master_name; only the sentinel:// store reads it.
-            store = store_from_url(url, prefix=prefix, options=conf.get("idempotency_store_options"),
+            store = store_from_url(url, prefix=prefix, options={
+                **(conf.get("idempotency_store_options") or {}),
+                "accelerate": conf.get("idempotency_accelerate")},
                                    backend_transport_options=conf.get(
                                        "result_backend_transport_options"))
             # A store built here with its own pool is ours to close: when the app is collected,

@@ -260,7 +260,7 @@ def answer_request(
     return Context(fields)
 
 
-#: celery_idem.stores.redis_enqueue, imported on first use (it needs kombu's Redis transport).
+#: celery_idem.accel.redis_enqueue, imported on first use (it needs kombu's Redis transport).
 _fused: Any = None
 _REDIS_STORE_MODULE = "celery_idem.stores.redis"
 
@@ -320,7 +320,7 @@ class EnqueueCheck:
             if type(gate.store).__module__ != _REDIS_STORE_MODULE:
                 self.possible = False
                 return False
-            from .stores import redis_enqueue
+            from .accel import redis_enqueue
 
             globals()["_fused"] = redis_enqueue
         if type(gate.store) is not _fused.RedisStore:

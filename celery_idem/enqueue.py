@@ -274,7 +274,7 @@ class EnqueueCheck:
 
     Read first, the check is a round trip of its own on every enqueue. With kombu's Redis
     transport on the same server and database as a plain Redis store, it can ride on the
-    publish instead (:mod:`celery_idem.stores.redis_enqueue`): one round trip, and the check
+    publish instead (:mod:`celery_idem.accel.redis_enqueue`): one round trip, and the check
     and the push are one atomic step. The price falls on an enqueue that *is* answered from
     the record: Celery has built and encoded its message by then (and subscribed to its result
     when the backend is Redis: undone here). So the check rides on the publish while few of

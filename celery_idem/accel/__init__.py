@@ -17,6 +17,8 @@ module                      plain path (seam)                    accelerated pat
 :mod:`.sql_psycopg`         ``SQLStore._session``: SQLAlchemy    PostgreSQL + psycopg 3: prepared
                             ``Connection.execute``               statements on the pooled psycopg
                                                                  connection itself
+:mod:`.kombu_json`          ``KombuCodec.encode_result``:        one JSON encoder built once, while
+                            ``kombu.serialization.dumps``        kombu's own ``"json"`` is registered
 ==========================  ===================================  ==================================
 
 The switch (:func:`enabled`): on by default; off when the environment variable
@@ -91,6 +93,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "getattr default: before 5.7 no queue expires"),
     PrivateName("kombu", "_put(_publish_batch=...)", "redis_enqueue._put", "kombu 5.7.0 (new)",
                 "kwargs.get: absent before 5.7"),
+    PrivateName("kombu", "serialization.registry._encoders", "kombu_json.json_shortcut",
+                "kombu 5.4.0-5.7.0", "missing or not kombu's own json entry: kombu's dumps"),
     PrivateName("sqlalchemy", "SQLCompiler._bind_processors", "sql_psycopg.RawStatement.compile",
                 "SQLAlchemy 2.0, 2.1.9", "getattr default {}: values sent unprocessed (psycopg "
                 "adapts bytes itself)"),

@@ -1,7 +1,8 @@
 """With accelerations switched off, the verbs never reach an acceleration's code (real servers).
 
 The unit test (tests/unit/test_accel_switch.py) checks each store's seam; here every verb runs
-with the accelerated paths made to fail, so a verb that still took one would fail the test.
+with the accelerated paths made to fail, so a verb that still took one would fail the test, and
+a kombu Redis channel is hooked for the enqueue check within the publish only when they are on.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, NoReturn
 
 import pytest
 
+from celery_idem import accel
 from celery_idem.accel import redis_wire, sql_psycopg
 from celery_idem.records import State
 from celery_idem.stores.base import Store
@@ -63,4 +65,24 @@ def test_a_sql_store_switched_off_never_uses_psycopg_directly(
         _every_verb(store)
     finally:
         drop_table(store)
+        store.close()
+
+
+@pytest.mark.parametrize("accelerate", [True, False])
+def test_the_enqueue_check_rides_on_the_publish_only_with_accelerations_on(
+    redis_url: str, prefix: str, redis_cleanup: None, monkeypatch: pytest.MonkeyPatch,
+    accelerate: bool,
+) -> None:
+    from kombu import Connection
+
+    from celery_idem.accel import redis_enqueue
+
+    monkeypatch.delenv(accel.ENV, raising=False)  # the setting decides here
+    store = RedisStore.from_url(redis_url, prefix=prefix, accelerate=accelerate)
+    try:
+        with Connection(redis_url) as conn:
+            channel = conn.default_channel
+            assert redis_enqueue.fuse(channel, store) is accelerate
+            assert ("_put" in channel.__dict__) is accelerate  # kombu's own _put when off
+    finally:
         store.close()

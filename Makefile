@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_NO_INPUT := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo demo-mcp test test-fast test-compat test-pythons lint docs bench celery-suite celery-suite-ci clean
+.PHONY: help install demo demo-mcp test test-fast test-plain test-compat test-pythons lint docs bench celery-suite celery-suite-ci clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -72,6 +72,24 @@ test-fast: $(STAMP)  ## unit + in-process store tests (memory, SQLite): no serve
 	done; \
 	rc=0; for p in $$pids; do wait $$p || rc=1; done; \
 	for n in $$(seq 1 $$i); do echo "== pytest $$(echo $(FAST_TESTS) | cut -d' ' -f$$n)"; cat "$$tmp/$$n.log"; done; \
+	rm -rf "$$tmp"; exit $$rc
+
+# Every acceleration off (celery_idem/accel/, CELERY_IDEM_ACCELERATE=0): each store through its
+# plain path only (redis-py's scripts, SQLAlchemy's Connection, the enqueue check read first) must
+# pass the same tests. test-fast's unit tests, and the store tests on every server (Redis,
+# PostgreSQL, MariaDB: no `not server` filter), not the slow groups; the two pytest runs at once,
+# as in test-fast. The accelerations' own tests (tests/stores/test_accel_*) skip.
+PLAIN_MARKS ?= not worker and not slow
+test-plain: $(STAMP)  ## the fast tier and the store tests on the servers, with every acceleration off
+	bash scripts/services.sh
+	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/celery-idem-plain.XXXXXX"); \
+	CELERY_IDEM_ACCELERATE=0 $(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/unit" \
+	    -m '$(FAST_MARKS)' tests/unit >"$$tmp/unit.log" 2>&1 & unit=$$!; \
+	CELERY_IDEM_ACCELERATE=0 $(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/stores" \
+	    -m '$(PLAIN_MARKS)' tests/stores >"$$tmp/stores.log" 2>&1 & stores=$$!; \
+	rc=0; wait $$unit || rc=1; wait $$stores || rc=1; \
+	echo "== pytest tests/unit (CELERY_IDEM_ACCELERATE=0)"; cat "$$tmp/unit.log"; \
+	echo "== pytest tests/stores (CELERY_IDEM_ACCELERATE=0)"; cat "$$tmp/stores.log"; \
 	rm -rf "$$tmp"; exit $$rc
 
 # Supported Celery minors (pyproject.toml: celery>=5.4): the latest patch of each, with the kombu

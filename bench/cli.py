@@ -337,10 +337,10 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "\n\nKey derivation binds the call to the task's signature, writes the canonical JSON and "
         "hashes it (celery_idem/keys.py); the arguments are str, int and float in turn. The enqueue "
         "check is `answer_from_record` for a key never used: one `GET` through the store's wire "
-        "(celery_idem/stores/redis_wire.py), answered None, so `delay()` publishes. The `delay()` "
+        "(celery_idem/accel/redis_wire.py), answered None, so `delay()` publishes. The `delay()` "
         "rows publish to a real Redis broker (nothing consumes the queue), the store and the result "
         "backend on the same server, unique keys, timed in turn: with the check within the publish "
-        "one script (celery_idem/stores/redis_enqueue.py) reads the record and pushes the message; "
+        "one script (celery_idem/accel/redis_enqueue.py) reads the record and pushes the message; "
         "read first, the check is its own round trip before kombu's push (what happens with another "
         "broker, or when many of a task's enqueues are answered from the record: "
         "`celery_idem.enqueue.EnqueueCheck`)."))
@@ -939,7 +939,7 @@ def _findings(r: dict[str, Any]) -> list[str]:
         f"{g.median_us:.0f} µs ({g.cpu_us:.0f} µs CPU) for {g.round_trips:g} round trips; a trivial "
         f"EVALSHA timed in turn with it costs {rw.cpu_us:.0f} µs of client CPU on a raw socket (the "
         f"floor) and {ev.cpu_us:.0f} µs through redis-py. The store's verbs do not take redis-py's "
-        f"command path (celery_idem/stores/redis_wire.py: a pooled connection kept per verb, the "
+        f"command path (celery_idem/accel/redis_wire.py: a pooled connection kept per verb, the "
         f"command packed by hiredis, the reply read by the connection's parser). Beyond two raw-socket "
         f"round trips the gate costs {beyond:.0f} µs CPU per first run and {beyond_d:.0f} µs per "
         f"duplicate; with the in-process store the whole gate takes {mem['first'].cpu_us:.0f} µs "
@@ -1157,7 +1157,7 @@ per cent as noise (the per-repetition figures show the spread).
   trips are counted by a `redis.Connection` subclass that counts the replies read; SQL round
   trips by counting psycopg's network exchanges on the store's connections (after warm-up
   calls have prepared the statements), and SQLAlchemy's cursor events count the statements
-  that went through SQLAlchemy. tests/stores/test_sql_fastpath.py checks the SQL counts at the
+  that went through SQLAlchemy. tests/stores/test_accel_sql_psycopg.py checks the SQL counts at the
   wire (libpq's protocol trace).
 * **Memory**: `MEMORY USAGE <key> SAMPLES 0` of a done record written by the gate, with a real
   task id (a UUID) and owner.

@@ -532,12 +532,12 @@ def sql_paths(pg_url: str, prefix: str, table: str, n: int, tag: str) -> dict[st
     from celery_idem.stores.sql import SQLStore
 
     stores = {"fast path": SQLStore.from_url(pg_url, prefix=prefix, table_name=table),
-              "SQLAlchemy path": SQLStore.from_url(pg_url, prefix=prefix, table_name=table),
+              "SQLAlchemy path": SQLStore.from_url(pg_url, prefix=prefix, table_name=table,
+                                                   accelerate=False),
               # What the durable commits cost: NOT a recommendation (a PostgreSQL crash could lose
               # the last commits, records included, and a lost record lets the body run again).
               NOT_DURABLE: SQLStore.from_url(pg_url, prefix=prefix, table_name=table, engine_options={
                   "connect_args": {"options": "-c synchronous_commit=off"}})}
-    stores["SQLAlchemy path"]._fast = False
     counts = {name: pg_counters(store) for name, store in stores.items()}
     try:
         out: dict[str, Timing] = {}

@@ -11,6 +11,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from celery_idem import accel
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -102,4 +104,8 @@ def machine(redis_client: Any, pg_version: str | None, cpu_ref_ms: float | None 
         "psycopg": _version("psycopg"),
         "PostgreSQL server": pg_version or "not used",
         "celery-idem (git)": git,
+        # The switch (celery_idem.accel): run the bench with CELERY_IDEM_ACCELERATE=0 for the
+        # plain paths; the PostgreSQL micro-bench times both paths in one run either way.
+        "accelerations (celery_idem/accel)": (
+            "on" if accel.enabled() else f"off ({accel.ENV}={os.environ.get(accel.ENV, '')})"),
     }

@@ -99,9 +99,10 @@ def get_store(app: Celery) -> Store:
                 url = getattr(url, "url", None) or repr(url)  # a backend class or instance
             # result_backend_transport_options: where Celery users already put a sentinel
             # master_name; only the sentinel:// store reads it.
-            store = store_from_url(url, prefix=read.key_prefix, options=read.store_options,
-                                   backend_transport_options=conf.get(
-                                       "result_backend_transport_options"))
+            store = store_from_url(
+                url, prefix=read.key_prefix,
+                options={**(read.store_options or {}), "accelerate": read.accelerate},
+                backend_transport_options=conf.get("result_backend_transport_options"))
             # A store built here with its own pool is ours to close: when the app is collected,
             # its pooled connections are closed rather than left to the garbage collector
             # (psycopg warns about each). A Store the user passed is theirs; the Django store

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
+from . import accel
+from .accel.kombu_json import JsonShortcut, json_shortcut
 from .exceptions import CorruptRecord, TerminalError
 
 __all__ = ["ERROR_CONTENT_TYPE", "Codec", "KombuCodec"]
@@ -53,10 +55,12 @@ class KombuCodec:
             backend's ``prepare_value``, so a result is stored as Celery stores it (an
             ``AsyncResult`` as its ``as_tuple()`` unless the serializer is pickle) and a
             duplicate gets what Celery's own ``get()`` returns.
+        accelerate: Encode JSON with :mod:`celery_idem.accel.kombu_json` (see
+            :func:`celery_idem.accel.enabled`; None: on unless switched off).
     """
 
     def __init__(self, serializer: str = "json", accept: Collection[str] | None = None,
-                 prepare: Callable[[Any], Any] | None = None) -> None:
+                 prepare: Callable[[Any], Any] | None = None, accelerate: bool | None = None) -> None:
         from kombu import exceptions, serialization
 
         self.serializer = serializer
@@ -68,33 +72,18 @@ class KombuCodec:
         self.accept: set[str] | None = None
         if accept is not None:
             self.accept = serialization.prepare_accept_content(accept)  # type: ignore[no-untyped-call]
-        # The JSON fast path: kombu's registry entry for "json" calls json.dumps with kombu's
-        # JSONEncoder class, building an encoder per call. One encoder built here writes the same
-        # bytes for a third of the CPU (the gate's per-task budget, docs/benchmarks.md). Taken only
-        # while the registry still holds kombu's own entry: a serializer registered under "json"
-        # later (kombu's register()) is used as it is, through the registry.
-        self._json_entry: Any = None
-        self._json_encode: Callable[[Any], str] | None = None
-        self._encode_failed: type[Exception] = exceptions.EncodeError
-        if serializer == "json":
-            from kombu.utils import json as kombu_json
-
-            entry = getattr(serialization.registry, "_encoders", {}).get("json")
-            if entry is not None and getattr(entry, "encoder", None) is kombu_json.dumps:
-                self._json_entry = entry
-                self._json_encode = kombu_json.JSONEncoder().encode
-                self._json_type = f"{entry.content_type};{entry.content_encoding}"
-                self._json_charset = entry.content_encoding
+        # JSON with one encoder built once, while kombu's own "json" is registered: an
+        # acceleration (celery_idem.accel.kombu_json); else kombu's dumps, the plain path.
+        self._json: JsonShortcut | None = None
+        if serializer == "json" and accel.enabled(accelerate):
+            self._json = json_shortcut(serialization, exceptions.EncodeError)
 
     def encode_result(self, value: Any) -> tuple[str, bytes]:
         if self.prepare is not None:
             value = self.prepare(value)
-        if (self._json_encode is not None
-                and self._serialization.registry._encoders.get("json") is self._json_entry):
-            try:
-                return self._json_type, self._json_encode(value).encode(self._json_charset)
-            except Exception as exc:  # as kombu's registry reports it (_reraise_errors)
-                raise self._encode_failed(exc) from exc
+        shortcut = self._json
+        if shortcut is not None and shortcut.applies():
+            return shortcut.content_type, shortcut.encode(value)
         content_type, encoding, data = self._serialization.dumps(  # type: ignore[no-untyped-call]
             value, serializer=self.serializer)
         if isinstance(data, str):

@@ -263,7 +263,7 @@ def answer_request(
     return Context(fields)
 
 
-#: celery_idem.stores.redis_enqueue, imported on first use (it needs kombu's Redis transport).
+#: celery_idem.accel.redis_enqueue, imported on first use (it needs kombu's Redis transport).
 _fused: Any = None
 _REDIS_STORE_MODULE = "celery_idem.stores.redis"
 
@@ -277,7 +277,7 @@ class EnqueueCheck:
 
     Read first, the check is a round trip of its own on every enqueue. With kombu's Redis
     transport on the same server and database as a plain Redis store, it can ride on the
-    publish instead (:mod:`celery_idem.stores.redis_enqueue`): one round trip, and the check
+    publish instead (:mod:`celery_idem.accel.redis_enqueue`): one round trip, and the check
     and the push are one atomic step. The price falls on an enqueue that *is* answered from
     the record: Celery has built and encoded its message by then (and subscribed to its result
     when the backend is Redis: undone here). So the check rides on the publish while few of
@@ -323,7 +323,7 @@ class EnqueueCheck:
             if type(gate.store).__module__ != _REDIS_STORE_MODULE:
                 self.possible = False
                 return False
-            from .stores import redis_enqueue
+            from .accel import redis_enqueue
 
             globals()["_fused"] = redis_enqueue
         if type(gate.store) is not _fused.RedisStore:

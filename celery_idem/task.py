@@ -199,7 +199,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Through the backend's prepare_value, as Celery stores results: an AsyncResult a
             # body returns is recorded as its as_tuple(), not refused by the serializer.
             KombuCodec(app.conf.result_serializer, accept,
-                       prepare=lambda value: self.backend.prepare_value(value)),
+                       prepare=lambda value: self.backend.prepare_value(value),
+                       accelerate=settings(app).accelerate),
             emit=functools.partial(emit_decision, self),
             # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
             retry_signals=(Retry, Reject),

@@ -56,10 +56,6 @@ SEAM = {
     "celery_idem.durability", "celery_idem.probe",
 }
 
-#: The old import paths of the add-ons (each is the contrib module under its old name).
-SHIMS = {"celery_idem.cli", "celery_idem.flower", "celery_idem.maintenance", "celery_idem.mcp",
-         "celery_idem.otel", "celery_idem.saga", "celery_idem.tools"}
-
 #: Imports from a lower group into a higher one, each named on the page: the core loads a
 #: bundled add-on by name when it is asked for (an observer, a ``django://`` store), and
 #: ``idempotent_transaction()`` without a session imports the Django receipt inside the call.
@@ -127,11 +123,10 @@ def imports(module: str, path: Path, known: Iterable[str]) -> dict[str, int]:
     return found
 
 
-def graph(package: Path = PACKAGE, shims: Iterable[str] = SHIMS) -> dict[str, dict[str, int]]:
-    """``{module: {imported module: line}}`` over the package, the old-path shims left out."""
+def graph(package: Path = PACKAGE) -> dict[str, dict[str, int]]:
+    """``{module: {imported module: line}}`` over the package."""
     found = modules(package)
-    kept = {name: path for name, path in found.items() if name not in set(shims)}
-    return {name: imports(name, path, kept) for name, path in kept.items()}
+    return {name: imports(name, path, found) for name, path in found.items()}
 
 
 def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -258,9 +253,9 @@ def generated(package: Path = PACKAGE, width: int = 110) -> str:
     tree = "\n".join(_render(_tree(package), "", width))
     sizes: dict[str, list[tuple[str, int]]] = {}
     for name, path in modules(package).items():
-        group = "old-path shims" if name in SHIMS else group_of(name)
+        group = group_of(name)
         sizes.setdefault(group, []).append((name, _lines(path)))
-    order = ["seam", "core", "accel", "addons", "old-path shims"]
+    order = ["seam", "core", "accel", "addons"]
     rows = []
     for group in order:
         if group not in sizes:

@@ -62,7 +62,9 @@ def store_from_url(
             ``db+postgresql://``, ``db+sqlite://``, ``db+mysql://``, ``memory://``,
             ``django://[alias]`` or ``django-db``).
         prefix: Key prefix (Redis) or key column prefix (SQL) that keeps apps apart.
-        options: Extra keyword arguments for the store's client (socket timeouts, pool size).
+        options: Extra keyword arguments for the store's client (socket timeouts, pool size);
+            ``accelerate`` (see :func:`celery_idem.accel.enabled`) goes to the stores that
+            have accelerations (Redis, SQL) and is dropped for the others.
         backend_transport_options: The app's ``result_backend_transport_options``; a
             ``sentinel://`` store takes ``master_name``, ``sentinel_kwargs`` and
             ``min_other_sentinels`` from it when neither ``options`` nor the URL give them.
@@ -95,6 +97,10 @@ def store_from_url(
         ) from exc
     store_cls: type[Store] = getattr(module, class_name)
     kwargs = dict(options or {})
+    # The app's idempotency_accelerate (None: unset), for the stores that have accelerations.
+    accelerate = kwargs.pop("accelerate", None)
+    if store_cls.accelerates:
+        kwargs["accelerate"] = accelerate
     if scheme == "sentinel" and backend_transport_options:
         kwargs["backend_transport_options"] = backend_transport_options
     try:

@@ -127,6 +127,8 @@ class Store(abc.ABC):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``from_url`` takes an ``accelerate`` option (see :mod:`celery_idem.accel`).
+    accelerates: ClassVar[bool] = False
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix

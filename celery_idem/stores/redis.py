@@ -1,89 +1,46 @@
 """Redis store (``redis://``, ``rediss://``, ``unix://``): one Lua script per verb.
 
-Each record is ONE string at ``<prefix><key>`` (not a hash: a string has no per-field overhead
-and no listpack-to-hashtable cliff for results over 64 bytes), packed as::
-
-    0xC1 <state> <t> [. <n>] NUL <u> NUL <i> NUL <h> NUL <tail>
-
-=====  ==========================================  ==========================================
-0xC1   format marker (version 1); a value without   it is not a celery_idem record
-       it under the prefix is foreign
-state  ``i`` in_progress, ``d`` done, ``f`` failed, ``r`` released (one byte)
-t      fencing token (decimal): max(previous + 1, server clock in µs), see
-       ``celery_idem.stores.base`` ("Tokens")
-n      claim id (8 base64url characters) after a dot; absent from a released tombstone and
-       from records written before claim ids (they still parse, with an empty claim id)
-u      last write, server ms (decimal)
-i      task id of the claiming attempt (a canonical UUID packed as 0x01 + 22 base64url chars)
-h      payload hash (idempotency_validate; empty when not validated)
-tail   in_progress: ``<o> NUL <a> NUL <l>``: owner (host:pid), attempt (request.retries),
-       lease expiry in server ms. done/failed: ``<c> NUL <d>``: content type (one byte code
-       for the common ones, see ``_CONTENT_TYPES``, else verbatim) and the encoded result or
-       error, which is the rest of the value (any bytes, NULs included). released: empty.
-=====  ==========================================  ==========================================
-
-The client refuses a NUL in owner, task id, payload hash and content type (``ValueError``
-naming the field, before anything is sent), so the header parses unambiguously; the data comes
-last and is never scanned. Each script parses the header with one anchored ``string.match``
-and reads the server clock (``TIME``), so lease expiry never depends on worker clocks. Redis
-needs persistence (AOF ``appendfsync everysec`` or better) for records to survive a restart;
-see docs/stores.md. :meth:`RedisStore.check_durability` reads those settings at worker start.
+Each record is ONE string at ``<prefix><key>`` (see :mod:`celery_idem.stores.redis_format`).
+Each script parses the header with one anchored ``string.match`` and reads the server clock
+(``TIME``), so lease expiry never depends on worker clocks. Redis needs persistence (AOF
+``appendfsync everysec`` or better) for records to survive a restart; see docs/stores.md.
+:meth:`RedisStore.check_durability` reads those settings at worker start.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import itertools
 import logging
 import re
 from collections.abc import Iterator
 from importlib import resources
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .. import accel
+from ..accel.redis_wire import wire_scripts
 from ..config import DEFAULT_PREFIX
-from ..exceptions import (
-    CorruptRecord,
-    IdempotencyError,
-    ImproperlyConfigured,
-    LeaseLost,
-    StoreUnavailable,
-)
+from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
 from ..records import Claim, ClaimStatus, Record, Reservation, State
 from .base import BackendWrite, DurabilityFinding, Store, new_claim_id
 from .redis_durability import DURABILITY_SETTINGS, config_get, durability_findings, text
-from .redis_wire import pack, wire_for
-
-__all__ = ["CLIENT_DEFAULTS", "RedisStore", "durability_findings", "same_server", "store_options", "text"]
-
-#: The first byte of every record (format version 1): neither UTF-8 text nor msgpack ever starts
-#: with it, so a foreign string under the prefix is told apart at once.
-_MARK = b"\xc1"
-_MARK_BYTE = _MARK[0]
-
-#: A record's state byte -> State, and the state codes ``record`` sends.
-_STATE_OF = {ord("i"): State.IN_PROGRESS, ord("d"): State.DONE, ord("f"): State.FAILED,
-             ord("r"): State.RELEASED}
-_STATE_CODE = {State.DONE: b"d", State.FAILED: b"f"}
-
-#: Content types stored as a one-byte code (its index + 1): what the result codec and the error
-#: codec write. Any other content type is stored verbatim (control characters refused, so a code
-#: never reads as a verbatim type).
-_CONTENT_TYPES = (
-    "application/json;utf-8",
-    "application/x-celery-idem-error+json",
-    "application/json",
-    "application/x-python-serialize;binary",
-    "application/x-msgpack;binary",
-    "application/x-yaml;utf-8",
+from .redis_format import (
+    MARK,
+    STATE_CODE,
+    STATE_OF,
+    content_code,
+    decode,
+    pack_task_id,
+    refuse_nul,
+    unreadable,
 )
-_CONTENT_CODE = {ctype: bytes([n]) for n, ctype in enumerate(_CONTENT_TYPES, 1)}
-_CONTENT_TYPE_OF = {code: ctype for ctype, code in _CONTENT_CODE.items()}
-_CONTROL = re.compile(r"[\x00-\x1f]")
+
+__all__ = ["CLIENT_DEFAULTS", "RedisStore", "Scripts", "durability_findings", "same_server",
+           "store_options", "text"]
 
 #: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
 #: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
@@ -154,82 +111,82 @@ def _plain(name: str) -> str:
 RESERVED = "\x1freserved"
 
 
-def _refuse_nul(**fields: str) -> None:
-    """Raise a ValueError naming the first field holding a NUL (the record format's separator)."""
-    for name, value in fields.items():
-        if "\0" in value:
-            raise ValueError(
-                f"{name} must not contain a NUL character (the Redis record separator): {value!r}")
-
-
-#: A canonical (lowercase, dashed) UUID task id, what Celery makes: stored as 16 bytes in
-#: base64url after a 0x01 byte (23 characters instead of 36; 13 bytes less per record).
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
-_PACKED_ID = "\x01"
-
-
-def _pack_task_id(task_id: str) -> str:
-    if _UUID.match(task_id):  # the hex digits of the UUID are its 16 bytes, in order
-        raw = bytes.fromhex(task_id.replace("-", ""))
-        return _PACKED_ID + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-    if task_id.startswith(_PACKED_ID):
-        raise ValueError(f"task_id must not start with a \\x01 character (it marks a packed UUID in "
-                         f"the Redis record): {task_id!r}")
-    return task_id
-
-
-def _unpack_task_id(raw: bytes) -> str:
-    if raw[:1] == b"\x01":  # a packed UUID: its 16 bytes, written as str(uuid.UUID) writes them
-        h = base64.urlsafe_b64decode(raw[1:] + b"==").hex()
-        if len(h) != 32:
-            raise ValueError(f"a packed task id of {len(h) // 2} bytes")
-        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-    return raw.decode()
-
-
-def _content_code(content_type: str) -> str | bytes:
-    """What a record stores for ``content_type``: its one-byte code, or the type itself."""
-    code = _CONTENT_CODE.get(content_type)
-    if code is not None:
-        return code
-    if _CONTROL.search(content_type):
-        raise ValueError(
-            f"content_type must not contain control characters (NUL separates the Redis "
-            f"record's fields): {content_type!r}")
-    return content_type
-
-
 #: Every error redis-py raises (RedisClusterException, no node of a cluster answers, is not a
 #: RedisError).
 _REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
-def _translated(store: RedisStore, key: str | None, exc: Exception) -> IdempotencyError:
-    """The store contract's error for a redis-py error, most specific first."""
-    if isinstance(exc, redis.ResponseError):
-        if str(exc).startswith("WRONGTYPE"):
-            return CorruptRecord(
-                f"the Redis key {store.prefix}{key} is not a celery_idem record (another program "
-                f"wrote it, the prefix is shared, or an older celery_idem wrote it as a hash): {exc}",
-                key=key,
-            )
-        return StoreUnavailable(f"the Redis store at {store.location} refused: {exc}")
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-        return StoreUnavailable(f"could not reach the Redis store at {store.location}: {exc}")
-    return StoreUnavailable(f"the Redis store at {store.location} failed: {exc}")
+class _translate_errors:
+    """Map redis-py errors to the store contract's, most specific first: the store's one
+    error translation (a class, not a generator: it is on every verb's path)."""
+
+    __slots__ = ("key", "store")
+
+    def __init__(self, store: RedisStore, key: str | None = None) -> None:
+        self.store, self.key = store, key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if exc is None or not isinstance(exc, _REDIS_ERRORS):
+            return  # nothing raised, or not redis-py's (StoreUnavailable from _run, say)
+        store, key = self.store, self.key
+        if isinstance(exc, redis.ResponseError):
+            if str(exc).startswith("WRONGTYPE"):
+                raise CorruptRecord(
+                    f"the Redis key {store.prefix}{key} is not a celery_idem record (another "
+                    f"program wrote it, the prefix is shared, or an older celery_idem wrote it "
+                    f"as a hash): {exc}", key=key) from exc
+            raise StoreUnavailable(f"the Redis store at {store.location} refused: {exc}") from exc
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            raise StoreUnavailable(
+                f"could not reach the Redis store at {store.location}: {exc}") from exc
+        raise StoreUnavailable(f"the Redis store at {store.location} failed: {exc}") from exc
 
 
-@contextlib.contextmanager
-def _translate_errors(store: RedisStore, key: str | None = None) -> Iterator[None]:
-    """Map redis-py errors to the store contract's (see :func:`_translated`).
+#: The verbs' scripts (celery_idem/stores/lua/<name>.lua): these parse records (``_record.lua``
+#: first); the enqueue check's reservations do not.
+_RECORD_SCRIPTS = ("claim", "record", "release", "renew", "forget")
+_PLAIN_SCRIPTS = ("reserve", "unreserve")
 
-    The hot verbs (claim, record) use a plain ``try``/``except _REDIS_ERRORS`` with
-    :func:`_translated` instead: a generator context manager costs a few µs per call.
+
+class ScriptRunner(Protocol):
+    """The seam where the store's commands go to the server (:class:`Scripts`, or an
+    acceleration's: ``celery_idem.accel.redis_wire.WireScripts``)."""
+
+    registered: dict[str, Any]
+
+    def run(self, name: str, keys: tuple[str, ...], args: list[Any]) -> Any: ...
+
+    def get(self, name: str) -> bytes | None: ...
+
+    def close(self) -> None: ...
+
+
+class Scripts:
+    """The plain path: each verb's script registered with redis-py (``register_script``).
+
+    A call is ``EVALSHA``, and after a NOSCRIPT (a restarted or flushed server) ``SCRIPT LOAD``
+    and ``EVALSHA`` again: redis-py's ``Script.__call__``.
     """
-    try:
-        yield
-    except _REDIS_ERRORS as exc:
-        raise _translated(store, key, exc) from exc
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.registered: dict[str, Any] = {
+            **{name: client.register_script(_load(name)) for name in _RECORD_SCRIPTS},
+            **{name: client.register_script(_plain(name)) for name in _PLAIN_SCRIPTS},
+        }
+
+    def run(self, name: str, keys: tuple[str, ...], args: list[Any]) -> Any:
+        return self.registered[name](keys=keys, args=args)
+
+    def get(self, name: str) -> bytes | None:
+        return self.client.get(name)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        return None
 
 
 class RedisStore(Store):
@@ -244,13 +201,16 @@ class RedisStore(Store):
         wait_timeout: Seconds ``WAIT`` may take; fewer replicas by then raises
             ``StoreUnavailable`` (the write is on the master but not known to be durable).
         location: Where the store is, for messages (default: host:port/db of ``client``).
+        accelerate: Send the verbs through :mod:`celery_idem.accel.redis_wire` when the client
+            allows it (see :func:`celery_idem.accel.enabled`; None: on unless switched off).
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix")
+    accelerates: ClassVar[bool] = True
 
     def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
                  wait_replicas: int = 0, wait_timeout: float = 1.0,
-                 location: str | None = None) -> None:
+                 location: str | None = None, accelerate: bool | None = None) -> None:
         super().__init__(prefix)
         if not isinstance(wait_replicas, int) or isinstance(wait_replicas, bool) or wait_replicas < 0:
             raise ImproperlyConfigured(
@@ -269,25 +229,18 @@ class RedisStore(Store):
                 kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
             ) + f"/{kwargs.get('db', 0)}"
         self.location = location
-        # register_script runs EVALSHA and falls back to EVAL once after a NOSCRIPT (a restarted
-        # or flushed server): still one round trip on the hot path.
-        self._claim = client.register_script(_load("claim"))
-        self._record = client.register_script(_load("record"))
-        self._release = client.register_script(_load("release"))
-        self._renew = client.register_script(_load("renew"))
-        self._forget = client.register_script(_load("forget"))
-        # Plain scripts (no record parsing): the enqueue check's reservations.
-        self._reserve = client.register_script(_plain("reserve"))
-        self._unreserve = client.register_script(_plain("unreserve"))
-        # The hot path to the server without redis-py's per-call layers (see redis_wire), for a
-        # plain client; None for any other (Sentinel, Cluster, retries, RESP3): redis-py then.
-        self._wire = wire_for(client)
+        self.accelerated = accel.enabled(accelerate)
+        plain = Scripts(client)
+        # The seam: redis-py's Script objects, or the same commands over accel's wire (a plain
+        # client only; None for Sentinel, Cluster, retries, RESP3).
+        self._scripts: ScriptRunner = (wire_scripts(plain) if self.accelerated else None) or plain
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> RedisStore:
         """Build a store from a Redis URL; ``options`` go to ``redis.Redis.from_url``.
 
-        ``wait_replicas`` and ``wait_timeout`` in ``options`` are the store's own (see the class).
+        ``wait_replicas``, ``wait_timeout`` and ``accelerate`` in ``options`` are the store's
+        own (see the class).
         """
         store_opts = store_options(options)
         opts = {**CLIENT_DEFAULTS, **options}
@@ -306,32 +259,19 @@ class RedisStore(Store):
         """The client that talks to the server holding ``name`` (cluster: that key's master)."""
         return self.client
 
-    def _run(self, script: Any, key: str, args: list[Any], other: str | None = None) -> Any:
-        """Run one verb's script on ``key``: one round trip, or two with ``wait_replicas``.
+    def _run(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
+        """Run the script ``name`` on ``key``: one round trip, or two with ``wait_replicas``.
 
         ``other``: a second key the script writes (the result backend's, see ``record_with``).
         """
-        name = self._k(key)
-        keys = (name,) if other is None else (name, other)
+        record = self._k(key)
+        keys = (record,) if other is None else (record, other)
         if not self.wait_replicas:
-            wire = self._wire
-            if wire is not None:
-                try:
-                    return wire.call(pack(("EVALSHA", script.sha, len(keys), *keys, *args)))
-                except redis.exceptions.NoScriptError:
-                    script.sha = self.client.script_load(script.script)  # a restarted server
-                    return wire.call(pack(("EVALSHA", script.sha, len(keys), *keys, *args)))
-            # What redis-py's Script.__call__ does, inlined: it costs several µs per call in
-            # argument shuffling and a Pipeline type check that never applies here.
-            client = script.registered_client
-            try:
-                return client.evalsha(script.sha, len(keys), *keys, *args)
-            except redis.exceptions.NoScriptError:
-                script.sha = client.script_load(script.script)  # a restarted server
-                return client.evalsha(script.sha, len(keys), *keys, *args)
+            return self._scripts.run(name, keys, args)
+        script = self._scripts.registered[name]
         # WAIT counts the replicas that have every write made *on this connection*, so the
         # script and the WAIT go down one connection, pipelined (still one network exchange).
-        node = self._node(name)
+        node = self._node(record)
         for _ in range(2):
             pipe = node.pipeline(transaction=False)
             pipe.evalsha(script.sha, len(keys), *keys, *args)
@@ -351,7 +291,7 @@ class RedisStore(Store):
                 return reply  # not a record: nothing was written, so nothing to wait for
             if int(acked) < self.wait_replicas:
                 raise _NotReplicated(
-                    f"the Redis store at {self.location} wrote {name} but only {acked} of "
+                    f"the Redis store at {self.location} wrote {record} but only {acked} of "
                     f"{self.wait_replicas} replicas confirmed it within {self.wait_timeout:g} s "
                     f"(wait_replicas): not known to survive a failover",
                     reply,
@@ -373,26 +313,24 @@ class RedisStore(Store):
         payload_hash: str | None = None,
     ) -> Claim:
         if "\0" in owner or "\0" in task_id or (payload_hash and "\0" in payload_hash):
-            _refuse_nul(owner=owner, task_id=task_id, payload_hash=payload_hash or "")
+            refuse_nul(owner=owner, task_id=task_id, payload_hash=payload_hash or "")
         claim_id = new_claim_id()
-        args: list[str | int] = [owner, _pack_task_id(task_id), attempt, _ms(lease), _ms(ttl),
+        args: list[str | int] = [owner, pack_task_id(task_id), attempt, _ms(lease), _ms(ttl),
                                  payload_hash or "", claim_id]
         try:
-            try:
-                reply = self._run(self._claim, key, args)
-            except _REDIS_ERRORS as exc:
-                raise _translated(self, key, exc) from exc
+            with _translate_errors(self, key):
+                reply = self._run("claim", key, args)
         except _NotReplicated as short:
             # The claim is on the master only. Give it back (best effort, no WAIT) so the
             # re-queued message can claim again at once instead of finding it busy for a lease.
             if short.reply[0] in _TAKEN:
                 with contextlib.suppress(redis.RedisError):
-                    self._release(keys=[self._k(key)], args=[int(short.reply[1]), claim_id])
+                    self._scripts.run("release", (self._k(key),), [int(short.reply[1]), claim_id])
             raise
         raw, token, now, value = reply
         if raw == REPLY_CORRUPT:
             self._decode(key, value)  # raises CorruptRecord saying what is wrong with it
-            raise self._unreadable(key, value)  # pragma: no cover - the script and _decode agree
+            raise unreadable(self._k(key), key, value)  # pragma: no cover - the script and _decode agree
         status = _STATUSES.get(raw) or ClaimStatus(raw.decode())
         record = self._decode(key, value) if value is not None else None
         return Claim(status, int(token), record, int(now) / 1000,
@@ -402,16 +340,12 @@ class RedisStore(Store):
         self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
         claim_id: str | None = None,
     ) -> None:
-        code = _STATE_CODE.get(state)
+        code = STATE_CODE.get(state)
         if code is None:
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
-        try:
+        with _translate_errors(self, key):
             reply = self._run(
-                self._record, key,
-                [token, code, _content_code(content_type), data, _ms(ttl), claim_id or ""],
-            )
-        except _REDIS_ERRORS as exc:
-            raise _translated(self, key, exc) from exc
+                "record", key, [token, code, content_code(content_type), data, _ms(ttl), claim_id or ""])
         if reply != REPLY_OK:
             self._check_fence(reply, key, token, "record")
 
@@ -424,26 +358,27 @@ class RedisStore(Store):
         Returns whether ``also`` was written. The caller must know that ``also.key`` lives on
         this store's server and database (the task checks the backend's connection is this).
         """
-        code = _STATE_CODE.get(state)
+        code = STATE_CODE.get(state)
         if code is None:
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         if self._fold_refused:
             self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
                         claim_id=claim_id)
             return False
-        args = [token, code, _content_code(content_type), data, _ms(ttl), claim_id or "",
+        args = [token, code, content_code(content_type), data, _ms(ttl), claim_id or "",
                 also.value, max(0, also.expires)]
-        try:
-            reply = self._run(self._record, key, args, other=also.key)
-        except redis.exceptions.NoPermissionError:
-            # The store's user may not touch the backend's key (an ACL): nothing was run. Record
-            # alone, now and from now on; the backend writes its result itself.
-            self._fold_refused = True
+        with _translate_errors(self, key):
+            try:
+                reply = self._run("record", key, args, other=also.key)
+            except redis.exceptions.NoPermissionError:
+                # The store's user may not touch the backend's key (an ACL): nothing was run.
+                # Record alone, now and from now on; the backend writes its result itself.
+                self._fold_refused = True
+                reply = None
+        if reply is None:
             self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
                         claim_id=claim_id)
             return False
-        except _REDIS_ERRORS as exc:
-            raise _translated(self, key, exc) from exc
         if reply == REPLY_OK:
             return True
         if reply != REPLY_OK_NOMETA:  # recorded; the backend writes its meta itself
@@ -452,12 +387,12 @@ class RedisStore(Store):
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         with _translate_errors(self, key):
-            reply = self._run(self._release, key, [token, claim_id or ""])
+            reply = self._run("release", key, [token, claim_id or ""])
         self._check_fence(reply, key, token, "release")
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         with _translate_errors(self, key):
-            reply = self._run(self._renew, key, [token, _ms(lease), claim_id or ""])
+            reply = self._run("renew", key, [token, _ms(lease), claim_id or ""])
         if isinstance(reply, int):
             return float(reply) / 1000
         self._check_fence(reply, key, token, "renew")
@@ -471,16 +406,16 @@ class RedisStore(Store):
         self, key: str, task_id: str, lease: float, fingerprint: str | None = None
     ) -> Record | Reservation | None:
         if "\0" in task_id or (fingerprint and "\0" in fingerprint):
-            _refuse_nul(task_id=task_id, fingerprint=fingerprint or "")
+            refuse_nul(task_id=task_id, fingerprint=fingerprint or "")
         name = self._k(key)
         args: list[Any] = [task_id, fingerprint or "", max(_ms(lease), 1)]
         with _translate_errors(self, key):
             if self.wait_replicas:
                 # Not through _run's WAIT: a reservation needs no replica's confirmation
                 # (losing one only lets a copy be published, which the claim sorts out).
-                reply = self._reserve(keys=[name, name + RESERVED], args=args)
+                reply = self._scripts.run("reserve", (name, name + RESERVED), args)
             else:
-                reply = self._run(self._reserve, key, args, other=name + RESERVED)
+                reply = self._run("reserve", key, args, other=name + RESERVED)
         if reply is None:
             return None
         if isinstance(reply, list):
@@ -494,17 +429,12 @@ class RedisStore(Store):
 
     def unreserve(self, key: str, task_id: str) -> None:
         with _translate_errors(self, key):
-            self._unreserve(keys=[self._k(key) + RESERVED], args=[task_id])
+            self._scripts.run("unreserve", (self._k(key) + RESERVED,), [task_id])
 
     def get(self, key: str) -> Record | None:
-        # The producer's read (the enqueue check): a plain try, as claim and record do.
-        try:
-            if self._wire is not None:
-                value: bytes | None = self._wire.call(pack(("GET", self._k(key))))
-            else:
-                value = self.client.get(self._k(key))  # type: ignore[assignment, unused-ignore]
-        except _REDIS_ERRORS as exc:
-            raise _translated(self, key, exc) from exc
+        # The producer's read (the enqueue check): through the scripts' seam, as the verbs.
+        with _translate_errors(self, key):
+            value = self._scripts.get(self._k(key))
         return None if value is None else self._decode(key, value)
 
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
@@ -521,7 +451,7 @@ class RedisStore(Store):
                     pipe.get(name)
                 rows = pipe.execute(raise_on_error=False)
             for name, value in zip(names, rows, strict=True):
-                if not isinstance(value, bytes) or value[:1] != _MARK:
+                if not isinstance(value, bytes) or value[:1] != MARK:
                     # A foreign key under our prefix (another type: WRONGTYPE; a string without
                     # the marker), or one that expired between the calls.
                     continue
@@ -531,7 +461,7 @@ class RedisStore(Store):
 
     def forget(self, key: str, token: int) -> None:
         with _translate_errors(self, key):
-            reply = self._run(self._forget, key, [token])
+            reply = self._run("forget", key, [token])
         self._check_fence(reply, key, token, "forget")
 
     def expires_at(self, key: str) -> float | None:
@@ -563,18 +493,18 @@ class RedisStore(Store):
         """
         findings: list[DurabilityFinding] = []
         for client, where in self._config_clients():
-            try:
-                settings = config_get(client, DURABILITY_SETTINGS)
-            except redis.ResponseError as exc:  # NoPermissionError is one too
-                return [DurabilityFinding(
-                    "CONFIG", None,
-                    f"the Redis store at {where} does not allow CONFIG GET ({exc}), so celery_idem "
-                    f"cannot check that it keeps records; make sure it persists them (AOF, "
-                    f"appendfsync everysec) and never evicts them (maxmemory-policy noeviction)",
-                    logging.INFO,
-                )]
-            except _REDIS_ERRORS as exc:
-                raise _translated(self, None, exc) from exc
+            with _translate_errors(self):
+                try:
+                    settings = config_get(client, DURABILITY_SETTINGS)
+                except redis.ResponseError as exc:  # NoPermissionError is one too
+                    return [DurabilityFinding(
+                        "CONFIG", None,
+                        f"the Redis store at {where} does not allow CONFIG GET ({exc}), so "
+                        f"celery_idem cannot check that it keeps records; make sure it persists "
+                        f"them (AOF, appendfsync everysec) and never evicts them "
+                        f"(maxmemory-policy noeviction)",
+                        logging.INFO,
+                    )]
             findings.extend(durability_findings(settings, where))
         return findings
 
@@ -583,8 +513,7 @@ class RedisStore(Store):
         return [(self.client, self.location)]
 
     def close(self) -> None:
-        if self._wire is not None:
-            self._wire.close()
+        self._scripts.close()
         self.client.close()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -593,65 +522,21 @@ class RedisStore(Store):
         if reply == REPLY_OK:
             return
         if reply == REPLY_CORRUPT:
-            raise self._unreadable(key, None)
+            raise unreadable(self._k(key), key, None)
         detail = reply.decode() if isinstance(reply, bytes) else repr(reply)
         if detail == REPLY_MISSING:
             why = "the record is gone (expired, removed by an operator, or lost by the server)"
         else:
             verdict, code, current = detail.split(":", 2)
-            state = _STATE_OF.get(ord(code[:1] or "?"))
+            state = STATE_OF.get(ord(code[:1] or "?"))
             why = f"the record is {state.value if state else code} with token {current}"
             if verdict == REPLY_REISSUED:
                 why += " of another claim (the token was issued again after the store lost data)"
         raise LeaseLost(f"{verb} of {key!r} with token {token} refused: {why}", key=key, token=token)
 
-    def _unreadable(self, key: str, value: bytes | None, why: str = "") -> CorruptRecord:
-        """The error for a value under ``key`` that is not a readable record (left as it is).
-
-        The value itself stays out of the message: it may be another program's data.
-        """
-        foreign = "another program wrote it, the prefix is shared, or an older celery_idem wrote it"
-        if value is None:  # a script's verdict: not a record, or a damaged one
-            what = f"is not a celery_idem record, or a damaged one ({foreign})"
-        elif value[:1] == _MARK:
-            what = f"is a damaged celery_idem record{f' ({why})' if why else ''}"
-        else:
-            what = f"is not a celery_idem record ({foreign})"
-        return CorruptRecord(f"the Redis key {self._k(key)} {what}", key=key)
-
     def _decode(self, key: str, value: bytes) -> Record:
-        """A stored record (see the module docstring) -> Record."""
-        if value[:1] != _MARK:
-            raise self._unreadable(key, value)
-        try:
-            state = _STATE_OF.get(value[1])
-            if state is None:
-                raise ValueError(f"unknown state {value[1:2]!r}")
-            if state is State.DONE or state is State.FAILED:
-                head, u, i, h, c, d = value.split(b"\0", 5)
-                token, _, claim_id = head[2:].partition(b".")
-                return Record(
-                    key=key, state=state, token=int(token), task_id=_unpack_task_id(i),
-                    payload_hash=h.decode() or None,
-                    content_type=_CONTENT_TYPE_OF.get(c) or c.decode() or None,
-                    data=d, updated=int(u) / 1000, claim_id=claim_id.decode(),
-                )
-            if state is State.IN_PROGRESS:
-                head, u, i, h, o, a, lease = value.split(b"\0")
-                token, _, claim_id = head[2:].partition(b".")
-                return Record(
-                    key=key, state=state, token=int(token), owner=o.decode(),
-                    task_id=_unpack_task_id(i), attempt=int(a), lease_expires=int(lease) / 1000,
-                    payload_hash=h.decode() or None, updated=int(u) / 1000,
-                    claim_id=claim_id.decode(),
-                )
-            if state is State.RELEASED:
-                head, u, _, _, tail = value.split(b"\0")
-                if tail:
-                    raise ValueError("a released record has no tail")
-                return Record(key=key, state=state, token=int(head[2:]), updated=int(u) / 1000)
-        except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            raise self._unreadable(key, value, str(exc) or type(exc).__name__) from exc
+        """A stored record (see :mod:`celery_idem.stores.redis_format`) -> Record."""
+        return decode(self._k(key), key, value)
 
 
 class _NotReplicated(StoreUnavailable):
@@ -664,7 +549,8 @@ class _NotReplicated(StoreUnavailable):
 
 def store_options(options: dict[str, Any]) -> dict[str, Any]:
     """Take the store's own settings out of ``options`` (the rest go to the client)."""
-    return {name: options.pop(name) for name in ("wait_replicas", "wait_timeout") if name in options}
+    return {name: options.pop(name) for name in ("wait_replicas", "wait_timeout", "accelerate")
+            if name in options}
 
 
 def _ms(seconds: float) -> int:

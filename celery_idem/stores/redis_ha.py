@@ -99,6 +99,7 @@ class RedisClusterStore(RedisStore):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("redis+cluster", "rediss+cluster")
+    accelerates: ClassVar[bool] = False  # no wire for a cluster client
 
     def __init__(self, client: RedisCluster, prefix: str = DEFAULT_PREFIX, *,
                  wait_replicas: int = DEFAULT_WAIT_REPLICAS, wait_timeout: float = 1.0) -> None:
@@ -201,10 +202,10 @@ class RedisClusterStore(RedisStore):
     # A Celery result key hashes to another slot than the record: no script can write both.
     record_with = Store.record_with
 
-    def _run(self, script: Any, key: str, args: list[Any], other: str | None = None) -> Any:
+    def _run(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
         for attempt in range(2):
             try:
-                return super()._run(script, key, args, other)
+                return super()._run(name, key, args, other)
             except redis.exceptions.AskError as exc:  # MovedError is one too
                 # The WAIT path talks to the key's master directly, bypassing the cluster
                 # client's redirections, so during a failover or a resharding the old master
@@ -254,6 +255,7 @@ class RedisSentinelStore(RedisStore):
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("sentinel",)
+    accelerates: ClassVar[bool] = False  # no wire for Sentinel's managed pool
 
     def __init__(self, sentinel: Sentinel, master_name: str, prefix: str = DEFAULT_PREFIX, *,
                  wait_replicas: int = DEFAULT_WAIT_REPLICAS, wait_timeout: float = 1.0,

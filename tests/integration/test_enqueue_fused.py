@@ -1,4 +1,4 @@
-"""The enqueue check within the publish (celery_idem.stores.redis_enqueue), producer side.
+"""The enqueue check within the publish (celery_idem.accel.redis_enqueue), producer side.
 
 With kombu's Redis transport on the same server and database as the Redis store, a
 ``delay()`` pushes its message with a script that first reads the key's record: a unique key
@@ -19,13 +19,16 @@ import redis
 from celery import Celery
 from celery.signals import before_task_publish
 
-from celery_idem import CachedResult, IdempotentTask
+from celery_idem import CachedResult, IdempotentTask, accel
+from celery_idem.accel import redis_enqueue
 from celery_idem.exceptions import CorruptRecord
 from celery_idem.records import State
-from celery_idem.stores import redis_enqueue
 from tests.conftest import REDIS_URL
 
 DB = 0
+
+# An acceleration's own tests: with accelerations off the record is always read first.
+pytestmark = pytest.mark.skipif(not accel.enabled(), reason="accelerations off (CELERY_IDEM_ACCELERATE)")
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@
   wherever it is (relative ones resolved, ``from . import x`` to the submodule ``x`` when it is
   one), an edge to the module named and not to the packages above it, and a string constant
   that is exactly a celery_idem submodule's dotted name (``importlib.import_module`` by name is
-  an import like any other). Imports under ``if TYPE_CHECKING:`` never run and are left out. The
-  seven old-path shim modules (``celery_idem.saga`` ...) are left out: each is its contrib module
-  under another name, and they are going away.
+  an import like any other). Imports under ``if TYPE_CHECKING:`` never run and are left out.
 * No import from a lower group of the page's flowchart (core < seam < add-ons) into a higher
   one, but the three the page names; every module is in a group; each arrow the flowchart
   draws is backed by an import.
@@ -81,7 +79,7 @@ def test_the_checker_sees_imports_inside_functions_relative_and_by_name(tmp_path
         "e.py": "from . import d\n",
         "f.py": "from celery_idem import d\n",
     })
-    graph = arch.graph(package, shims=())
+    graph = arch.graph(package)
     assert graph["celery_idem"] == {"celery_idem.a": 2}
     assert graph["celery_idem.sub.b"] == {"celery_idem.c": 2}
     assert graph["celery_idem.c"] == {"celery_idem.a": 2}

@@ -11,6 +11,7 @@ import pytest
 from kombu import serialization
 from kombu.exceptions import EncodeError
 
+from celery_idem import accel
 from celery_idem.codec import KombuCodec
 
 VALUES: list[Any] = [
@@ -23,14 +24,21 @@ VALUES: list[Any] = [
 
 
 @pytest.mark.parametrize("value", VALUES, ids=repr)
-def test_the_fast_path_writes_the_registrys_bytes(value: Any) -> None:
+def test_the_fast_path_writes_the_registrys_bytes(value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(accel.ENV, raising=False)  # the acceleration's test, also in make test-plain
     codec = KombuCodec("json", ["json"])
-    assert codec._json_encode is not None  # the fast path is taken with kombu's own "json"
+    assert codec._json is not None  # the fast path is taken with kombu's own "json"
     content_type, encoding, expected = serialization.dumps(value, serializer="json")
     assert codec.encode_result(value) == (f"{content_type};{encoding}", expected.encode(encoding))
     ctype, data = codec.encode_result(value)
     decoded = codec.decode_result("k", ctype, data)
     assert repr(decoded) == repr(serialization.loads(expected, content_type, encoding))
+
+
+def test_switched_off_the_codec_encodes_through_kombus_dumps() -> None:
+    codec = KombuCodec("json", ["json"], accelerate=False)
+    assert codec._json is None
+    assert codec.encode_result({"a": 1}) == ("application/json;utf-8", b'{"a": 1}')
 
 
 def test_an_unencodable_value_raises_kombus_encode_error_on_both_paths() -> None:

@@ -70,9 +70,9 @@ def _celery_conf() -> Any:
 
 def _celery_app() -> Any:
     """The current Celery app (for sending the operator events)."""
-    from celery import current_app
+    from celery.app import app_or_default  # public: the object behind celery.current_app
 
-    return current_app._get_current_object()
+    return app_or_default()
 
 
 def _key_prefix() -> str:

@@ -34,7 +34,8 @@ connection itself as a server-side prepared statement with plain tuples, skippin
 per-call compile-cache lookup, parameter processing and result objects (they cost more client
 CPU than the round trip). The statement's constants are written into its SQL and its
 placeholders numbered (``$1``) once, so each call sends only its own values, as they are
-(see :class:`~celery_idem.stores.sql.fastpath.RawStatement`). Same statements, same single
+(see :class:`~celery_idem.accel.sql_psycopg.RawStatement`; an acceleration, off with
+``CELERY_IDEM_ACCELERATE=0``). Same statements, same single
 round trip, same exceptions. Every other driver and dialect runs the same pre-built
 statements through a SQLAlchemy ``Connection``.
 
@@ -47,7 +48,7 @@ The package, one module per job (imports run down this list, never up)::
     schema      the records table, column types, the database clock (public helpers)
     predicates  the claim's decision as named SQL conditions; a claim's arguments
     engine      URL -> engine: driver fallbacks, pool settings, fork safety
-    fastpath    running statements: SQLAlchemy's Connection, or psycopg's directly
+    session     running statements: SQLAlchemy's Connection (psycopg's directly: accel)
     statements  the fenced writes' and the read's statements, built once per table
     claims      the claim strategies (one PostgreSQL statement; decide-then-write)
     store       SQLStore: the verbs, errors -> StoreUnavailable, rows -> records
@@ -56,9 +57,9 @@ The package, one module per job (imports run down this list, never up)::
 from __future__ import annotations
 
 from .engine import build_engine, importable, sqlalchemy_url
-from .fastpath import KEPT_CURSOR, KEPT_RESULT_BYTES, RawSession, RawStatement, SASession
 from .predicates import ClaimArgs, ClaimPredicates
 from .schema import DEFAULT_TABLE_NAME, data_type, db_now, new_metadata, records_table, text_type, token_for
+from .session import SASession
 from .store import SQLStore
 
 __all__ = ["DEFAULT_TABLE_NAME", "SQLStore", "data_type", "db_now", "new_metadata", "records_table",
@@ -66,10 +67,6 @@ __all__ = ["DEFAULT_TABLE_NAME", "SQLStore", "data_type", "db_now", "new_metadat
 
 # The names this module had before it became a package, kept for the tests, benchmarks and any
 # code that reached into them (they are not public API).
-_KEPT_CURSOR = KEPT_CURSOR
-_KEPT_RESULT_BYTES = KEPT_RESULT_BYTES
-_RawSession = RawSession
-_RawStatement = RawStatement
 _SASession = SASession
 _ClaimArgs = ClaimArgs
 _ClaimPredicates = ClaimPredicates

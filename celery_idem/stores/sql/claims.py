@@ -17,9 +17,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 
 from ..base import next_token
-from .fastpath import Row
 from .predicates import HOLDS, LOCKED, ClaimArgs, ClaimRaced
 from .schema import db_now, token_for
+from .session import Row
 
 __all__ = ["build_pg_claim", "select_then_write", "sqlite_write_transaction"]
 

@@ -16,6 +16,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.sql.elements import ColumnElement
 
+from ... import accel
+from ...accel.sql_psycopg import PsycopgPath, RawSession, psycopg_path
 from ...config import DEFAULT_PREFIX
 from ...exceptions import StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
@@ -23,9 +25,9 @@ from ..base import BackendWrite, Store, new_claim_id
 from .claims import build_pg_claim, select_then_write
 from .engine import build_engine, sqlalchemy_url
 from .errors import lease_lost, outage
-from .fastpath import Outcome, RawSession, RawStatement, Row, SASession, Statement
 from .predicates import HOLDS, ClaimArgs, ClaimRaced, claim_params, claim_template
 from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, record_from_row, records_table
+from .session import Outcome, Row, SASession, Statement
 from .statements import VerbStatements
 from .taskmeta import TaskMetaWrite, build_fold, fold_params
 
@@ -49,12 +51,16 @@ class SQLStore(Store):
         table_name: The table to use; created on first use.
         engine_options: Extra keyword arguments for :func:`sqlalchemy.create_engine`
             (``pool_size``, ``connect_args``, ...); they win over the store's defaults.
+        accelerate: On PostgreSQL through psycopg 3, run the verbs on psycopg's connection
+            (:mod:`celery_idem.accel.sql_psycopg`; see :func:`celery_idem.accel.enabled`;
+            None: on unless switched off).
 
     Raises:
         ImproperlyConfigured: The URL names no supported database.
     """
 
     schemes = ("db+postgresql", "db+sqlite", "db+mysql", "db+mariadb")
+    accelerates = True
 
     def __init__(
         self,
@@ -63,6 +69,7 @@ class SQLStore(Store):
         prefix: str = DEFAULT_PREFIX,
         table_name: str = DEFAULT_TABLE_NAME,
         engine_options: Mapping[str, Any] | None = None,
+        accelerate: bool | None = None,
     ) -> None:
         super().__init__(prefix)
         self._engine = build_engine(sqlalchemy_url(url), engine_options or {})
@@ -76,10 +83,10 @@ class SQLStore(Store):
         # built once per shape (with/without payload validation), see claim_template.
         self._pg_claims: dict[bool, sa.Select[Any]] = {}
         self._verbs = VerbStatements.build(self._table)
-        # PostgreSQL through psycopg 3 runs them on the DBAPI connection (see the module doc).
-        # psycopg2, pg8000, ... keep SQLAlchemy's path: their parameter handling differs.
-        self._fast = self._dialect == "postgresql" and self._engine.dialect.driver == "psycopg"
-        self._raw_statements: dict[Statement, RawStatement] = {}
+        # The seam: PostgreSQL through psycopg 3 runs them on the DBAPI connection (an
+        # acceleration, see the module doc); None: through SQLAlchemy, the plain path.
+        self._psycopg: PsycopgPath | None = (
+            psycopg_path(self._engine) if accel.enabled(accelerate) else None)
         # record_with's statements, per Celery result table and column set (see taskmeta).
         self._folds: dict[tuple[sa.Table, tuple[str, ...]], sa.Select[Any]] = {}
         self._fold_refused = False
@@ -91,19 +98,21 @@ class SQLStore(Store):
         Args:
             url: The store URL (see the class).
             prefix: Key prefix.
-            **options: ``table_name`` and ``engine_options``.
+            **options: ``table_name``, ``engine_options`` and ``accelerate``.
 
         Raises:
             TypeError: An option the store does not know.
         """
         table_name = options.pop("table_name", DEFAULT_TABLE_NAME)
         engine_options = options.pop("engine_options", None)
+        accelerate = options.pop("accelerate", None)
         if options:
             raise TypeError(
                 f"SQLStore got unknown option(s) {', '.join(sorted(options))}; it takes "
-                f"table_name and engine_options (keyword arguments for create_engine)"
+                f"table_name, engine_options (keyword arguments for create_engine) and accelerate"
             )
-        return cls(url, prefix=prefix, table_name=table_name, engine_options=engine_options)
+        return cls(url, prefix=prefix, table_name=table_name, engine_options=engine_options,
+                   accelerate=accelerate)
 
     @property
     def url(self) -> URL:
@@ -148,61 +157,21 @@ class SQLStore(Store):
     def _session(self) -> Iterator[SASession | RawSession]:
         """A pooled connection to run the verbs' statements on, with errors translated.
 
-        The psycopg fast path when it applies (see the module doc), else SQLAlchemy's.
+        SQLAlchemy's ``Connection``, or the psycopg acceleration's session when it applies.
         """
-        if not self._fast:
+        if self._psycopg is None:
             with self._connect() as conn:
                 yield SASession(conn)
             return
         with self._translate_errors():
             self._ensure_table()
-            fairy = self._raw_connection()
-            try:
-                yield RawSession(self, fairy)
-            finally:
-                fairy.close()  # back to the pool (or discarded, if invalidated)
-
-    def _raw_connection(self) -> Any:
-        """A pooled DBAPI connection (SQLAlchemy's pool proxy) for the fast path."""
-        dialect = self._engine.dialect
-        try:
-            return self._engine.raw_connection()
-        except dialect.loaded_dbapi.Error as exc:
-            # engine.connect() wraps a failed checkout the same way.
-            raise sa_exc.DBAPIError.instance(
-                None, None, exc, dialect.loaded_dbapi.Error,
-                connection_invalidated=dialect.is_disconnect(exc, None, None), dialect=dialect,
-            ) from exc
+            with self._psycopg.session() as session:
+                yield session
 
     def _execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
-        """Run one statement on a pooled connection, with errors translated: a verb's hot path.
-
-        The same as running it in :meth:`_session`; on the fast path without its two
-        generator context managers (about 2 µs of client CPU per verb).
-        """
-        if not self._fast:
-            with self._session() as session:
-                return session.execute(statement, params)
-        try:
-            if not self._table_ready:
-                self._ensure_table()
-            fairy = self._raw_connection()
-            try:
-                return RawSession(self, fairy).execute(statement, params)
-            finally:
-                fairy.close()  # back to the pool (or discarded, if invalidated)
-        except sa_exc.SQLAlchemyError as exc:
-            unavailable = self._translated(exc)
-            if unavailable is None:
-                raise
-            raise unavailable from exc
-
-    def _raw_statement(self, statement: Statement) -> RawStatement:
-        raw = self._raw_statements.get(statement)
-        if raw is None:
-            # Two threads may both compile it: the results are equal, either one is kept.
-            raw = self._raw_statements[statement] = RawStatement.compile(statement, self._engine.dialect)
-        return raw
+        """Run one statement on a pooled connection, with errors translated: a verb's hot path."""
+        with self._session() as session:
+            return session.execute(statement, params)
 
     def _ensure_table(self) -> None:
         if self._table_ready:

@@ -1,5 +1,9 @@
 """The Redis store's hot path to the server: one packed command, one reply, no redis-py layers.
 
+An acceleration (see :mod:`celery_idem.accel`): :func:`wire_scripts` wraps the store's plain
+scripts (redis-py's registered ``Script`` objects, ``RedisStore._scripts``) in
+:class:`WireScripts`, which runs the same ``EVALSHA`` on a :class:`Wire`.
+
 A store verb is one Redis command (an ``EVALSHA``, or the producer's ``GET``). Through
 ``redis.Redis`` each one also pays for a connection-pool checkout (a lock, a readiness probe of
 three system calls, metrics), a retry wrapper with its closures, per-argument encoding and
@@ -40,7 +44,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is in the redis extra
     _hiredis_pack = None  # type: ignore[assignment, unused-ignore]
 
-__all__ = ["Wire", "pack", "wire_for"]
+__all__ = ["Wire", "WireScripts", "pack", "wire_for", "wire_scripts"]
 
 
 def _pack_python(args: tuple[Any, ...]) -> bytes:
@@ -61,6 +65,9 @@ def pack(args: tuple[Any, ...]) -> bytes:
     return _pack_python(args)  # pragma: no cover - hiredis is in the redis extra
 
 
+_NO_SOCK = object()
+
+
 class _Lane:
     """One connection of the free list, with a poller on its current socket."""
 
@@ -73,9 +80,12 @@ class _Lane:
 
     def ready(self) -> None:
         """Reconnect first if the server closed the connection or left data unread."""
-        sock = self.conn._sock
+        sock = getattr(self.conn, "_sock", _NO_SOCK)
         if sock is None:
             return  # disconnected: sending connects
+        if sock is _NO_SOCK:  # pragma: no cover - a redis-py without Connection._sock
+            self.conn.disconnect()  # its state unknown: a fresh connection, as after EOF
+            return
         if sock is not self.sock:
             self.poller = select.poll()
             self.poller.register(sock, select.POLLIN)
@@ -181,3 +191,43 @@ def wire_for(client: Any) -> Wire | None:
     if getattr(pool, "cache", None) is not None or str(kwargs.get("protocol", 2)) == "3":
         return None  # client-side caching, RESP3 push messages / maintenance notifications
     return Wire(pool)
+
+
+class WireScripts:
+    """The store's scripts (``run``, ``get``, ``close`` as the plain ones) over a :class:`Wire`.
+
+    Args:
+        plain: The store's plain scripts: ``client`` (a ``redis.Redis``) and ``registered``
+            (script name -> redis-py ``Script``).
+        wire: The wire on that client's pool.
+    """
+
+    def __init__(self, plain: Any, wire: Wire) -> None:
+        self.client = plain.client
+        self.registered: dict[str, Any] = plain.registered
+        self.wire = wire
+
+    def run(self, name: str, keys: tuple[str, ...], args: list[Any]) -> Any:
+        """``EVALSHA`` of the script ``name``; after a NOSCRIPT (a restarted or flushed server),
+        ``SCRIPT LOAD`` and once more (its SHA1 does not change)."""
+        script = self.registered[name]
+        packed = pack(("EVALSHA", script.sha, len(keys), *keys, *args))
+        try:
+            return self.wire.call(packed)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(script.script)
+            return self.wire.call(packed)
+
+    def get(self, name: str) -> bytes | None:
+        """``GET name``."""
+        return self.wire.call(pack(("GET", name)))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Give the wire's connections back to the client's pool."""
+        self.wire.close()
+
+
+def wire_scripts(plain: Any) -> WireScripts | None:
+    """``plain`` (the store's scripts) over a wire, or None when its client needs redis-py."""
+    wire = wire_for(plain.client)
+    return None if wire is None else WireScripts(plain, wire)

@@ -2,13 +2,13 @@
 same exceptions as the SQLAlchemy path.
 
 On ``postgresql+psycopg`` the store runs its pre-built statements on the pooled psycopg
-connection itself (see celery_idem/stores/sql/fastpath.py). Its semantics are the store contract's,
+connection itself (see celery_idem/accel/sql_psycopg.py). Its semantics are the store contract's,
 tested in test_contract.py. Here, against the real server:
 
 * round trips are counted at the wire: libpq's protocol trace of the store's one pooled
   connection, one ``ReadyForQuery`` per round trip; SQLAlchemy's cursor events show that the
   verbs do not go through SQLAlchemy's execution at all;
-* errors are compared with the SQLAlchemy path (the same store with ``_fast`` off): the same
+* errors are compared with the SQLAlchemy path (the same store with ``_psycopg`` None): the same
   exception types, the pool recovering the same way after the server drops its connections;
 * a verb interrupted mid-query (a soft time limit) must not hand its busy connection back.
 
@@ -30,25 +30,22 @@ import sqlalchemy as sa
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
 
-from celery_idem import IdempotentTask
+from celery_idem import IdempotentTask, accel
+from celery_idem.accel.sql_psycopg import KEPT_CURSOR, KEPT_RESULT_BYTES, RawSession
 from celery_idem.codec import KombuCodec
 from celery_idem.exceptions import LeaseLost, StoreUnavailable
 from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
-from celery_idem.stores.sql import (
-    _KEPT_CURSOR,
-    _KEPT_RESULT_BYTES,
-    SQLStore,
-    _ClaimArgs,
-    _RawSession,
-    _SASession,
-)
+from celery_idem.stores.sql import SQLStore, _ClaimArgs, _SASession
 
 from .support import LONG, claim, drop_table, poll
 
 # The SQL store's wire traffic: no Celery, kombu or redis-py version changes what it asserts
 # (the one Celery task below only names a key), so make test-compat runs it once (pyproject.toml).
-pytestmark = pytest.mark.celery_independent
+# An acceleration's own tests: with accelerations off (make test-plain) the store has no psycopg
+# path to compare with.
+pytestmark = [pytest.mark.celery_independent,
+              pytest.mark.skipif(not accel.enabled(), reason="accelerations off (CELERY_IDEM_ACCELERATE)")]
 
 
 class Wire:
@@ -132,7 +129,7 @@ def test_each_verb_is_one_prepared_round_trip_outside_sqlalchemy(make_store: Cal
     # Given a store with one pooled connection, traced at the wire, whose statements have all
     # run once (psycopg prepares a statement on its first run on a connection)
     store = make_store(pool_size=1, max_overflow=0)
-    assert store._fast
+    assert store._psycopg is not None
     wire = Wire(store)
 
     def every_verb(tag: str) -> None:
@@ -240,7 +237,8 @@ def path(request: pytest.FixtureRequest) -> str:
 
 
 def _on(path: str, store: SQLStore) -> SQLStore:
-    store._fast = path == "fast"
+    if path != "fast":
+        store._psycopg = None
     return store
 
 
@@ -371,7 +369,7 @@ def _claim_in_a_transaction(store: SQLStore, key: str, payload_hash: str | None)
         driver = fairy.driver_connection
         assert driver is not None
         with driver.transaction(force_rollback=True):  # BEGIN on the store's autocommit connection
-            session = _RawSession(store, fairy) if store._fast else _SASession(conn)
+            session = RawSession(store._psycopg, fairy) if store._psycopg else _SASession(conn)
             result = store._claim_postgresql(args, session.execute)
             xid = driver.execute("SELECT txid_current_if_assigned()").fetchone()
     assert xid is not None
@@ -450,7 +448,8 @@ def test_constants_are_written_into_the_sql_and_each_call_sends_only_its_values(
         t.c.key == sa.bindparam("idem_key"), t.c.task_id != "x'%",
         t.c.token == sa.bindparam("idem_token"), t.c.key == sa.bindparam("idem_key"),
     )
-    raw = numbered._raw_statement(statement)
+    assert numbered._psycopg is not None
+    raw = numbered._psycopg.statement(statement)
     assert (raw.constants, raw.order) == ({}, ("idem_key", "idem_token"))
     assert (b"$2" in raw.numbered, b"$3" in raw.numbered) == (True, False)
     assert (b"'it''s 100%'" in raw.numbered, b"'x''%'" in raw.numbered) == (True, True)
@@ -511,7 +510,7 @@ def test_one_cursor_is_kept_per_pooled_connection_unless_it_holds_a_large_result
     def kept() -> Any:
         fairy = store._engine.raw_connection()  # the pool's one connection
         try:
-            return fairy.info.get(_KEPT_CURSOR)
+            return fairy.info.get(KEPT_CURSOR)
         finally:
             fairy.close()
 
@@ -526,7 +525,7 @@ def test_one_cursor_is_kept_per_pooled_connection_unless_it_holds_a_large_result
     assert kept() is first
     # When a verb reads a result larger than the cursor may hold on to, Then it is closed, and
     # the next verb gets a new one
-    big = b"x" * (_KEPT_RESULT_BYTES + 1)
+    big = b"x" * (KEPT_RESULT_BYTES + 1)
     taken = claim(store, "big")
     store.record("big", taken.token, state=State.DONE, content_type="c", data=big, ttl=LONG)
     assert kept() is first

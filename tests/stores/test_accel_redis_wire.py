@@ -1,4 +1,4 @@
-"""The Redis store's wire (celery_idem/stores/redis_wire.py): redis-py's semantics, fewer layers.
+"""The Redis store's wire (celery_idem/accel/redis_wire.py): redis-py's semantics, fewer layers.
 
 What the pool's checkout did (notice a connection the server closed, a fork) the wire must still
 do, before anything is sent; what the client did on an error (disconnect, raise, no retry) too.
@@ -15,13 +15,22 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from celery_idem import accel
+from celery_idem.accel.redis_wire import Wire, _pack_python, pack, wire_for
 from celery_idem.exceptions import CorruptRecord, StoreUnavailable
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores.redis import RedisStore
-from celery_idem.stores.redis_wire import _pack_python, pack, wire_for
 from tests.integration.harness import RedisServer
 
 from .support import LONG, claim
+
+# An acceleration's own tests: with accelerations off (make test-plain) there is no wire.
+pytestmark = pytest.mark.skipif(not accel.enabled(), reason="accelerations off (CELERY_IDEM_ACCELERATE)")
+
+
+def _wire(store: RedisStore) -> Wire | None:
+    """The store's wire, if its scripts go over one (celery_idem.accel.redis_wire.WireScripts)."""
+    return getattr(store._scripts, "wire", None)
 
 
 @pytest.fixture
@@ -33,18 +42,18 @@ def store(redis_url: str, prefix: str, redis_cleanup: None) -> Iterator[RedisSto
 
 def _lane_id(store: RedisStore) -> int:
     """The server's id of the connection the store's next verb takes."""
-    assert store._wire is not None
-    conn = store._wire.lanes[-1].conn
+    assert _wire(store) is not None
+    conn = _wire(store).lanes[-1].conn
     conn.send_command("CLIENT", "ID")
     return int(conn.read_response())
 
 
 def test_the_default_store_takes_the_wire_and_one_connection_per_verb(store: RedisStore) -> None:
-    assert store._wire is not None
+    assert _wire(store) is not None
     for i in range(5):
         assert claim(store, f"k{i}").status is ClaimStatus.CLAIMED
         assert store.get(f"k{i}") is not None
-    assert len(store._wire.lanes) == 1  # one at a time: the same connection, checked out once
+    assert len(_wire(store).lanes) == 1  # one at a time: the same connection, checked out once
 
 
 def test_a_connection_the_server_closed_is_replaced_before_the_verb_is_sent(
@@ -89,11 +98,11 @@ def test_a_server_that_is_down_raises_store_unavailable_without_retrying() -> No
 def test_an_error_reply_keeps_the_connection(store: RedisStore) -> None:
     store.client.hset(store._k("h"), "a", "1")  # a foreign key of another type: WRONGTYPE
     claim(store, "warm")
-    assert store._wire is not None
-    conn = store._wire.lanes[-1].conn
+    assert _wire(store) is not None
+    conn = _wire(store).lanes[-1].conn
     with pytest.raises(CorruptRecord):
         store.get("h")
-    assert store._wire.lanes[-1].conn is conn and conn._sock is not None
+    assert _wire(store).lanes[-1].conn is conn and conn._sock is not None
     assert claim(store, "next").status is ClaimStatus.CLAIMED
 
 
@@ -124,17 +133,17 @@ def test_verbs_from_threads_each_get_a_connection(store: RedisStore) -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_never_uses_its_parents_connections(store: RedisStore) -> None:
     claim(store, "parent")
-    assert store._wire is not None
-    parent_conn = store._wire.lanes[-1].conn
+    assert _wire(store) is not None
+    parent_conn = _wire(store).lanes[-1].conn
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
         ok = b"0"
         try:
-            fresh = not store._wire.lanes
+            fresh = not _wire(store).lanes
             c = claim(store, "child")
             ok = b"1" if fresh and c.status is ClaimStatus.CLAIMED and \
-                store._wire.lanes[-1].conn is not parent_conn else b"0"
+                _wire(store).lanes[-1].conn is not parent_conn else b"0"
         finally:
             os.write(write, ok)
             os._exit(0)
@@ -143,7 +152,7 @@ def test_a_forked_child_never_uses_its_parents_connections(store: RedisStore) ->
     os.waitpid(pid, 0)
     # The parent's connection is intact.
     assert claim(store, "parent2").status is ClaimStatus.CLAIMED
-    assert store._wire.lanes[-1].conn is parent_conn
+    assert _wire(store).lanes[-1].conn is parent_conn
 
 
 def test_clients_that_need_redis_py_keep_it(redis_url: str) -> None:
@@ -162,7 +171,7 @@ def test_a_store_with_retries_still_works_through_redis_py(
     redis_url: str, prefix: str, redis_cleanup: None
 ) -> None:
     store = RedisStore.from_url(redis_url, prefix=prefix, retry=Retry(NoBackoff(), 2))
-    assert store._wire is None
+    assert _wire(store) is None
     c = claim(store, "k")
     store.record("k", c.token, state=State.DONE, content_type="c", data=b"x", ttl=LONG,
                  claim_id=c.claim_id)

@@ -1,5 +1,7 @@
 """The enqueue check and the publish in one round trip, for a Redis broker that holds the store.
 
+An acceleration (see :mod:`celery_idem.accel`); the plain path reads the record, then publishes.
+
 ``IdempotentTask.apply_async`` reads the key's record before it publishes (the enqueue check):
 a done key is answered from the record and nothing is sent. That read is a round trip of its
 own on every ``delay()``, and on a unique key (the common case) it finds nothing. When the
@@ -32,11 +34,12 @@ from kombu.utils.json import dumps
 
 from ..exceptions import StoreUnavailable
 from ..records import Record, Reservation, State
-from .redis import RESERVED, RedisStore, same_server
+from ..stores.redis import RESERVED, RedisStore, same_server
 
 __all__ = ["RecordFound", "RedisStore", "ReservationFound", "begin", "end", "fuse"]
 
-_LUA = resources.files(__package__).joinpath("lua", "publish.lua").read_text("utf-8")
+# Beside the store's scripts (celery_idem/stores/lua/), where the store's loader finds Lua.
+_LUA = resources.files("celery_idem.stores").joinpath("lua", "publish.lua").read_text("utf-8")
 _SHA = hashlib.sha1(_LUA.encode()).hexdigest()
 _CHECK = b"check"
 #: On a channel: whether it takes the hook, per store checked against it.
@@ -100,6 +103,8 @@ def _compatible(channel: Any, store: Any) -> bool:
         return False
     if type(store) is not RedisStore or store.wait_replicas or not isinstance(channel, Channel):
         return False
+    if not store.accelerated:
+        return False  # accelerations switched off (celery_idem.accel.enabled)
     # Every method the hook calls, as kombu 5.4-5.7 define them (5.7 added queue expiry,
     # ``_expires``, and publish batches: both optional here).
     if not all(hasattr(channel, name) for name in

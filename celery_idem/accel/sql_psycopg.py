@@ -1,50 +1,79 @@
-"""How the store's statements run: through SQLAlchemy, or on psycopg's connection itself.
+"""The SQL store's statements on psycopg's connection itself (PostgreSQL + psycopg 3).
 
-:class:`SASession` runs them through a SQLAlchemy ``Connection`` (every dialect and driver).
-:class:`RawSession` is the PostgreSQL + psycopg 3 fast path: each statement is compiled once
-(:class:`RawStatement`) and run on the pooled psycopg connection as a server-side prepared
-statement with plain tuples, raising what SQLAlchemy would raise. Internal to the SQL store
-package.
+An acceleration (see :mod:`celery_idem.accel`) at ``SQLStore._session``, whose plain path runs
+the statements through a SQLAlchemy ``Connection`` (``celery_idem.stores.sql.session``). Here
+each statement is compiled once (:class:`RawStatement`) and run on the pooled psycopg
+connection as a server-side prepared statement with plain tuples (:class:`RawSession`),
+raising what SQLAlchemy would raise, so the store translates errors the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Engine
 
-if TYPE_CHECKING:
-    from .store import SQLStore
+__all__ = ["KEPT_CURSOR", "KEPT_RESULT_BYTES", "PsycopgPath", "RawSession", "RawStatement",
+           "psycopg_classes", "psycopg_path"]
 
-__all__ = ["KEPT_CURSOR", "KEPT_RESULT_BYTES", "Outcome", "RawSession", "RawStatement", "Row",
-           "SASession", "Statement", "psycopg_classes"]
-
-# A row by column name (a SQLAlchemy RowMapping, or a dict on the fast path).
+# As celery_idem.stores.sql.session's (not imported: accel depends on no store module here).
 Row: TypeAlias = Mapping[Any, Any]
-# What a statement run through a session gives back: the row count, and the first row when the
-# statement returns rows.
 Outcome: TypeAlias = "tuple[int, Row | None]"
-# The verbs' statements.
 Statement: TypeAlias = "sa.Select[Any] | sa.Update"
 
 
-class SASession:
-    """Runs the store's statements through a SQLAlchemy ``Connection`` (every dialect)."""
+def psycopg_path(engine: Engine) -> PsycopgPath | None:
+    """The psycopg path for ``engine``, or None unless it is PostgreSQL through psycopg 3.
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+    psycopg2, pg8000, ... keep SQLAlchemy's path: their parameter handling differs.
+    """
+    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
+        return None
+    return PsycopgPath(engine)
 
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
-        result = self.conn.execute(statement, params)
-        if not result.returns_rows:
-            return result.rowcount, None
-        return result.rowcount, result.mappings().first()
+
+class PsycopgPath:
+    """Sessions on pooled psycopg connections, and the statements compiled for them."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._statements: dict[Statement, RawStatement] = {}
+
+    def statement(self, statement: Statement) -> RawStatement:
+        """``statement`` compiled for this path (once per statement)."""
+        raw = self._statements.get(statement)
+        if raw is None:
+            # Two threads may both compile it: the results are equal, either one is kept.
+            raw = self._statements[statement] = RawStatement.compile(statement, self.engine.dialect)
+        return raw
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[RawSession]:
+        """A session on a pooled connection, given back (or discarded, if invalidated) after."""
+        fairy = self.connection()
+        try:
+            yield RawSession(self, fairy)
+        finally:
+            fairy.close()
+
+    def connection(self) -> Any:
+        """A pooled DBAPI connection (SQLAlchemy's pool proxy), errors raised as SQLAlchemy's."""
+        dialect = self.engine.dialect
+        try:
+            return self.engine.raw_connection()
+        except dialect.loaded_dbapi.Error as exc:
+            # engine.connect() wraps a failed checkout the same way.
+            raise sa_exc.DBAPIError.instance(
+                None, None, exc, dialect.loaded_dbapi.Error,
+                connection_invalidated=dialect.is_disconnect(exc, None, None), dialect=dialect,
+            ) from exc
 
 
 # The fast path's cursor, kept in each pooled connection's SQLAlchemy info dict, and the largest
@@ -57,7 +86,7 @@ _PLACEHOLDER: Final = re.compile(r"%\((?P<name>[^)]+)\)s|%%")
 
 @dataclass(frozen=True)
 class RawStatement:
-    """One statement compiled once for the psycopg fast path.
+    """One statement compiled once for the psycopg path.
 
     The values SQLAlchemy bound for literals (``'done'``, 1, ``NULL``) are written into the SQL
     text: they never change, and psycopg would otherwise adapt and send each of them on every
@@ -152,11 +181,11 @@ class RawSession:
 
     Errors come out as SQLAlchemy would raise them (a driver error wrapped in its
     :class:`sqlalchemy.exc.DBAPIError` subclass, the connection invalidated on a disconnect), so
-    :meth:`SQLStore._translate_errors` maps them exactly as on the SQLAlchemy path.
+    ``SQLStore._translate_errors`` maps them exactly as on the SQLAlchemy path.
     """
 
-    def __init__(self, store: SQLStore, fairy: Any) -> None:
-        self._store = store
+    def __init__(self, path: PsycopgPath, fairy: Any) -> None:
+        self._path = path
         self._fairy = fairy
         driver = fairy.driver_connection
         self._driver = driver
@@ -186,7 +215,7 @@ class RawSession:
         return cursor
 
     def execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
-        raw = self._store._raw_statement(statement)
+        raw = self._path.statement(statement)
         query: bytes | str
         values: Sequence[Any] | Mapping[str, Any]
         keep = self._raw_cursor is not None
@@ -208,17 +237,23 @@ class RawSession:
             # A kept cursor holds its last result until the next verb: not a large one.
             keep = keep and (data is None or len(data) <= KEPT_RESULT_BYTES)
             return cursor.rowcount, out
-        except self._store._engine.dialect.loaded_dbapi.Error as exc:
+        except self._path.engine.dialect.loaded_dbapi.Error as exc:
             keep = False  # the next verb starts on a fresh cursor (errors are rare)
-            dialect = self._store._engine.dialect
+            engine = self._path.engine
+            dialect = engine.dialect
             disconnect = dialect.is_disconnect(exc, self._fairy.dbapi_connection, cursor)
             if disconnect:
                 # Like SQLAlchemy: drop this connection, and every pooled connection older
-                # than now on its next checkout (a server restart killed them all).
-                self._store._engine.pool._invalidate(self._fairy, exc)
+                # than now on its next checkout (a server restart killed them all). Pool's
+                # private _invalidate (listed in celery_idem.accel); without it, this one only.
+                invalidate = getattr(engine.pool, "_invalidate", None)
+                if invalidate is not None:
+                    invalidate(self._fairy, exc)
+                else:  # pragma: no cover - SQLAlchemy 2.0-2.1 have it
+                    self._fairy.invalidate(exc)
             raise sa_exc.DBAPIError.instance(
                 raw.sql, raw.values(params), exc, dialect.loaded_dbapi.Error,
-                hide_parameters=self._store._engine.hide_parameters,
+                hide_parameters=engine.hide_parameters,
                 connection_invalidated=disconnect, dialect=dialect,
             ) from exc
         except BaseException:

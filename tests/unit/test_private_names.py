@@ -44,7 +44,7 @@ ALLOWED = frozenset({
     ("results.py", "_get_result_meta"),  # (h2) the result fold: the meta Celery would write
     ("results.py", "_set_with_state"),  # (h2) the result fold: the key-value backend's write
     ("results.py", "_value"),  # (h2) a chord barrier's count
-    ("task.py", "_dump_pydantic_arguments"),  # (h2) Celery >= 5.7's pydantic argument dump
+    ("identity.py", "_dump_pydantic_arguments"),  # Celery >= 5.7's pydantic argument dump
 })
 
 

@@ -28,6 +28,7 @@ from celery import Celery
 from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 
 from . import probe, timelimits
+from .accel.celery_compat import worker_connection
 from .config import forget_settings, settings
 from .durability import check_replication, check_store
 from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers
@@ -298,7 +299,7 @@ def _store_setting(app: Celery) -> str:
 
 
 def _broker_driver(sender: Any, app: Celery) -> str:
-    conn = getattr(sender, "_conninfo", None)
+    conn = worker_connection(sender)
     try:
         if conn is None:
             conn = app.connection_for_read()

@@ -3,8 +3,9 @@
 ``IdempotentTask.apply_async`` asks :func:`answer_from_record` before publishing: a key that is
 already done (or failed terminally) is answered with a :class:`CachedResult`, and nothing is
 published. The record is read first, or within the publish when the broker can take that
-(:class:`EnqueueCheck`); :func:`check_enqueue` is the whole check, attaching to an action
-under way included. :func:`unsendable` names the argument the message serializer refused.
+(an acceleration, :class:`~celery_idem.accel.enqueue_check.EnqueueCheck`, plugged in at
+:func:`enqueue_check`); :func:`check_enqueue` is the whole check, attaching to an action under
+way included. :func:`unsendable` names the argument the message serializer refused.
 """
 
 from __future__ import annotations
@@ -15,29 +16,31 @@ from typing import TYPE_CHECKING, Any
 from uuid import uuid4 as uuid
 
 from celery import Celery
-from celery._state import task_join_will_block
+from celery.app import app_or_default
 from celery.app.task import Context
 from celery.result import AsyncResult, EagerResult
-from celery.signals import before_task_publish
 from celery.states import FAILURE, SUCCESS
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
+from .accel.celery_compat import fire_full_barriers
+from .accel.enqueue_check import EnqueueCheck
 from .app import emit_answer
 from .attach import attach, may_attach
+from .config import settings
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .gate import Gate
 from .identity import HEADER
 from .records import Record, Reservation, State
-from .results import ResultWriter, answer_task_id, fire_full_barriers, store_answer
+from .results import ResultWriter, answer_task_id, store_answer
 
 if TYPE_CHECKING:
     from celery import Task
 
 __all__ = [
     "CachedResult", "EnqueueCheck", "answer_from_record", "answer_request", "check_enqueue",
-    "restore_cached", "unsendable",
+    "enqueue_check", "restore_cached", "unsendable",
 ]
 
 logger = logging.getLogger("celery_idem")
@@ -81,7 +84,7 @@ class CachedResult(EagerResult):  # type: ignore[misc]
         backend's result consumer hands this id's stored meta back during ``join_native``
         (a chosen id has the outcome stored, the original id has the run's result), and then
         the barrier is fired if it counted every result (see
-        :func:`celery_idem.results.fire_full_barriers`). It is never counted twice: that
+        :func:`celery_idem.accel.celery_compat.fire_full_barriers`). It is never counted twice: that
         would fire it while other results of the set are still pending.
         """
         if self.backend is not None and self.backend.is_async:
@@ -116,7 +119,8 @@ class CachedResult(EagerResult):  # type: ignore[misc]
         return meta
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return restore_cached, (self.id, self._result, self._state, self._name,
+        # The public result and state (EagerResult's _result and _state through its meta).
+        return restore_cached, (self.id, self.result, self.state, self._name,
                                  self.idempotency_key, self.original_task_id)
 
     def __repr__(self) -> str:
@@ -132,12 +136,9 @@ class CachedResult(EagerResult):  # type: ignore[misc]
 def restore_cached(task_id: str, value: Any, state: str, name: str | None, key: str,
                     original_task_id: str) -> CachedResult:
     """Unpickle (or copy) a :class:`CachedResult`, bound to the current app."""
-    from celery import current_app
-
     rec = Record(key=key, state=State.DONE if state == SUCCESS else State.FAILED, token=0,
                  task_id=original_task_id)
-    return CachedResult(rec, value, state, name, task_id=task_id,
-                        app=current_app._get_current_object())
+    return CachedResult(rec, value, state, name, task_id=task_id, app=app_or_default())
 
 
 def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: Exception) -> TypeError:
@@ -170,7 +171,7 @@ def answer_from_record(
 
     One store round trip (the record's read), plus one to store the answer under a task id
     the caller chose (see :func:`celery_idem.results.store_answer`). With ``record`` (read
-    already, by the publish: see :class:`EnqueueCheck`), no read.
+    already, by the publish: see :func:`enqueue_check`), no read.
 
     Args:
         task: The task being enqueued.
@@ -263,170 +264,18 @@ def answer_request(
     return Context(fields)
 
 
-#: celery_idem.accel.redis_enqueue, imported on first use (it needs kombu's Redis transport).
-_fused: Any = None
-_REDIS_STORE_MODULE = "celery_idem.stores.redis"
+def enqueue_check(app: Any) -> EnqueueCheck | None:
+    """The seam of the enqueue check within the publish: a task's :class:`EnqueueCheck`, or None.
 
-#: The Celery backends whose ``on_task_call`` leaves nothing to undo when a publish turns out
-#: to be answered from the record (by name: importing them needs their client libraries).
-_NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
-
-
-class EnqueueCheck:
-    """How one task's enqueue check reads the record: before the publish, or within it.
-
-    Read first, the check is a round trip of its own on every enqueue. With kombu's Redis
-    transport on the same server and database as a plain Redis store, it can ride on the
-    publish instead (:mod:`celery_idem.accel.redis_enqueue`): one round trip, and the check
-    and the push are one atomic step. The price falls on an enqueue that *is* answered from
-    the record: Celery has built and encoded its message by then (and subscribed to its result
-    when the backend is Redis: undone here). So the check rides on the publish while few of
-    this task's enqueues are answered (a running share, :attr:`THRESHOLD`), and reads first
-    when many are (duplicates): both ways answer the same enqueues the same way.
-
-    Not used (the record is read first) in eager mode, with a ``before_task_publish`` receiver
-    (it would hear of a message that is never sent), or with a result backend whose
-    ``on_task_call`` does something this cannot undo.
+    None with accelerations off (``idempotency_accelerate``, ``CELERY_IDEM_ACCELERATE``): the
+    record is read first, then the message published (the plain path). Otherwise
+    :class:`celery_idem.accel.enqueue_check.EnqueueCheck`, which chooses per enqueue.
     """
-
-    #: The weight of each enqueue in the running share of enqueues answered from the record.
-    WEIGHT = 1 / 16
-    #: At or above this share the record is read first. An answered enqueue costs about five
-    #: times more within the publish (the message built and encoded for nothing) than a read
-    #: first costs every enqueue: break-even near 0.2 (docs/benchmarks.md).
-    THRESHOLD = 0.2
-
-    __slots__ = ("_backend", "_undo", "answered", "possible")
-
-    def __init__(self) -> None:
-        self.answered = 0.0
-        self.possible = True  # False once the broker turned out not to take the fused publish
-        self._backend: Any = None
-        self._undo: Callable[[str], None] | None = None
-
-    def _undo_for(self, backend: Any) -> Callable[[str], None] | None:
-        if backend is not self._backend:  # the app's backend is built once (thread-local)
-            self._backend, self._undo = backend, _undo_for(backend)
-        return self._undo
-
-    def saw(self, answered: bool) -> None:
-        """Count one checked enqueue (answered from the record, or published)."""
-        self.answered += ((1.0 if answered else 0.0) - self.answered) * self.WEIGHT
-
-    def within_publish(self, task: Task, gate: Gate) -> bool:
-        """Whether this enqueue tries the check within the publish."""
-        if not self.possible or self.answered >= self.THRESHOLD:
-            return False
-        if _fused is None:
-            # Only a Redis store can take it: never import the Redis side for another store
-            # (an install without redis-py, the SQL extra alone, has none).
-            if type(gate.store).__module__ != _REDIS_STORE_MODULE:
-                self.possible = False
-                return False
-            from .accel import redis_enqueue
-
-            globals()["_fused"] = redis_enqueue
-        if type(gate.store) is not _fused.RedisStore:
-            self.possible = False
-            return False
-        app = task.app
-        if app.conf.task_always_eager or before_task_publish.receivers:
-            return False
-        return self._undo_for(app.backend) is not None
-
-    def publish(
-        self, task: Task, gate: Gate, key: str, header: str, producer: Any, task_id: str | None,
-        send: Callable[[Any, str], AsyncResult], *, attach: bool = False,
-        reserve: tuple[str, str, int] | None = None,
-    ) -> AsyncResult | Record | Reservation | None:
-        """Publish with the check within; what was found instead, if it answers the enqueue.
-
-        Args:
-            task: The task being enqueued.
-            gate: Its gate (the store).
-            key: The idempotency key.
-            header: The message header that carries the key.
-            producer: The caller's producer, or None (one is acquired from the app's pool).
-            task_id: The task id the caller chose, or None (a new one).
-            send: Publishes with the given producer and task id (``Task.apply_async``).
-            attach: The enqueue may attach to an action under way: a record in progress is
-                handed back too (nothing published).
-            reserve: With ``attach``, reserve the key for the message pushed (``task_id``, the
-                fingerprint or "", the lease in ms), or hand back another message's
-                reservation (``celery_idem.attach``).
-
-        Returns:
-            The result of the publish; the record or the reservation found (nothing was
-            published); or None when the broker cannot take the check (nothing was
-            published: read first, then publish).
-
-        Raises:
-            kombu.exceptions.EncodeError: The message cannot be encoded; nothing was sent and
-                the record was not read (the caller reads it: a done key is still answered).
-        """
-        fused = _fused
-        assert fused is not None  # within_publish imported it
-        store: Any = gate.store
-        app = task.app
-        with app.producer_or_acquire(producer) as prod:
-            if not fused.fuse(prod.channel, store):
-                self.possible = False
-                return None
-            sent_id = task_id or str(uuid())
-            if reserve is not None:
-                reserve = (sent_id, *reserve[1:])
-            token = fused.begin(store, key, header, reserve if attach else None)
-            try:
-                result = send(prod, sent_id)
-            except fused.ReservationFound as exc:
-                undo = self._undo_for(app.backend)
-                if undo is not None:
-                    undo(sent_id)
-                self.saw(True)
-                return exc.reservation
-            except (fused.RecordFound, EncodeError) as exc:
-                # Not sent: the result subscription Celery made for it is not wanted.
-                undo = self._undo_for(app.backend)
-                if undo is not None:
-                    undo(sent_id)
-                if isinstance(exc, EncodeError):
-                    raise
-                self.saw(True)
-                return exc.record
-            finally:
-                fused.end(token)
-        self.saw(False)
-        return result
-
-
-def _undo_for(backend: Any) -> Callable[[str], None] | None:
-    """What undoes ``backend.on_task_call`` for a message that was not sent.
-
-    None for an ``on_task_call`` this does not know: the check is then made before publishing.
-    """
-    on_task_call = getattr(type(backend), "on_task_call", None)
-    if on_task_call is None or getattr(on_task_call, "__module__", "") in _NOTHING_TO_UNDO:
-        return _nothing
-    from celery.backends.redis import RedisBackend
-
-    if on_task_call is RedisBackend.on_task_call:
-        consumer = backend.result_consumer
-
-        def undo(task_id: str) -> None:
-            # As on_task_call subscribed (not from within a worker's task: it would block).
-            if not task_join_will_block():
-                consumer.cancel_for(task_id)
-
-        return undo
-    return None
-
-
-def _nothing(task_id: str) -> None:
-    """Undo an ``on_task_call`` that did nothing (or only declared a reply queue)."""
+    return EnqueueCheck() if settings(app).accelerate else None
 
 
 def check_enqueue(
-    task: Task, gate: Gate, check: EnqueueCheck, writer: ResultWriter | None, key: str,
+    task: Task, gate: Gate, check: EnqueueCheck | None, writer: ResultWriter | None, key: str,
     args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, task_id: str | None,
     producer: Any, options: dict[str, Any],
     fingerprint: Callable[[], str | None], publish: Callable[[Any, str], AsyncResult],
@@ -434,8 +283,9 @@ def check_enqueue(
     """The enqueue check: what the key's record (or reservation) says about this enqueue.
 
     ``IdempotentTask.apply_async`` asks it before publishing a call that may be answered (not a
-    retry, a re-queue or a canvas publish), with the task's gate, :class:`EnqueueCheck` and
-    result writer; ``publish`` sends the message under the task id it is given.
+    retry, a re-queue or a canvas publish), with the task's gate, its :class:`EnqueueCheck`
+    (None: read first, see :func:`enqueue_check`) and result writer; ``publish`` sends the
+    message under the task id it is given.
 
     Returns:
         The answer (a published message's result, a :class:`CachedResult` from the record,
@@ -451,7 +301,7 @@ def check_enqueue(
     lease = task.idempotency_config.lease
     found: Record | Reservation | None = None
     read = False
-    if check.within_publish(task, gate):
+    if check is not None and check.within_publish(task, gate):
         # One round trip: the record is read by the script that pushes the message.
         reserve = (sent_id, fingerprint() or "", max(int(lease * 1000), 1)) \
             if reserving and sent_id else None
@@ -485,7 +335,7 @@ def check_enqueue(
         )
     elif attaching and found is not None:
         answer = attach(task, gate, key, found, args, kwargs, options, fingerprint)
-    if not read:
+    if not read and check is not None:
         check.saw(answer is not None)
     if answer is not None:
         return answer

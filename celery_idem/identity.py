@@ -18,6 +18,7 @@ from typing import Any
 
 from celery.app.task import Context
 
+from .accel.celery_compat import dump_pydantic_arguments
 from .exceptions import InvalidKey
 from .keys import (
     MAX_CALLER_KEY,
@@ -162,10 +163,7 @@ def key_arguments(
     failed = failed_request(args)
     if failed is not None:
         args = (failed.id, *(None for _ in args[1:3]), *args[3:])
-    dump = getattr(task, "_dump_pydantic_arguments", None)  # Celery >= 5.7
-    if dump is not None:
-        args, kwargs = dump(args, kwargs)
-    return args, kwargs
+    return dump_pydantic_arguments(task, args, kwargs)  # not switched: the key is made of them
 
 
 def bind(

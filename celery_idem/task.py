@@ -38,15 +38,14 @@ from . import identity, timelimits
 from .app import check_worker, emit_decision, get_store, owner_id
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
-from .dbresults import result_writer
 from .delivery import REQUEUES_HEADER, deliver
-from .enqueue import CachedResult, EnqueueCheck, check_enqueue, restore_cached, unsendable
+from .enqueue import CachedResult, EnqueueCheck, check_enqueue, enqueue_check, restore_cached, unsendable
 from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
 from .identity import HEADER, failed_request, message_time
 from .keys import bind_arguments, signature_of
 from .lease import current_lease
-from .results import ResultWriter
+from .results import ResultWriter, result_writer
 
 if TYPE_CHECKING:
     from .contrib.django.receipts import DjangoReceiptTransaction
@@ -173,8 +172,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return None
 
     @cached_property
-    def _enqueue_check(self) -> EnqueueCheck:
-        return EnqueueCheck()
+    def _enqueue_check(self) -> EnqueueCheck | None:
+        return enqueue_check(self.app)
 
     @cached_property
     def _result_writer(self) -> ResultWriter | None:

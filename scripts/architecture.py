@@ -52,7 +52,7 @@ RANKS = {"addons": 3, "seam": 2, "core": 1}
 SEAM = {
     "celery_idem", "celery_idem.task", "celery_idem.identity", "celery_idem.app",
     "celery_idem.attach", "celery_idem.enqueue", "celery_idem.delivery", "celery_idem.results",
-    "celery_idem.dbresults", "celery_idem.receipts", "celery_idem.ops", "celery_idem.timelimits",
+    "celery_idem.receipts", "celery_idem.ops", "celery_idem.timelimits",
     "celery_idem.durability", "celery_idem.probe",
 }
 

@@ -10,10 +10,15 @@ module                      plain path (seam)                    accelerated pat
 :mod:`.redis_wire`          ``RedisStore._scripts``: redis-py's  ``EVALSHA``/``GET`` packed once
                             registered ``Script`` objects        and sent on a pooled connection
                             (``run(name, keys, args)``)          without redis-py's per-call layers
-:mod:`.redis_enqueue`       the enqueue check reads the record,  the record is checked by the
-                            then publishes (two round trips)     script that pushes the message
-                                                                 (``celery_idem.enqueue.
-                                                                 EnqueueCheck``; one round trip)
+:mod:`.redis_enqueue`,      the enqueue check reads the record,  the record is checked by the
+:mod:`.enqueue_check`       then publishes (two round trips)     script that pushes the message
+                            (``enqueue.enqueue_check``: None)    (one round trip), chosen per
+                                                                 task on a running share
+:mod:`.redis_results`,      Celery's own result write: the task  the result written in the
+:mod:`.db_results`,         returns, the tracer stores it        record's round trip (the
+:mod:`.sql_taskmeta`        (``results.result_writer``: None)    stores' seam:
+                                                                 ``Store.record_with``), or
+                                                                 directly without the ``GET``
 :mod:`.sql_psycopg`         ``SQLStore._session``: SQLAlchemy    PostgreSQL + psycopg 3: prepared
                             ``Connection.execute``               statements on the pooled psycopg
                                                                  connection itself
@@ -25,16 +30,25 @@ The switch (:func:`enabled`): on by default; off when the environment variable
 ``CELERY_IDEM_ACCELERATE`` is ``0``, ``false``, ``no`` or ``off`` (it wins), or when the app
 setting ``idempotency_accelerate`` is False (the stores' ``accelerate`` option). With it off
 each store behaves the same, through its plain path only (``make test-plain`` runs the fast
-tier and the store contract that way).
+tier and the store contract that way), no result writer folds and the enqueue check reads
+first. ``idempotency_fold_results = False`` turns the result fold alone off.
+
+:mod:`.celery_compat` is not an acceleration: it holds the private names the core needs
+whatever the switch says (the pydantic argument dump the key is made of, a result set's
+barrier, the worker's broker connection), each behind a named function with its fallback. They
+are **not switched**: the key of an action, a pickled ``CachedResult`` and a result set's wait
+are the same with accelerations on and off.
 
 Other libraries' private names used here
 ----------------------------------------
 
-Nothing outside this package reaches into another library's private names except the few
-listed in ``tests/unit/test_private_names.py`` (not moved yet). :data:`PRIVATE_NAMES` lists the
-ones used here, with the versions checked (celery 5.4.0, 5.5.3, 5.6.3, 5.7.0; kombu of the
-same minors; redis-py 5.x-8.2.0 as those kombus resolve it; SQLAlchemy 2.1.9; psycopg 3.3.9)
-and what happens when one is missing: the acceleration steps aside and the plain path runs.
+Nothing outside this package reaches into another library's private names
+(``tests/unit/test_private_names.py``; Django's documented ``Model._meta`` aside).
+:data:`PRIVATE_NAMES` lists the ones used here, with the versions checked (celery 5.4.0,
+5.5.3, 5.6.3, 5.7.0; kombu of the same minors; redis-py 5.x-8.2.0 as those kombus resolve
+it; SQLAlchemy 2.1.9; psycopg 3.3.9) and what happens when one is missing: the acceleration
+steps aside and the plain path runs (for :mod:`.celery_compat`'s, each entry says what it
+does instead).
 """
 
 from __future__ import annotations
@@ -95,6 +109,27 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "kwargs.get: absent before 5.7"),
     PrivateName("kombu", "serialization.registry._encoders", "kombu_json.json_shortcut",
                 "kombu 5.4.0-5.7.0", "missing or not kombu's own json entry: kombu's dumps"),
+    PrivateName("celery", "RedisBackend._get_result_meta", "redis_results.RedisResultWriter.build",
+                "celery 5.4.0-5.7.0", "missing: no writer, Celery writes the result (the plain path)"),
+    PrivateName("celery", "RedisBackend._set_with_state", "redis_results.RedisResultWriter.write",
+                "celery 5.4.0-5.7.0", "as _get_result_meta"),
+    PrivateName("celery", "RedisBackend._MAX_STR_VALUE_SIZE", "redis_results.RedisResultWriter",
+                "celery 5.4.0-5.7.0", "getattr default None: no size check before the fold (the "
+                "backend's own limit is what is checked)"),
+    PrivateName("celery", "DatabaseBackend._update_result", "db_results.DatabaseResultWriter.build",
+                "celery 5.4.0-5.7.0", "missing: no writer, Celery writes the row (the plain path)"),
+    PrivateName("celery", "celery._state", "enqueue_check._undo_for (task_join_will_block)",
+                "celery 5.4.0-5.7.0", "ImportError: no undo for the Redis backend's subscription, "
+                "so the record is read first (the plain path)"),
+    PrivateName("celery", "Task._dump_pydantic_arguments", "celery_compat.dump_pydantic_arguments",
+                "celery 5.7.0 (absent in 5.4.0-5.6.3)", "not switched (the key is made of the "
+                "dumped arguments); missing: the arguments as given, as those Celerys send them"),
+    PrivateName("vine", "barrier._value", "celery_compat.fire_full_barriers", "vine 5.1.0 (celery "
+                "5.4.0-5.7.0)", "not switched (a result set's wait); missing: no barrier fired "
+                "here, so join_native over cached results only may wait"),
+    PrivateName("celery", "WorkController._conninfo", "celery_compat.worker_connection",
+                "celery 5.4.0-5.7.0", "not switched (a warning's broker driver); missing: the "
+                "app's connection_for_read(), the same driver"),
     PrivateName("sqlalchemy", "SQLCompiler._bind_processors", "sql_psycopg.RawStatement.compile",
                 "SQLAlchemy 2.0, 2.1.9", "getattr default {}: values sent unprocessed (psycopg "
                 "adapts bytes itself)"),

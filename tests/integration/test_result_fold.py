@@ -23,9 +23,9 @@ from celery.app.trace import build_tracer
 from celery.backends.redis import RedisBackend
 
 from celery_idem import IdempotentTask
-from celery_idem.dbresults import result_writer
 from celery_idem.exceptions import LeaseLost
 from celery_idem.records import State
+from celery_idem.results import result_writer
 from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore
 from tests.conftest import PG_URL, require

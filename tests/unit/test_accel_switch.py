@@ -7,9 +7,11 @@ its seam (the Redis store's ``_scripts``, the SQL store's ``_psycopg``).
 from __future__ import annotations
 
 import pytest
+from celery import Celery
 
-from celery_idem import accel
+from celery_idem import IdempotentTask, accel
 from celery_idem.accel.redis_wire import WireScripts
+from celery_idem.results import result_writer
 from celery_idem.stores import store_from_url
 from celery_idem.stores.redis import RedisStore, Scripts
 from celery_idem.stores.sql import SQLStore
@@ -85,3 +87,38 @@ def test_switched_off_every_store_keeps_to_its_plain_path(
 def test_a_store_without_accelerations_is_built_as_before_from_the_same_options() -> None:
     store = store_from_url("memory://", options={"accelerate": False})
     store.close()
+
+
+def _fold_app(**conf: object) -> Celery:
+    # The store derived from the Redis result backend: the same server, so the result folds.
+    app = Celery("test_accel_fold", broker="memory://", backend=REDIS, set_as_current=False)
+    app.conf.update(**conf)
+
+    @app.task(shared=False, name="accel.fold", base=IdempotentTask)
+    def fold(order_id: str) -> str:
+        return order_id
+
+    return app
+
+
+@pytest.mark.parametrize("off", ["env", "setting"])
+def test_with_accelerations_off_no_result_writer_folds_and_the_check_reads_first(
+    monkeypatch: pytest.MonkeyPatch, off: str
+) -> None:
+    on = _fold_app().tasks["accel.fold"]
+    writer = on._result_writer
+    assert writer is not None and writer.folds  # the control: on, the result rides on the record
+    assert result_writer(on, on._gate.store) is not None and on._enqueue_check is not None
+    if off == "env":
+        monkeypatch.setenv(accel.ENV, "0")
+        task = _fold_app().tasks["accel.fold"]
+    else:
+        task = _fold_app(idempotency_accelerate=False).tasks["accel.fold"]
+    # No writer: the gate gets no fold and Celery's tracer writes the result (the plain path);
+    # no EnqueueCheck: the record is read before publishing.
+    assert task._result_writer is None and result_writer(task, task._gate.store) is None
+    assert task._enqueue_check is None
+    # Not switched: the key of an action is the same either way.
+    assert task.idempotency_key_for(("o-1",), {}) == on.idempotency_key_for(("o-1",), {})
+    for t in (on, task):
+        t.backend.client.close()

@@ -15,7 +15,8 @@ from celery_idem.config import DEFAULT_PREFIX, Settings, forget_settings, settin
 PACKAGE = Path(config.__file__).parent
 
 
-def test_defaults() -> None:
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(config.ACCELERATE_ENV, raising=False)  # make test-plain sets it
     app = Celery("test_settings_defaults", set_as_current=False)
     read = settings(app)
     assert read == Settings()

@@ -18,6 +18,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ... import accel
 from ...accel.sql_psycopg import PsycopgPath, RawSession, psycopg_path
+from ...accel.sql_taskmeta import TaskMetaWrite, build_fold, fold_params
 from ...config import DEFAULT_PREFIX
 from ...exceptions import StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
@@ -29,7 +30,6 @@ from .predicates import HOLDS, ClaimArgs, ClaimRaced, claim_params, claim_templa
 from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, record_from_row, records_table
 from .session import Outcome, Row, SASession, Statement
 from .statements import VerbStatements
-from .taskmeta import TaskMetaWrite, build_fold, fold_params
 
 __all__ = ["SQLStore"]
 
@@ -87,7 +87,7 @@ class SQLStore(Store):
         # acceleration, see the module doc); None: through SQLAlchemy, the plain path.
         self._psycopg: PsycopgPath | None = (
             psycopg_path(self._engine) if accel.enabled(accelerate) else None)
-        # record_with's statements, per Celery result table and column set (see taskmeta).
+        # record_with's statements, per Celery result table and column set (accel.sql_taskmeta).
         self._folds: dict[tuple[sa.Table, tuple[str, ...]], sa.Select[Any]] = {}
         self._fold_refused = False
 
@@ -333,11 +333,12 @@ class SQLStore(Store):
     ) -> bool:
         """:meth:`record`, and Celery's database result row in the same statement (PostgreSQL).
 
-        ``also`` is folded when it is a :class:`~celery_idem.stores.sql.taskmeta.TaskMetaWrite`
-        (built by :mod:`celery_idem.dbresults` for a ``db+postgresql://`` result backend on
-        this store's database): the record's fenced UPDATE and Celery's upsert of the row are
-        one statement, so the row is written exactly when the record is. Otherwise, or on
-        another dialect, only the record is written.
+        The result fold's seam (an acceleration, :mod:`celery_idem.accel.db_results`): ``also``
+        is folded when it is a :class:`~celery_idem.accel.sql_taskmeta.TaskMetaWrite` (built
+        for a ``db+postgresql://`` result backend on this store's database): the record's
+        fenced UPDATE and Celery's upsert of the row are one statement, so the row is written
+        exactly when the record is. Otherwise, or on another dialect, only the record is
+        written.
 
         Returns:
             True when Celery's row was written in the record's statement, else False.

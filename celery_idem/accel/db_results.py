@@ -1,10 +1,13 @@
 """Celery's database result backend, its result row written in the record's own statement.
 
+An acceleration (see :mod:`celery_idem.accel`), as :mod:`.redis_results`; the plain path is
+Celery's own result write.
+
 With ``result_backend = "db+postgresql://..."`` and the idempotency store in the same database
 (the default: the store is derived from ``result_backend``), a plain Celery worker stores each
 result through the backend's ORM session (a pre-ping, a SELECT, an INSERT, an UPDATE, a COMMIT)
 after an ``IdempotentTask`` has recorded it in its own transaction. Here the record's fenced
-UPDATE writes Celery's row too (:mod:`celery_idem.stores.sql.taskmeta`): one statement, one
+UPDATE writes Celery's row too (:mod:`.sql_taskmeta`, through ``SQLStore.record_with``): one statement, one
 commit, and the tracer's own write is skipped, as with the Redis fold.
 
 The row's values are Celery's own: the backend's ``encode_result`` and ``_update_result`` fill a
@@ -14,11 +17,12 @@ its tables as usual, through its own session, before the first fold.
 
 Left to Celery, as for the Redis fold: eager runs, ignored results, callbacks, chains and
 chords, a backend class that stores results its own way, a store in another database or of
-another dialect, and ``idempotency_fold_results = False``. An answer for a duplicate (the
+another dialect, ``idempotency_fold_results = False``, and accelerations off. An answer for a duplicate (the
 record was written earlier) is stored by the backend's own ``store_result``.
 
 :func:`result_writer` chooses a task's writer: this module's, else the Redis backend's
-(:mod:`celery_idem.results`, which this module builds on).
+(:mod:`.redis_results`, which this module builds on); :func:`celery_idem.results.result_writer`
+(the seam) asks it only with accelerations on and ``idempotency_fold_results`` True.
 """
 
 from __future__ import annotations
@@ -28,20 +32,9 @@ from typing import Any, Final
 
 from celery.states import SUCCESS
 
-try:  # Celery 5.7 (the fallbacks as in celery_idem.results)
-    from celery.app.task import get_actual_ignore_result
-except ImportError:  # pragma: no cover - older Celery
-    try:  # Celery 5.6
-        from celery.app.trace import get_actual_ignore_result
-    except ImportError:  # Celery 5.4-5.5
-
-        def get_actual_ignore_result(task: Any, req: Any) -> bool:
-            """Whether no result is stored (the task's or the request's ``ignore_result``)."""
-            return bool(task.ignore_result or getattr(req, "ignore_result", False))
-
-from .config import settings
-from .results import ResultWriter, redis_result_writer
-from .stores.base import BackendWrite, Store
+from ..stores.base import BackendWrite, Store
+from .celery_compat import get_actual_ignore_result
+from .redis_results import RedisResultWriter, redis_result_writer
 
 __all__ = ["DatabaseResultWriter", "database_result_writer", "result_writer"]
 
@@ -56,7 +49,7 @@ _STORE_PATH: Final = ("mark_as_done", "store_result", "_store_result", "_update_
 _SAME_DATABASE: Final = ("host", "database", "username", "password")
 
 
-class DatabaseResultWriter(ResultWriter):
+class DatabaseResultWriter(RedisResultWriter):
     """Builds Celery's result row for the record's statement; never writes it itself.
 
     Attributes:
@@ -64,7 +57,7 @@ class DatabaseResultWriter(ResultWriter):
     """
 
     def __init__(self, task: Any, backend: Any) -> None:
-        # Not ResultWriter.__init__: its expiry and size limit are the Redis backend's.
+        # Not RedisResultWriter.__init__: its expiry and size limit are the Redis backend's.
         self._task = task
         self._backend = backend
         self.folds = True
@@ -90,7 +83,7 @@ class DatabaseResultWriter(ResultWriter):
             result: The value, or for ``FAILURE`` the exception.
             state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
         """
-        from .stores.sql.taskmeta import TaskMetaWrite
+        from .sql_taskmeta import TaskMetaWrite
 
         # The same cases as the Redis writer: Celery's own path is needed for these.
         if (
@@ -129,11 +122,13 @@ def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | No
         from celery.backends.database import DatabaseBackend
         from sqlalchemy.engine import make_url
 
-        from .stores.sql import SQLStore
+        from ..stores.sql import SQLStore
     except ImportError:  # no SQLAlchemy: neither the backend nor the store can exist
         return None
     backend = task.backend
     cls = type(backend)
+    if not hasattr(DatabaseBackend, "_update_result"):
+        return None  # a Celery without it: results are left to Celery (accel.PRIVATE_NAMES)
     if not isinstance(backend, DatabaseBackend) or any(
         getattr(cls, name, None) is not getattr(DatabaseBackend, name) for name in _STORE_PATH
     ):
@@ -151,7 +146,7 @@ def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | No
     return DatabaseResultWriter(task, backend)
 
 
-def result_writer(task: Any, store: Store) -> ResultWriter | None:
+def result_writer(task: Any, store: Store) -> RedisResultWriter | None:
     """``task``'s result writer for ``store``, or None when results are left to Celery.
 
     Args:
@@ -161,13 +156,10 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
     Returns:
         A :class:`DatabaseResultWriter` when the result backend is Celery's database backend
         on ``store``'s PostgreSQL database (the row rides on the record's statement). Else a
-        :class:`~celery_idem.results.ResultWriter` when it is Celery's Redis backend (or a
-        subclass that stores results the same way); its ``folds`` says whether ``store`` can
-        write the result in the record's round trip. None otherwise, or when
-        ``idempotency_fold_results`` is False.
+        :class:`~celery_idem.accel.redis_results.RedisResultWriter` when it is Celery's Redis
+        backend (or a subclass that stores results the same way); its ``folds`` says whether
+        ``store`` can write the result in the record's round trip. None otherwise.
     """
-    if not settings(task.app).fold_results:
-        return None
     database = database_result_writer(task, store)
     if database is not None:  # Celery's database backend on the store's PostgreSQL
         return database

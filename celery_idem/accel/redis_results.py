@@ -1,0 +1,146 @@
+"""Celery's result write, made in fewer round trips when the result backend is Redis.
+
+An acceleration (see :mod:`celery_idem.accel`); the plain path is Celery's own result write (the
+task returns its value and the tracer stores it), taken when accelerations are off or
+``idempotency_fold_results`` is False (:func:`celery_idem.results.result_writer`, the seam).
+
+After a body, a plain Celery worker stores the result with two round trips (the Redis
+backend first ``GET``\\ s the old meta so a late duplicate cannot overwrite a success, then
+``SET``\\ s the meta and ``PUBLISH``\\ es it); an ``IdempotentTask`` adds its own record before
+that. Two shortcuts, both with the meta built by the backend's own methods (``encode_result``,
+``_get_result_meta``, ``encode``, ``get_key_for_task``), so it is byte for byte what Celery
+would store:
+
+* **Folded**: when the result backend and the idempotency store are the same Redis server and
+  database (the default: the store is derived from ``result_backend``), the record script
+  writes the backend's meta too (``Store.record_with``, the store's seam). One round trip
+  instead of three.
+* **Direct**: otherwise (a PostgreSQL store, a Redis store elsewhere, a duplicate answered from
+  its record), the task writes the meta with the backend's own ``set`` (``SET`` + ``PUBLISH``
+  in one pipeline, the backend's retry policy) and skips the ``GET``. One round trip instead
+  of two.
+
+Either way the tracer's own write is then skipped (``request.ignore_result``, which Celery
+checks in ``mark_as_done``). The ``GET`` is not needed: it keeps a late duplicate from
+overwriting a success, and here only the holder whose fenced record was accepted writes, or a
+duplicate that was answered with that same recorded result. When the direct write fails, Celery
+writes the result itself as usual (its ``result_backend_always_retry`` included). Neither
+shortcut is taken where Celery's own path is needed: eager runs, ignored results, callbacks,
+chains and chords (Celery stores those after it has sent the next tasks, so the meta can list
+them as children), or a backend class that overrides how results are stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.states import SUCCESS
+
+from ..stores.base import BackendWrite, Store
+from .celery_compat import get_actual_ignore_result
+
+__all__ = ["RedisResultWriter", "redis_result_writer"]
+
+logger = logging.getLogger("celery_idem")
+
+#: The backend methods between the tracer and the Redis write. A subclass that overrides one of
+#: them stores results its own way, so its results are left to Celery.
+_STORE_PATH = ("mark_as_done", "store_result", "_store_result", "_set_with_state", "set",
+               "_get_result_meta", "encode_result", "get_key_for_task")
+#: Celery's private names the writer calls (listed in celery_idem.accel.PRIVATE_NAMES).
+_PRIVATE = ("_get_result_meta", "_set_with_state")
+
+
+class RedisResultWriter:
+    """Builds a task's result writes and makes the direct one.
+
+    Attributes:
+        folds: True when the store can write the meta in the record's round trip.
+    """
+
+    def __init__(self, task: Any, backend: Any, folds: bool) -> None:
+        self._task = task
+        self._backend = backend
+        self.folds = folds
+        self._expires = int(backend.expires or 0)
+        self._limit = getattr(backend, "_MAX_STR_VALUE_SIZE", None)
+
+    def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
+        """The backend's write of ``result`` for ``request``, or None: leave it to Celery.
+
+        Args:
+            request: The task's request (its ``id`` is the result's id).
+            result: The value, or for ``FAILURE`` the exception.
+            state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
+        """
+        if (
+            request.is_eager or request.called_directly or not request.id
+            or request.callbacks or request.chain or request.chord
+            or get_actual_ignore_result(self._task, request)
+        ):
+            return None
+        backend = self._backend
+        meta = backend._get_result_meta(
+            result=backend.encode_result(result, state), state=state, traceback=None,
+            request=request,
+        )
+        meta["task_id"] = request.id
+        value = backend.encode(meta)
+        if self._limit is not None and isinstance(value, str) and len(value) > self._limit:
+            return None  # the backend refuses it with its own error
+        key = backend.get_key_for_task(request.id)
+        return BackendWrite(key=key.decode() if isinstance(key, bytes) else key, value=value,
+                            expires=self._expires)
+
+    def write(self, write: BackendWrite, state: str = SUCCESS) -> bool:
+        """Make ``write`` with the backend's own ``set`` (no ``GET`` first).
+
+        Returns:
+            True when it is written; False when it failed (logged at DEBUG) and Celery's own
+            write should follow.
+        """
+        try:
+            self._backend._set_with_state(write.key, write.value, state)
+        except Exception as exc:  # Celery's own write follows, with its own retries and errors
+            logger.debug("celery_idem direct result write of %s failed, left to Celery: %r",
+                         write.key, exc)
+            return False
+        return True
+
+
+def redis_result_writer(task: Any, store: Store) -> RedisResultWriter | None:
+    """``task``'s writer when its result backend is Celery's Redis backend, else None.
+
+    :func:`celery_idem.accel.db_results.result_writer` chooses a task's writer: Celery's
+    database backend's first, else this one (that module builds on this one, not the other
+    way round).
+
+    Args:
+        task: The Celery task (its ``backend`` is read).
+        store: The task's idempotency store.
+
+    Returns:
+        A :class:`RedisResultWriter` when the result backend is Celery's Redis backend (or a subclass
+        that stores results the same way); its ``folds`` says whether ``store`` can write the
+        result in the record's round trip. None otherwise.
+    """
+    try:
+        from celery.backends.redis import RedisBackend
+
+        from ..stores.redis import RedisStore, same_server
+    except ImportError:  # no redis-py: the backend is not Redis
+        return None
+    backend = task.backend
+    cls = type(backend)
+    if not all(hasattr(RedisBackend, name) for name in _PRIVATE):
+        return None  # a Celery without them: results are left to Celery (accel.PRIVATE_NAMES)
+    if not isinstance(backend, RedisBackend) or any(
+        getattr(cls, name, None) is not getattr(RedisBackend, name) for name in _STORE_PATH
+    ):
+        return None
+    # Exact types for the fold: a subclass (Sentinel's backend, a cluster store) may write
+    # elsewhere than the store's script can reach.
+    folds = (cls is RedisBackend and type(store) is RedisStore
+             and same_server(backend.client, store.client))
+    return RedisResultWriter(task, backend, folds)

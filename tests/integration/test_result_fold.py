@@ -1,4 +1,4 @@
-"""Celery's result write folded into the record's round trip (celery_idem/results.py).
+"""Celery's result write folded into the record's round trip (celery_idem/accel/redis_results.py).
 
 When the result backend and the store are one Redis server and database, the record script
 writes the backend's meta (SET + PUBLISH) and the tracer skips its own GET and SET. Otherwise
@@ -22,7 +22,7 @@ from celery import Celery
 from celery.app.trace import build_tracer
 from celery.backends.redis import RedisBackend
 
-from celery_idem import IdempotentTask
+from celery_idem import IdempotentTask, accel
 from celery_idem.exceptions import LeaseLost
 from celery_idem.records import State
 from celery_idem.results import result_writer
@@ -33,6 +33,11 @@ from tests.integration import app as app_module
 from tests.integration.conftest import Cluster
 from tests.integration.harness import RedisServer, wait_for
 from tests.stores.support import drop_table
+
+#: The tests of the fold itself (an acceleration): skipped with accelerations off, where the
+#: task has no result writer and Celery writes every result (the "setting_off" case below).
+fold_only = pytest.mark.skipif(not accel.enabled(),
+                               reason="the result fold is an acceleration (CELERY_IDEM_ACCELERATE off)")
 
 
 class _Spy:
@@ -108,6 +113,7 @@ def _meta(app: Celery, task_id: str) -> dict[str, Any]:
     return meta
 
 
+@fold_only
 def test_the_folded_meta_is_the_one_celery_writes_and_the_backend_writes_nothing(
     make_app: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -161,6 +167,7 @@ def test_celery_writes_the_result_itself_when_it_must(
             app.connection_for_write().default_channel.queue_purge(extra["callbacks"][0].options["queue"])
 
 
+@fold_only
 def test_a_store_elsewhere_gets_the_result_written_without_the_backends_get(
     make_app: Any, monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> None:
@@ -185,6 +192,7 @@ def test_a_store_elsewhere_gets_the_result_written_without_the_backends_get(
     store.client.delete(store.prefix + key)
 
 
+@fold_only
 def test_a_duplicate_answered_from_its_record_writes_that_result_without_a_get(
     make_app: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -200,6 +208,7 @@ def test_a_duplicate_answered_from_its_record_writes_that_result_without_a_get(
     store.client.delete(store.prefix + app.tasks["fold.charge"].idempotency_key_for(("o-dup", 9), {}))
 
 
+@fold_only
 def test_a_failed_direct_write_leaves_the_result_to_celery(
     make_app: Any, monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> None:
@@ -223,6 +232,7 @@ def test_a_failed_direct_write_leaves_the_result_to_celery(
     store.client.delete(store.prefix + app.tasks["fold.charge"].idempotency_key_for(("o-flaky", 3), {}))
 
 
+@fold_only
 def test_a_backend_that_stores_results_its_own_way_is_left_alone(make_app: Any) -> None:
     app = make_app()
 
@@ -241,6 +251,7 @@ def test_a_backend_that_stores_results_its_own_way_is_left_alone(make_app: Any) 
         own.client.close()
 
 
+@fold_only
 def test_a_sql_store_gets_the_result_written_without_the_backends_get(
     make_app: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -315,6 +326,8 @@ def _stats(client: redis.Redis) -> dict[str, int]:
 @pytest.mark.parametrize("mode", ["folded", "direct", "off"])
 def test_a_real_worker_stores_each_result_in_one_round_trip(make_cluster: Any, mode: str) -> None:
     """Backend on a private server (the store too, or on a second one): count what it is sent."""
+    if mode != "off" and not accel.enabled():
+        pytest.skip("the result fold is an acceleration (CELERY_IDEM_ACCELERATE off)")
     server = RedisServer()
     elsewhere = RedisServer() if mode == "direct" else None
     results: list[Any] = []

@@ -343,7 +343,7 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "one script (celery_idem/accel/redis_enqueue.py) reads the record and pushes the message; "
         "read first, the check is its own round trip before kombu's push (what happens with another "
         "broker, or when many of a task's enqueues are answered from the record: "
-        "`celery_idem.enqueue.EnqueueCheck`)."))
+        "`celery_idem.accel.enqueue_check.EnqueueCheck`)."))
 
     log("lease renewals ...")
     results["lease"] = _lease_trips(counting, prefix)
@@ -384,7 +384,8 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "the broker: the body, then the result written to the Redis backend. A plain task's result "
         "costs two round trips (the backend's `GET` of the old meta, then `SET` + `PUBLISH` in one "
         "pipeline). An `IdempotentTask` claims, then records with a script that also writes that meta "
-        "(celery_idem/results.py): two round trips as well. *store elsewhere* has its store on another "
+        "(celery_idem/accel/redis_results.py): two round trips as well. *store elsewhere* has its "
+        "store on another "
         "database of the server, so the record cannot carry the meta: the record, then the task's own "
         "`SET` + `PUBLISH` of the meta without the `GET`, three round trips. *result not folded* is the "
         "same task with `idempotency_fold_results = False`: the record, then Celery's own two. Timed "

@@ -8,9 +8,11 @@ hands them to :func:`deliver`, which
   :class:`~celery_idem.exceptions.StoreUnavailable` into a re-published message
   (:func:`requeue`), or, in a process with no broker to go back to (eager mode, a direct
   call), into another round in place or the error;
-* stores the result in the result backend in one round trip when it can
-  (:func:`write_result`, see ``celery_idem/results.py``), folded into the record's own store
-  call when the store and the backend are one Redis.
+* stores the result in the result backend in one round trip when it can (:func:`write_result`,
+  with the task's result writer: the result fold, an acceleration, see ``celery_idem/results.py``
+  and ``celery_idem/accel/redis_results.py``), folded into the record's own store call when
+  the store and the backend are one Redis. Without a writer (accelerations off, or
+  ``idempotency_fold_results = False``) Celery's tracer writes the result (the plain path).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
 
 
 def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> None:
-    """Store the result in one round trip (celery_idem/results.py), or leave it to Celery.
+    """Store the result in one round trip (celery_idem/accel/redis_results.py), or leave it to Celery.
 
     Args:
         writer: The task's result writer.

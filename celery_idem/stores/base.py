@@ -225,6 +225,9 @@ class Store(abc.ABC):
     ) -> bool:
         """:meth:`record`, and ``also`` in the same atomic step when the store can do that.
 
+        The stores' seam for the result fold, an acceleration (:mod:`celery_idem.accel.redis_results`,
+        :mod:`celery_idem.accel.db_results`): with accelerations off no task calls it.
+
         Returns:
             True when ``also`` was written with the record; False when only the record was
             (the default: the caller leaves the result to the backend). Raises what

@@ -50,7 +50,7 @@ from .results import ResultWriter
 
 if TYPE_CHECKING:
     from .contrib.django.receipts import DjangoReceiptTransaction
-    from .receipts import Receipt, ReceiptTransaction
+    from .contrib.receipts import Receipt, ReceiptTransaction
 
 __all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 
@@ -365,7 +365,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             req.idempotency_receipt_ = django_tx
             return django_tx
 
-        from .receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction  # needs sqlalchemy
+        # The SQLAlchemy receipt is an add-on (it needs sqlalchemy), imported only when asked for.
+        from .contrib.receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction
         read = settings(self.app)
         tx = ReceiptTransaction(
             session_or_connection,

@@ -35,12 +35,12 @@ from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
 from . import identity, timelimits
-from .app import check_worker, emit_decision, get_store, owner_id
+from .app import emit_decision, get_store, owner_id
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
 from .dbresults import result_writer
 from .delivery import REQUEUES_HEADER, deliver
-from .enqueue import CachedResult, EnqueueCheck, check_enqueue, restore_cached, unsendable
+from .enqueue import CachedResult, EnqueueCheck, check_enqueue, unsendable
 from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
 from .identity import HEADER, failed_request, message_time
@@ -59,11 +59,6 @@ __all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 adopt_celery_base()
 
 logger = logging.getLogger("celery_idem")
-
-#: Unpickles a CachedResult pickled when it lived in this module.
-_restore_cached = restore_cached
-#: The worker_init hook's old name (``celery_idem.app.check_worker``).
-_check_worker = check_worker
 
 #: The ``apply_async`` option that puts the call's key in a scope (a tenant, a principal).
 SCOPE_OPTION = "idempotency_scope"

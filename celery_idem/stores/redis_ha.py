@@ -45,10 +45,6 @@ __all__ = ["RedisClusterStore", "RedisSentinelStore"]
 #: to a task survives the failover that promotes that replica.
 DEFAULT_WAIT_REPLICAS = 1
 
-#: Settings of Celery's ``result_backend_transport_options`` the sentinel store also honours.
-SENTINEL_TRANSPORT_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
-
-
 def _split_hosts(url: str, scheme_hint: str) -> tuple[str, str, list[tuple[str, int]], str, str]:
     """``scheme://[auth@]h1:p1,h2:p2[/path][?query]`` -> (scheme, auth, hosts, path, query)."""
     scheme, sep, rest = url.partition("://")

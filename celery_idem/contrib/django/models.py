@@ -2,7 +2,7 @@
 
 The models exist for migrations and the admin; the store and the receipts never write through
 the ORM (each verb is one conditional statement, see :mod:`.store`). The table, column and type
-choices match :func:`celery_idem.stores.sql._build_table` and
+choices match :func:`celery_idem.stores.sql.records_table` and
 :func:`celery_idem.contrib.receipts.receipts_table`: ``VARCHAR(255)`` keys (binary collation on MySQL),
 ``BIGINT`` tokens, ``DOUBLE`` clock values (epoch seconds, database clock) and ``BYTEA`` /
 ``LONGBLOB`` / ``BLOB`` data. A table made by either path is used as it is by the other

@@ -566,9 +566,9 @@ def sql_floor(pg_url: str, n: int) -> dict[str, Timing]:
     import psycopg
     import sqlalchemy as sa
 
-    from celery_idem.stores.sql import _build_engine, _sqlalchemy_url
+    from celery_idem.stores.sql.engine import build_engine, sqlalchemy_url
 
-    sa_url = _sqlalchemy_url(pg_url)
+    sa_url = sqlalchemy_url(pg_url)
     out: dict[str, Timing] = {}
     dsn = sa_url.set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(dsn, autocommit=True) as conn, conn.cursor() as cur:
@@ -577,7 +577,7 @@ def sql_floor(pg_url: str, n: int) -> dict[str, Timing]:
             cur.fetchone()
 
         out["SELECT 1 (psycopg)"] = time_calls(raw, n, warm=50)
-    engine = _build_engine(sa_url, {})
+    engine = build_engine(sa_url, {})
     select_one = sa.text("SELECT 1")
 
     def pooled(i: int) -> None:
@@ -615,13 +615,14 @@ def sql_claim_build(pg_url: str, prefix: str, table: str, n: int) -> Timing | No
     """``SQLStore._claim_postgresql`` up to its ``execute`` (building or looking up the statement,
     binding the arguments), with a connection that stops there. None if the internals changed."""
     try:
-        from celery_idem.stores.sql import SQLStore, _ClaimArgs
+        from celery_idem.stores.sql import SQLStore
+        from celery_idem.stores.sql.predicates import ClaimArgs
 
         store = SQLStore.from_url(pg_url, prefix=prefix, table_name=table)
         conn = _NoConn()
 
         def build(i: int) -> None:
-            args = _ClaimArgs(f"{prefix}k{i}", OWNER, "t", 0, 60.0, 86400.0, None)
+            args = ClaimArgs(f"{prefix}k{i}", OWNER, "t", 0, 60.0, 86400.0, None)
             try:
                 store._claim_postgresql(conn, args)  # type: ignore[arg-type]
             except _Built:

@@ -400,9 +400,6 @@ def select_fields(
     return {name: arguments[name] for name in fields}
 
 
-KeyFunc = Callable[..., str]
-
-
 # -- the key's namespace --------------------------------------------------------------------------
 #
 # Every key a task stores has one shape:

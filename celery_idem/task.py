@@ -35,11 +35,11 @@ from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
 from . import identity, timelimits
-from .app import check_worker, emit_decision, get_store, owner_id
+from .app import emit_decision, get_store, owner_id
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
 from .delivery import REQUEUES_HEADER, deliver
-from .enqueue import CachedResult, EnqueueCheck, check_enqueue, enqueue_check, restore_cached, unsendable
+from .enqueue import CachedResult, EnqueueCheck, check_enqueue, enqueue_check, unsendable
 from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
 from .identity import HEADER, failed_request, message_time
@@ -49,7 +49,7 @@ from .results import ResultWriter, result_writer
 
 if TYPE_CHECKING:
     from .contrib.django.receipts import DjangoReceiptTransaction
-    from .receipts import Receipt, ReceiptTransaction
+    from .contrib.receipts import Receipt, ReceiptTransaction
 
 __all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 
@@ -58,11 +58,6 @@ __all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 adopt_celery_base()
 
 logger = logging.getLogger("celery_idem")
-
-#: Unpickles a CachedResult pickled when it lived in this module.
-_restore_cached = restore_cached
-#: The worker_init hook's old name (``celery_idem.app.check_worker``).
-_check_worker = check_worker
 
 #: The ``apply_async`` option that puts the call's key in a scope (a tenant, a principal).
 SCOPE_OPTION = "idempotency_scope"
@@ -364,7 +359,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             req.idempotency_receipt_ = django_tx
             return django_tx
 
-        from .receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction  # needs sqlalchemy
+        # The SQLAlchemy receipt is an add-on (it needs sqlalchemy), imported only when asked for.
+        from .contrib.receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction
         read = settings(self.app)
         tx = ReceiptTransaction(
             session_or_connection,

@@ -52,17 +52,19 @@ RANKS = {"addons": 3, "seam": 2, "core": 1}
 SEAM = {
     "celery_idem", "celery_idem.task", "celery_idem.identity", "celery_idem.app",
     "celery_idem.attach", "celery_idem.enqueue", "celery_idem.delivery", "celery_idem.results",
-    "celery_idem.receipts", "celery_idem.ops", "celery_idem.timelimits",
+    "celery_idem.timelimits",
     "celery_idem.durability", "celery_idem.probe",
 }
 
 #: Imports from a lower group into a higher one, each named on the page: the core loads a
 #: bundled add-on by name when it is asked for (an observer, a ``django://`` store), and
-#: ``idempotent_transaction()`` without a session imports the Django receipt inside the call.
+#: ``idempotent_transaction()`` imports its receipt inside the call: the Django one without a
+#: session, the SQLAlchemy one (``contrib.receipts``, which needs sqlalchemy) with one.
 UPWARD = {
     ("celery_idem.app", "celery_idem.contrib.otel"),
     ("celery_idem.stores", "celery_idem.contrib.django.store"),
     ("celery_idem.task", "celery_idem.contrib.django.receipts"),
+    ("celery_idem.task", "celery_idem.contrib.receipts"),
 }
 
 

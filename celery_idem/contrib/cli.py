@@ -15,7 +15,7 @@ app's own store (``idempotency_store``, else ``result_backend``) and key prefix:
 Every command takes ``--json`` (one JSON document on stdout; errors as JSON on stderr).
 
 Trust: the commands read what is in the store, which anyone with write access to it could have
-put there. Stored strings are printed escaped (:func:`celery_idem.ops.shown`), and a stored result
+put there. Stored strings are printed escaped (:func:`celery_idem.contrib.ops.shown`), and a stored result
 is decoded with the app's serializer only with ``show --decode`` (with pickle accepted, decoding
 a planted record runs its code). The verbs that change records (``release``, ``forget``,
 ``purge``) log the OS user, the host and ``--reason`` at WARNING on the ``celery_idem`` logger and
@@ -44,12 +44,11 @@ import click
 from celery import Celery
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
-from .. import ops
 from ..exceptions import ImproperlyConfigured
-from ..ops import Operator, printable, shown
 from ..records import Record, State
 from ..stores.base import Store
 from ..task import IdempotentTask
+from . import ops
 from .cli_support import (
     EXIT_CHANGED,
     EXIT_NOT_FOUND,
@@ -77,6 +76,7 @@ from .cli_support import (
     utc_text,
 )
 from .maintenance import purge_expired
+from .ops import Operator, printable, shown
 
 __all__ = ["EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE", "idem", "mcp"]
 
@@ -343,7 +343,7 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, reason: 
             _confirm(run, f"Claim of {shown(key)}: token {rec.token}, task {_or_dash(rec.task_id)}, "
                           f"owner {_or_dash(rec.owner)}, lease {lease_text(rec, now, lease)}.{warning}\n"
                           f"Release it?", "released")
-        # The verb the Django admin shares (celery_idem.ops): fenced on the token and claim id
+        # The verb the Django admin shares (celery_idem.contrib.ops): fenced on the token and claim id
         # shown here, logged at WARNING with by=cli, the user, the host and the reason.
         _apply(run, ops.release_claim, store, key, rec.token, operator)
     _event(run, "released", operator, key=key, token=rec.token, task_id=rec.task_id,
@@ -354,13 +354,13 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, reason: 
                   f"next attempt claims it with a higher token (above {rec.token})")
 
 
-#: The exit code for each reason an operator verb refuses (celery_idem.ops.Refused.reason).
+#: The exit code for each reason an operator verb refuses (celery_idem.contrib.ops.Refused.reason).
 _REFUSALS = {"not_found": EXIT_NOT_FOUND, "wrong_state": EXIT_REFUSED, "token_mismatch": EXIT_CHANGED,
              "changed": EXIT_CHANGED}
 
 
 def _apply(run: Run, verb: Any, store: Store, key: str, seen_token: int, operator: Operator) -> None:
-    """Run an operator verb of celery_idem.ops; a refusal ends the command with its exit code."""
+    """Run an operator verb of celery_idem.contrib.ops; a refusal ends the command with its exit code."""
     try:
         verb(store, key, seen_token, by=operator)
     except ops.Refused as exc:

@@ -4,8 +4,8 @@ The commands themselves are in :mod:`celery_idem.contrib.cli`; this module holds
 they have in common (split out so that neither module is over 600 lines).
 
 Everything the commands print that came from the store or the broker (keys, owners, task ids,
-error text, task names in events) goes through :func:`celery_idem.ops.shown` or
-:func:`celery_idem.ops.printable`: a record planted in the store with an ANSI escape or a
+error text, task names in events) goes through :func:`celery_idem.contrib.ops.shown` or
+:func:`celery_idem.contrib.ops.printable`: a record planted in the store with an ANSI escape or a
 newline in its key prints as ``$'...\\x1b[31m...'``, never as itself. JSON output is escaped by
 ``json.dumps`` (every control and non-ASCII character as ``\\uXXXX``).
 """
@@ -27,7 +27,6 @@ import click
 from celery import Celery
 from celery.bin.base import CeleryOption
 
-from .. import ops
 from ..app import get_store
 from ..events import EVENT_TYPE
 from ..exceptions import CorruptRecord, ImproperlyConfigured, StoreUnavailable
@@ -35,6 +34,7 @@ from ..keys import parse_key
 from ..records import Record, State
 from ..stores.base import Store
 from ..task import IdempotentTask
+from . import ops
 
 __all__ = [
     "ERROR_NAMES", "EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE",
@@ -264,7 +264,7 @@ def record_doc(rec: Record, now: float, lease: float | None = None) -> dict[str,
 
 
 def outcome_of(app: Celery, rec: Record, decode: bool = False) -> tuple[dict[str, Any], str]:
-    """The recorded error, or the result's size (decoded only with ``decode``): celery_idem.ops."""
+    """The recorded error, or the result's size (decoded only with ``decode``): celery_idem.contrib.ops."""
     conf = app.conf
     return ops.outcome(rec, conf.result_serializer, conf.result_accept_content or conf.accept_content,
                        decode=decode)

@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import DEFAULT_PREFIX
-from ..exceptions import ImproperlyConfigured
+from ..exceptions import ImproperlyConfigured, LeaseLost
 from ..records import Claim, Record, Reservation, State
 
-__all__ = ["BackendWrite", "DurabilityFinding", "Store", "new_claim_id", "next_token"]
+__all__ = ["BackendWrite", "DurabilityFinding", "Store", "lease_lost", "new_claim_id", "next_token"]
 
 #: Tokens are the store clock in microseconds (see "Tokens" above).
 TOKEN_CLOCK_SCALE = 1_000_000
@@ -72,6 +72,34 @@ def next_token(previous: int | None, now: float) -> int:
 def new_claim_id() -> str:
     """A random id for one claim: 48 bits as 8 URL-safe base64 characters (no NUL, no dot)."""
     return base64.urlsafe_b64encode(os.urandom(6)).decode()
+
+
+def lease_lost(verb: str, key: str, token: int, current: Record | None,
+               claim_id: str | None = None) -> LeaseLost:
+    """Why a fenced write was refused, in the words every store uses.
+
+    Args:
+        verb: The refused verb (``"record"``, ``"release"``, ``"renew"``, ``"forget"``).
+        key: The key as the caller passed it.
+        token: The caller's token.
+        current: The key's record as the store holds it now (None: gone).
+        claim_id: The caller's claim id, if it gave one.
+    """
+    if current is not None and current.token == token and claim_id \
+            and current.claim_id != claim_id and current.state is State.IN_PROGRESS:
+        return LeaseLost(
+            f"{verb} of {key!r} with token {token} refused: the record belongs to another "
+            f"claim with the same token (issued again after the store lost the row)",
+            key=key, token=token,
+        )
+    if current is None or current.token != token:
+        return LeaseLost(
+            f"{verb} of {key!r} with token {token} refused: the record "
+            + ("is gone" if current is None else f"now has token {current.token}"),
+            key=key,
+            token=token,
+        )
+    return LeaseLost(f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 from ..config import DEFAULT_PREFIX
 from ..exceptions import LeaseLost
 from ..records import Claim, ClaimStatus, Record, State
-from .base import Store, new_claim_id, next_token
+from .base import Store, lease_lost, new_claim_id, next_token
 
 __all__ = ["MemoryStore"]
 
@@ -99,11 +99,7 @@ class MemoryStore(Store):
     def _fenced(self, key: str, token: int, claim_id: str | None, now: float, verb: str) -> Record:
         rec = self._live(key, now)
         if rec is None or rec.token != token:
-            raise LeaseLost(
-                f"{verb} of {key!r} with token {token} refused: the record "
-                + ("is gone" if rec is None else f"now has token {rec.token}"),
-                key=key, token=token,
-            )
+            raise lease_lost(verb, key, token, rec)
         if claim_id is not None and rec.claim_id != claim_id:
             # The same token number, another claim: it was reissued after a loss.
             raise LeaseLost(
@@ -124,9 +120,7 @@ class MemoryStore(Store):
             if rec.state is state:
                 return  # the holder retrying a record whose reply it lost
             if rec.state is not State.IN_PROGRESS:
-                raise LeaseLost(
-                    f"record of {key!r} refused: it is {rec.state.value}", key=key, token=token
-                )
+                raise lease_lost("record", key, token, rec)
             new = dataclasses.replace(
                 rec, state=state, content_type=content_type, data=data, lease_expires=None,
                 updated=now,
@@ -138,9 +132,7 @@ class MemoryStore(Store):
             now = self._clock()
             rec = self._fenced(key, token, claim_id, now, "release")
             if rec.state is not State.IN_PROGRESS:
-                raise LeaseLost(
-                    f"release of {key!r} refused: it is {rec.state.value}", key=key, token=token
-                )
+                raise lease_lost("release", key, token, rec)
             expires = self._records[key][1]
             tomb = Record(key=key, state=State.RELEASED, token=rec.token, updated=now)
             self._records[key] = (tomb, expires)
@@ -150,9 +142,7 @@ class MemoryStore(Store):
             now = self._clock()
             rec = self._fenced(key, token, claim_id, now, "renew")
             if rec.state is not State.IN_PROGRESS:
-                raise LeaseLost(
-                    f"renew of {key!r} refused: it is {rec.state.value}", key=key, token=token
-                )
+                raise lease_lost("renew", key, token, rec)
             # The record must outlive the lease (see renew.lua).
             expires = max(self._records[key][1], now + lease)
             self._records[key] = (dataclasses.replace(rec, lease_expires=now + lease), expires)
@@ -163,9 +153,7 @@ class MemoryStore(Store):
             now = self._clock()
             rec = self._fenced(key, token, None, now, "forget")
             if rec.state not in (State.DONE, State.FAILED):
-                raise LeaseLost(
-                    f"forget of {key!r} refused: it is {rec.state.value}", key=key, token=token
-                )
+                raise lease_lost("forget", key, token, rec)
             tomb = Record(key=key, state=State.RELEASED, token=rec.token, updated=now)
             self._records[key] = (tomb, self._records[key][1])
 

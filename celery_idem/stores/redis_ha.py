@@ -45,10 +45,6 @@ __all__ = ["RedisClusterStore", "RedisSentinelStore"]
 #: to a task survives the failover that promotes that replica.
 DEFAULT_WAIT_REPLICAS = 1
 
-#: Settings of Celery's ``result_backend_transport_options`` the sentinel store also honours.
-SENTINEL_TRANSPORT_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
-
-
 def _split_hosts(url: str, scheme_hint: str) -> tuple[str, str, list[tuple[str, int]], str, str]:
     """``scheme://[auth@]h1:p1,h2:p2[/path][?query]`` -> (scheme, auth, hosts, path, query)."""
     scheme, sep, rest = url.partition("://")
@@ -182,18 +178,7 @@ class RedisClusterStore(RedisStore):
         Raises:
             StoreUnavailable: No master could be reached.
         """
-        findings = super().check_durability()
-        try:
-            replicas = self._replica_clients()
-        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
-            return [*findings, DurabilityFinding(
-                "replicas", None, f"the cluster did not list its replicas ({exc}), so their "
-                f"settings were not checked", logging.INFO), *_wait_findings(self)]
-        try:
-            return [*findings, *_replica_findings(replicas), *_wait_findings(self)]
-        finally:
-            for client, _ in replicas:
-                client.close()
+        return _with_replicas(self, super().check_durability(), "the cluster did not list its replicas")
 
     def replication_warnings(self) -> list[str]:
         """Masters with fewer connected replicas than ``wait_replicas`` (read at worker start)."""
@@ -356,19 +341,8 @@ class RedisSentinelStore(RedisStore):
         Raises:
             StoreUnavailable: The master could not be reached.
         """
-        findings = super().check_durability()
-        try:
-            replicas = self._replica_clients()
-        except redis.RedisError as exc:
-            return [*findings, DurabilityFinding(
-                "replicas", None, f"the sentinels did not list the replicas of "
-                f"{self.master_name!r} ({exc}), so their settings were not checked",
-                logging.INFO)]
-        try:
-            return [*findings, *_replica_findings(replicas), *_wait_findings(self)]
-        finally:
-            for client, _ in replicas:
-                client.close()
+        return _with_replicas(self, super().check_durability(),
+                              f"the sentinels did not list the replicas of {self.master_name!r}")
 
     def replication_warnings(self) -> list[str]:
         """The master, when it has fewer connected replicas than ``wait_replicas``."""
@@ -395,6 +369,22 @@ def _cluster_replicas(nodes: str) -> list[tuple[str, int]]:
         if host and port.isdigit():
             found.append((host.strip("[]"), int(port)))
     return found
+
+
+def _with_replicas(store: RedisClusterStore | RedisSentinelStore, findings: list[DurabilityFinding],
+                   unlisted: str) -> list[DurabilityFinding]:
+    """The masters' ``findings``, every replica's and ``wait_replicas``'s (a note if unlisted)."""
+    try:
+        replicas = store._replica_clients()
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+        return [*findings, DurabilityFinding(
+            "replicas", None, f"{unlisted} ({exc}), so their settings were not checked",
+            logging.INFO), *_wait_findings(store)]
+    try:
+        return [*findings, *_replica_findings(replicas), *_wait_findings(store)]
+    finally:
+        for client, _ in replicas:
+            client.close()
 
 
 def _replica_findings(clients: list[tuple[Any, str]]) -> list[DurabilityFinding]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from celery_idem import ops
+from celery_idem.contrib import ops
 from celery_idem.records import Record, State
 from tests.cli import cli_app
 from tests.cli.conftest import Idem

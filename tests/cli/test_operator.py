@@ -1,4 +1,4 @@
-"""celery_idem.ops in process: the operator's log record, the OS user fallback, the escapes."""
+"""celery_idem.contrib.ops in process: the operator's log record, the OS user fallback, the escapes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from celery_idem import ops
+from celery_idem.contrib import ops
 from celery_idem.records import State
 from celery_idem.stores.memory import MemoryStore
 

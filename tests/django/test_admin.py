@@ -1,4 +1,4 @@
-"""The records' admin and the verbs it shares with the CLI (celery_idem/ops.py).
+"""The records' admin and the verbs it shares with the CLI (celery_idem/contrib/ops.py).
 
 The browser test drives the real admin (``manage.py runserver`` on the SQLite test database) in
 headless Chromium, as tests/flower/test_browser.py drives Flower: the list shows a record, and
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from celery_idem import ops
+from celery_idem.contrib import ops
 from celery_idem.records import State
 from tests.django.support import django_databases, worker_env  # noqa: F401
 from tests.integration.harness import ROOT, free_port, wait_for

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from celery_idem.receipts import receipts_table
+from celery_idem.contrib.receipts import receipts_table
 from tests.conftest import MYSQL_URL, PG_URL, require
 
 

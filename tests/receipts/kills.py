@@ -27,7 +27,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_idem.receipts import receipts_table
+from celery_idem.contrib.receipts import receipts_table
 from tests.conftest import MYSQL_URL, PG_URL
 from tests.integration.harness import RedisServer, Worker
 from tests.receipts.app import orders_table

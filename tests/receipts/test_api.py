@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from celery_idem import IdempotentTask, LeaseLost
 from celery_idem.codec import KombuCodec
-from celery_idem.receipts import Receipt, ReceiptTransaction, purge_receipts, receipts_table
+from celery_idem.contrib.receipts import Receipt, ReceiptTransaction, purge_receipts, receipts_table
 from celery_idem.stores.sql import db_now
 from celery_idem.task import get_store
 from tests.integration.harness import wait_for

@@ -12,7 +12,7 @@ import threading
 import sqlalchemy as sa
 
 from celery_idem.codec import KombuCodec
-from celery_idem.receipts import ReceiptTransaction, purge_receipts, receipts_table
+from celery_idem.contrib.receipts import ReceiptTransaction, purge_receipts, receipts_table
 from celery_idem.stores.sql import db_now
 from tests.integration.harness import wait_for
 from tests.receipts.conftest import BusinessDB

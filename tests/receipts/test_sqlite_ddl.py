@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from celery_idem.codec import KombuCodec
-from celery_idem.receipts import ReceiptTransaction
+from celery_idem.contrib.receipts import ReceiptTransaction
 from tests.receipts.conftest import orders_table
 
 

@@ -36,7 +36,9 @@ from celery_idem.codec import KombuCodec
 from celery_idem.exceptions import LeaseLost, StoreUnavailable
 from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
-from celery_idem.stores.sql import SQLStore, _ClaimArgs, _SASession
+from celery_idem.stores.sql import SQLStore
+from celery_idem.stores.sql.predicates import ClaimArgs
+from celery_idem.stores.sql.session import SASession
 
 from .support import LONG, claim, drop_table, poll
 
@@ -362,14 +364,14 @@ def _claim_in_a_transaction(store: SQLStore, key: str, payload_hash: str | None)
     transaction id at its first write (a row lock included), so None means nothing was
     written, and the commit would have had no WAL to flush. The transaction is rolled back.
     """
-    args = _ClaimArgs(store._stored(key), "host:b", "task-b", 0, LONG, LONG, payload_hash,
+    args = ClaimArgs(store._stored(key), "host:b", "task-b", 0, LONG, LONG, payload_hash,
                       "claim-b")
     with store._engine.connect() as conn:
         fairy = conn.connection
         driver = fairy.driver_connection
         assert driver is not None
         with driver.transaction(force_rollback=True):  # BEGIN on the store's autocommit connection
-            session = RawSession(store._psycopg, fairy) if store._psycopg else _SASession(conn)
+            session = RawSession(store._psycopg, fairy) if store._psycopg else SASession(conn)
             result = store._claim_postgresql(args, session.execute)
             xid = driver.execute("SELECT txid_current_if_assigned()").fetchone()
     assert xid is not None

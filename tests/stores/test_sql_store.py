@@ -360,14 +360,14 @@ def test_from_url_passes_table_name_and_engine_options(table_name: str, tmp_path
 
 
 def test_a_url_without_a_driver_falls_back_to_an_installed_one() -> None:
-    from celery_idem.stores.sql import _importable, _sqlalchemy_url
+    from celery_idem.stores.sql.engine import importable, sqlalchemy_url
 
-    pg = _sqlalchemy_url("db+postgresql://root@127.0.0.1/test")
-    my = _sqlalchemy_url("db+mysql://root@127.0.0.1/test")
-    assert pg.drivername == ("postgresql" if _importable("psycopg2") else "postgresql+psycopg")
-    assert my.drivername == ("mysql" if _importable("MySQLdb") else "mysql+pymysql")
-    assert _sqlalchemy_url("db+postgresql+psycopg://h/db").drivername == "postgresql+psycopg"
-    assert _sqlalchemy_url("db+sqlite:///x.db").drivername == "sqlite"
+    pg = sqlalchemy_url("db+postgresql://root@127.0.0.1/test")
+    my = sqlalchemy_url("db+mysql://root@127.0.0.1/test")
+    assert pg.drivername == ("postgresql" if importable("psycopg2") else "postgresql+psycopg")
+    assert my.drivername == ("mysql" if importable("MySQLdb") else "mysql+pymysql")
+    assert sqlalchemy_url("db+postgresql+psycopg://h/db").drivername == "postgresql+psycopg"
+    assert sqlalchemy_url("db+sqlite:///x.db").drivername == "sqlite"
 
 
 def test_a_connection_the_server_closed_fails_one_verb_then_the_pool_recovers(

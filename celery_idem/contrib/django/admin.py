@@ -6,7 +6,7 @@ content type of a done record's result. Nothing is editable, added or deleted th
 
 What the pages show came from the store, which anyone with write access to it could have
 written: keys, owners and task ids are shown with their control and bidi characters escaped
-(:func:`celery_idem.ops.printable`), and a stored result is never decoded by looking at it.
+(:func:`celery_idem.contrib.ops.printable`), and a stored result is never decoded by looking at it.
 Decoding runs the app's result serializer (with pickle accepted: whatever code a planted record
 holds), so it is its own action, **decode**, with a confirmation page that says so, for users
 with the change permission, logged at WARNING.
@@ -21,7 +21,7 @@ history; an ``idem-operator`` event when the Celery app sends events):
 * **forget**: forgets a done or failed outcome, so the next attempt runs the body again, fenced
   the same way.
 
-Both call :mod:`celery_idem.ops`, the implementation the ``celery idem release`` and ``celery
+Both call :mod:`celery_idem.contrib.ops`, the implementation the ``celery idem release`` and ``celery
 idem forget`` commands share.
 """
 
@@ -39,10 +39,10 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
-from ... import ops
 from ...config import settings
 from ...exceptions import StoreUnavailable
 from ...records import Record, State
+from .. import ops
 from .models import IdempotencyRecord
 from .store import DjangoStore
 

@@ -2,8 +2,8 @@
 
 The models exist for migrations and the admin; the store and the receipts never write through
 the ORM (each verb is one conditional statement, see :mod:`.store`). The table, column and type
-choices match :func:`celery_idem.stores.sql._build_table` and
-:func:`celery_idem.receipts.receipts_table`: ``VARCHAR(255)`` keys (binary collation on MySQL),
+choices match :func:`celery_idem.stores.sql.records_table` and
+:func:`celery_idem.contrib.receipts.receipts_table`: ``VARCHAR(255)`` keys (binary collation on MySQL),
 ``BIGINT`` tokens, ``DOUBLE`` clock values (epoch seconds, database clock) and ``BYTEA`` /
 ``LONGBLOB`` / ``BLOB`` data. A table made by either path is used as it is by the other
 (``migrate celery_idem --fake-initial`` adopts tables SQLAlchemy created).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from ...ops import printable
+from ..ops import printable
 from .fields import KeyTextField
 
 RECORDS_TABLE = "celery_idem_records"

@@ -1,6 +1,6 @@
 """Receipts on Django: the write and its receipt in one ``transaction.atomic()``.
 
-The Django twin of :class:`celery_idem.receipts.ReceiptTransaction` (read its module doc for
+The Django twin of :class:`celery_idem.contrib.receipts.ReceiptTransaction` (read its module doc for
 why receipts exist). Inside a bound body::
 
     @app.task(base=IdempotentTask, bind=True)
@@ -231,7 +231,7 @@ class DjangoReceiptTransaction:
 def purge_receipts(using: str = "default", *, table: str = RECEIPTS_TABLE, limit: int = 1000) -> int:
     """Delete up to ``limit`` expired receipts (database clock) of ``using``; return how many.
 
-    The Django twin of :func:`celery_idem.receipts.purge_receipts`: an expired receipt already
+    The Django twin of :func:`celery_idem.contrib.receipts.purge_receipts`: an expired receipt already
     counts as absent, so this only reclaims space. Run it from a periodic task; call again
     while it returns ``limit``.
     """

@@ -34,9 +34,9 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from ...config import DEFAULT_PREFIX
-from ...exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
+from ...exceptions import CorruptRecord, ImproperlyConfigured, StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
-from ...stores.base import Store, new_claim_id, next_token
+from ...stores.base import Store, lease_lost, new_claim_id, next_token
 from .lifecycle import close_at_thread_exit, in_task, is_psycopg3, refresh_connection
 from .sql import ClaimRaced, Dialect, status_sql
 
@@ -418,21 +418,6 @@ class DjangoStore(Store):
 
     # -- fenced writes ------------------------------------------------------------------------
 
-    def _lease_lost(self, verb: str, key: str, token: int, current: Record | None,
-                    claim_id: str | None = None) -> LeaseLost:
-        if current is not None and current.token == token and claim_id \
-                and current.claim_id != claim_id and current.state is State.IN_PROGRESS:
-            return LeaseLost(
-                f"{verb} of {key!r} with token {token} refused: the record belongs to another "
-                f"claim with the same token (issued again after the store lost the row)",
-                key=key, token=token)
-        if current is None or current.token != token:
-            return LeaseLost(
-                f"{verb} of {key!r} with token {token} refused: the record "
-                + ("is gone" if current is None else f"now has token {current.token}"),
-                key=key, token=token)
-        return LeaseLost(f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token)
-
     def _fence(self, key: str, token: int, claim_id: str | None) -> list[Any]:
         return [self._stored(key), token, claim_id or "", claim_id or ""]
 
@@ -454,7 +439,7 @@ class DjangoStore(Store):
         if (current is not None and current.token == token and current.state is state
                 and (not claim_id or current.claim_id == claim_id)):
             return  # the holder retrying a record whose reply it lost
-        raise self._lease_lost("record", key, token, current, claim_id)
+        raise lease_lost("record", key, token, current, claim_id)
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         """Give the claim back: one fenced UPDATE to a RELEASED tombstone that keeps the token.
@@ -464,7 +449,7 @@ class DjangoStore(Store):
             StoreUnavailable: The database could not be reached.
         """
         if self._one(self._sql["release"], self._fence(key, token, claim_id))[0] != 1:
-            raise self._lease_lost("release", key, token, self.get(key), claim_id)
+            raise lease_lost("release", key, token, self.get(key), claim_id)
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         """Extend the caller's lease to database-now + ``lease``: one fenced UPDATE.
@@ -485,7 +470,7 @@ class DjangoStore(Store):
         else:
             _, row = self._one(self._sql["renew"] + f" RETURNING {self._d.q('lease_expires')}", params)
         if row is None:
-            raise self._lease_lost("renew", key, token, self.get(key), claim_id)
+            raise lease_lost("renew", key, token, self.get(key), claim_id)
         return float(row[0])
 
     def forget(self, key: str, token: int) -> None:
@@ -496,7 +481,7 @@ class DjangoStore(Store):
             StoreUnavailable: The database could not be reached.
         """
         if self._one(self._sql["forget"], [self._stored(key), token])[0] != 1:
-            raise self._lease_lost("forget", key, token, self.get(key))
+            raise lease_lost("forget", key, token, self.get(key))
 
     # -- reads --------------------------------------------------------------------------------
 

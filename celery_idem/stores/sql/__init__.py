@@ -56,22 +56,8 @@ The package, one module per job (imports run down this list, never up)::
 
 from __future__ import annotations
 
-from .engine import build_engine, importable, sqlalchemy_url
-from .predicates import ClaimArgs, ClaimPredicates
 from .schema import DEFAULT_TABLE_NAME, data_type, db_now, new_metadata, records_table, text_type, token_for
-from .session import SASession
 from .store import SQLStore
 
 __all__ = ["DEFAULT_TABLE_NAME", "SQLStore", "data_type", "db_now", "new_metadata", "records_table",
            "text_type", "token_for"]
-
-# The names this module had before it became a package, kept for the tests, benchmarks and any
-# code that reached into them (they are not public API).
-_SASession = SASession
-_ClaimArgs = ClaimArgs
-_ClaimPredicates = ClaimPredicates
-_build_engine = build_engine
-_sqlalchemy_url = sqlalchemy_url
-_importable = importable
-_text = text_type
-_build_table = records_table

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from sqlalchemy import exc as sa_exc
 
-from ...exceptions import LeaseLost, StoreUnavailable
-from ...records import Record, State
+from ...exceptions import StoreUnavailable
 
-__all__ = ["lease_lost", "outage"]
+__all__ = ["outage"]
 
 # The classes that are outages whatever their message.
 _OUTAGES = (
@@ -38,22 +37,3 @@ def outage(exc: sa_exc.SQLAlchemyError, shown_url: str) -> StoreUnavailable | No
         return StoreUnavailable(f"celery_idem could not reach the SQL store at {shown_url}: {first_line}")
     return None
 
-
-def lease_lost(verb: str, key: str, token: int, current: Record | None,
-               claim_id: str | None = None) -> LeaseLost:
-    """Why a fenced write matched no row, worded like the memory store."""
-    if current is not None and current.token == token and claim_id \
-            and current.claim_id != claim_id and current.state is State.IN_PROGRESS:
-        return LeaseLost(
-            f"{verb} of {key!r} with token {token} refused: the record belongs to another "
-            f"claim with the same token (issued again after the store lost the row)",
-            key=key, token=token,
-        )
-    if current is None or current.token != token:
-        return LeaseLost(
-            f"{verb} of {key!r} with token {token} refused: the record "
-            + ("is gone" if current is None else f"now has token {current.token}"),
-            key=key,
-            token=token,
-        )
-    return LeaseLost(f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token)

@@ -1,7 +1,7 @@
 """The SQL store's schema: the records table, its column types and the database clock.
 
 Public so other tables celery_idem keeps in a SQL database (the receipts of
-:mod:`celery_idem.receipts`) are built from the same types, not copies: :func:`text_type` (a
+:mod:`celery_idem.contrib.receipts`) are built from the same types, not copies: :func:`text_type` (a
 string that compares byte for byte on MySQL too), :func:`data_type` (a result, however large),
 :func:`new_metadata` (the index naming convention) and :class:`db_now` (the server's clock
 inside a statement).

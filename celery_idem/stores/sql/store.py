@@ -22,10 +22,10 @@ from ...accel.sql_taskmeta import TaskMetaWrite, build_fold, fold_params
 from ...config import DEFAULT_PREFIX
 from ...exceptions import StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
-from ..base import BackendWrite, Store, new_claim_id
+from ..base import BackendWrite, Store, lease_lost, new_claim_id
 from .claims import build_pg_claim, select_then_write
 from .engine import build_engine, sqlalchemy_url
-from .errors import lease_lost, outage
+from .errors import outage
 from .predicates import HOLDS, ClaimArgs, ClaimRaced, claim_params, claim_template
 from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, record_from_row, records_table
 from .session import Outcome, Row, SASession, Statement

@@ -39,10 +39,10 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
-from .codec import Codec
-from .exceptions import LeaseLost
-from .records import Receipt
-from .stores.sql import data_type, db_now, new_metadata, text_type
+from ..codec import Codec
+from ..exceptions import LeaseLost
+from ..records import Receipt
+from ..stores.sql import data_type, db_now, new_metadata, text_type
 
 __all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "purge_receipts",
            "receipts_table"]

@@ -34,11 +34,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .codec import ERROR_CONTENT_TYPE, KombuCodec
-from .config import settings
-from .exceptions import CorruptRecord, LeaseLost
-from .records import Record, State
-from .stores.base import Store
+from ..codec import ERROR_CONTENT_TYPE, KombuCodec
+from ..config import settings
+from ..exceptions import CorruptRecord, LeaseLost
+from ..records import Record, State
+from ..stores.base import Store
 
 __all__ = ["OPERATOR_EVENT_TYPE", "LeaseView", "Operator", "Refused", "audit", "forget_outcome",
            "lease_view", "outcome", "printable", "release_claim", "send_operator_event", "shown"]

@@ -44,13 +44,13 @@ import decimal
 import enum
 import hashlib
 import inspect
-import json
 import math
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .accel.json_encode import make_encode
 from .exceptions import InvalidKey
 
 __all__ = [
@@ -157,33 +157,8 @@ def _digest(text: str) -> str:
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
-def _make_encode() -> Callable[[Any], str]:
-    """``json.dumps(value, sort_keys=True, separators=(",", ":"))``, with its encoder built once.
-
-    ``json.dumps`` builds a ``JSONEncoder``, and ``encode`` its C encoder, on every call; the C
-    encoder is made here once instead. No circular-reference markers: a canonical value is
-    built fresh by :func:`canonical` (a cyclic input fails there), so it has no cycles.
-    """
-    slow = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:  # pragma: no cover - CPython always has it
-        return slow.encode
-    try:
-        fast = make(None, slow.default, json.encoder.encode_basestring_ascii, None, ":", ",",
-                    True, False, True)
-        probe = {"b": [1.5, None, True], "a": "\u00e9\n", "c": {"y": 2, "x": -0.0}}
-        if "".join(fast(probe, 0)) != slow.encode(probe):  # pragma: no cover
-            return slow.encode
-    except Exception:  # pragma: no cover - another interpreter's C encoder takes other arguments
-        return slow.encode
-
-    def encode(value: Any) -> str:
-        return "".join(fast(value, 0))
-
-    return encode
-
-
-_ENCODE = _make_encode()
+#: The canonical JSON text of a canonical value (not switched: it decides key text).
+_ENCODE = make_encode()
 
 _SUPPORTED = (
     "str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, datetime, "

@@ -33,9 +33,10 @@ each store behaves the same, through its plain path only (``make test-plain`` ru
 tier and the store contract that way), no result writer folds and the enqueue check reads
 first. ``idempotency_fold_results = False`` turns the result fold alone off.
 
-:mod:`.celery_compat` is not an acceleration: it holds the private names the core needs
-whatever the switch says (the pydantic argument dump the key is made of, a result set's
-barrier, the worker's broker connection), each behind a named function with its fallback. They
+:mod:`.celery_compat` and :mod:`.json_encode` are not accelerations: they hold the private
+names the core needs whatever the switch says (the pydantic argument dump the key is made of,
+the key's JSON encoder, a result set's barrier, the worker's broker connection), each behind a
+named function with its fallback. They
 are **not switched**: the key of an action, a pickled ``CachedResult`` and a result set's wait
 are the same with accelerations on and off.
 
@@ -136,4 +137,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("sqlalchemy", "Pool._invalidate", "sql_psycopg.RawSession.execute",
                 "SQLAlchemy 2.0, 2.1.9", "missing: only the failed connection is invalidated "
                 "(the pool's older connections are found dead at their next use)"),
+    PrivateName("python", "json.encoder.c_make_encoder", "json_encode.make_encode",
+                "CPython 3.11.7", "not switched (it writes key text); missing, or not writing "
+                "a probe as JSONEncoder does: JSONEncoder.encode, the same text"),
 )

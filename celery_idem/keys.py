@@ -2,37 +2,10 @@
 
 A key is ``f"{operation}:{sha256(canonical_json)[:32]}"`` where the canonical JSON is
 ``json.dumps({"op": operation, "id": business_id, **fields}, sort_keys=True, separators=(",", ":"))``
-after each value has been put into its canonical form:
-
-=================  =============================================================================
-value              canonical form
-=================  =============================================================================
-str, int, float,   themselves (JSON); ``bool`` stays ``true``/``false``, never ``1``/``0``
-bool, None
-list, tuple        a JSON array (a tuple and a list with the same items are the same action)
-dict               a JSON object; keys must be ``str``
-set, frozenset     a JSON array of the canonical items, sorted by their canonical JSON text
-datetime           ISO 8601; an aware datetime is first converted to UTC
-                   (``2026-12-02T16:35:00+00:00``); a naive one is written as it is
-date               ``YYYY-MM-DD``
-time               ISO 8601 (``16:35:00``)
-Decimal            fixed-point text of the normalized value (``Decimal("42.50")`` -> ``"42.5"``)
-UUID               lower-case hyphenated text
-Enum               the canonical form of its ``.value``
-dataclass          a JSON object of its fields (recursively)
-bytes, bytearray   ``{"$bytes": "<base64>"}``: standard base64 with padding (``b"\\x00\\xff"`` ->
-                   ``{"$bytes":"AP8="}``); bytes and a bytearray with the same content are the
-                   same action (a serializer may turn one into the other), never equal to a str
-pydantic model     the canonical form of ``model.model_dump(mode="json")`` (so a model and the
-                   dict Celery sends for it are the same action)
-=================  =============================================================================
-
-A dict whose only key is ``"$bytes"`` or ``"$dict"`` is written as ``{"$dict": {...}}``, so a
-dict never takes the form of a bytes value, and bytes never share a key with a str or a dict.
-Only such single-key dicts are escaped; every other dict is written as it is.
-
-Anything else raises ``TypeError`` naming the field, so a key is never built from ``repr()``
-(which differs between processes). The forms are pinned by golden vectors in the test suite.
+after each value has been put into its canonical form (:func:`canonical`; the table of forms is
+in docs/concepts.md, "Key"). Anything without a form raises ``TypeError`` naming the field, so a
+key is never built from ``repr()`` (which differs between processes). The forms are pinned by
+golden vectors in the test suite.
 """
 
 from __future__ import annotations
@@ -100,11 +73,8 @@ def idempotency_key(operation: str, business_id: Any = None, **fields: Any) -> s
 
 
 def key_from_fields(operation: str, fields: Mapping[str, Any], business_id: Any = None) -> str:
-    """:func:`idempotency_key` with the fields as a mapping (a task's bound arguments).
-
-    A mapping, not keywords, so arguments named ``operation`` or ``business_id`` are fields
-    like any other.
-    """
+    """:func:`idempotency_key` with the fields as a mapping, so arguments named ``operation``
+    or ``business_id`` are fields like any other."""
     payload = {"op": operation, "id": business_id, **fields}
     return f"{operation}:{_digest(canonical_json(payload))}"
 
@@ -115,8 +85,6 @@ def canonical_json(payload: Mapping[str, Any]) -> str:
     for name, value in payload.items():
         if type(name) is not str:
             name = str(name)
-        # The scalars are their own canonical form: skip the type dispatch for them (the
-        # common case; exact types, so a subclass such as an Enum still goes through it).
         out[name] = value if type(value) in _SCALARS else canonical(value, name)
     return _ENCODE(out)
 
@@ -134,12 +102,8 @@ SLOT_FIELD = "$slot"
 def period_slot(at: float, period: float) -> int | float:
     """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds).
 
-    Slot ``n * period`` holds every time in ``[(n - 1/2) * period, (n + 1/2) * period)``: two
-    sends of one scheduled instant that is a multiple of the period share its slot when each is
-    within half a period of it (early or late), however close to the instant they are, where a
-    slot cut *at* the instant (``floor(at / period)``) would part a send a moment early from one
-    a moment late. Returned as an ``int`` when whole, so the key's text does not depend on how the
-    period was written (``60`` or ``60.0``).
+    Nearest, not ``floor(at / period)``: two sends of one scheduled instant, one a moment early
+    and one a moment late, share its slot. An ``int`` when whole, so ``60`` and ``60.0`` agree.
 
     Example:
         >>> period_slot(1796461199.6, 60), period_slot(1796461200.9, 60)
@@ -153,7 +117,8 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
 
 
-#: Types whose values are their own canonical form (exact types: subclasses are dispatched).
+#: Types whose values are their own canonical form (exact types: a subclass such as an
+#: IntEnum goes through :func:`canonical`'s dispatch).
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
@@ -264,11 +229,8 @@ def _is_pydantic_model(value: Any) -> bool:
 def bind_arguments(
     signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """Bind a call to a task's signature with defaults applied.
-
-    ``f(1)`` and ``f(1, note="")`` where ``note`` defaults to ``""`` bind to the same mapping,
-    so they get the same key. ``*args`` and ``**kwargs`` of the signature are kept under their
-    parameter names.
+    """Bind a call to a task's signature with defaults applied, so ``f(1)`` and ``f(1, note="")``
+    (``note`` defaulting to ``""``) get the same key; ``*args``/``**kwargs`` keep their names.
 
     Raises:
         TypeError: The call does not match the signature (as calling the function would).
@@ -279,20 +241,16 @@ def bind_arguments(
     bound = binder.bind(args, kwargs)
     if bound is not None:
         return bound
-    # Anything the fast path does not take (*args, **kwargs, positional-only parameters, a call
-    # that does not match): inspect decides, and words the error.
+    # Anything the binder does not take: inspect decides, and words the error.
     full = signature.bind(*args, **kwargs)
     full.apply_defaults()
     return dict(full.arguments)
 
 
 class _Binder:
-    """:meth:`inspect.Signature.bind` + ``apply_defaults`` for the common signature, prepared once.
-
-    Only for signatures whose parameters are all positional-or-keyword or keyword-only (no
-    ``*args``, ``**kwargs`` or positional-only ones); :meth:`bind` returns None for any call it
-    does not bind exactly as inspect would, and the caller asks inspect.
-    """
+    """``Signature.bind`` + ``apply_defaults``, prepared once, for signatures of positional-or-
+    keyword and keyword-only parameters; :meth:`bind` returns None for any call it does not bind
+    exactly as inspect would."""
 
     __slots__ = ("defaults", "n_positional", "names", "signature", "simple")
 
@@ -396,7 +354,6 @@ MAX_CALLER_KEY = 200
 MAX_KEY_LENGTH = 240
 #: Longest scope; scopes are names (a tenant, a principal), not payloads.
 MAX_SCOPE = 64
-#: Marks the ident of a per-call key, kept readable / hashed.
 CALLER_MARK = "key="
 CALLER_HASH_MARK = "key#"
 SCOPE_MARK = "@"
@@ -408,10 +365,9 @@ _HEX = frozenset("0123456789abcdef")
 def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
     """Return ``value`` when it is a usable caller-supplied key, else raise :class:`InvalidKey`.
 
-    A non-empty ``str`` of at most ``limit`` characters with no control or format characters
-    (no newline to forge a log line, no ANSI escape to reach an operator's terminal, no
-    bidirectional override to disguise one key as another, no lone surrogate that no store can
-    encode). ``what`` names the value in the error (``"idempotency_key"``).
+    A non-empty ``str`` of at most ``limit`` characters with no control or format characters (a
+    newline forges a log line, an ANSI escape reaches a terminal, a bidi override disguises a
+    key, a lone surrogate no store can encode). ``what`` names the value in the error.
     """
     if type(value) is not str:
         raise InvalidKey(f"{what} must be a str, got {type(value).__name__} {_short(value)}")
@@ -432,8 +388,7 @@ def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
 
 
 def _only_spaces_unprintable(value: str) -> bool:
-    # str.isprintable() is False for non-ASCII spaces (Zs) too; those are allowed (they are
-    # printable on a terminal). Only reached for a key that is not all printable.
+    # str.isprintable() is False for non-ASCII spaces (Zs) too, which a terminal prints.
     import unicodedata
 
     return all(c.isprintable() or unicodedata.category(c) == "Zs" for c in value)
@@ -447,9 +402,8 @@ def _short(value: Any) -> str:
 def check_scope(scope: Any) -> str:
     """Return ``scope`` when it is a valid scope name, else raise :class:`InvalidKey`.
 
-    1 to 64 characters of ``A-Z a-z 0-9 . _ ~ + = / -``: a tenant id, a principal, an
-    account. Anything else (an e-mail address, a name with spaces) can be hashed into one with
-    :func:`idempotency_key` or mapped by the caller.
+    1 to 64 characters of ``A-Z a-z 0-9 . _ ~ + = / -`` (a tenant id, a principal); hash
+    anything else into one with :func:`idempotency_key`.
     """
     check_text("idempotency_scope", scope, MAX_SCOPE)
     bad = next((c for c in scope if c not in _SCOPE_CHARS), None)
@@ -459,11 +413,6 @@ def check_scope(scope: Any) -> str:
             f"characters of A-Z a-z 0-9 . _ ~ + = / -"
         )
     return str(scope)
-
-
-def namespace(operation: str, scope: str | None = None) -> str:
-    """The namespace part of an operation's keys: ``operation`` or ``operation@scope``."""
-    return operation if scope is None else f"{operation}{SCOPE_MARK}{scope}"
 
 
 def scoped(key: str, operation: str, scope: str | None) -> str:
@@ -483,7 +432,7 @@ def caller_key(operation: str, key: Any, scope: str | None = None) -> str:
     check_text("idempotency_key", key)
     if scope is not None:
         check_scope(scope)
-    head = namespace(operation, scope)
+    head = operation if scope is None else f"{operation}{SCOPE_MARK}{scope}"
     full = f"{head}:{CALLER_MARK}{key}"
     if len(full) > MAX_KEY_LENGTH:
         # Still one action per caller key, only no longer readable in the store.

@@ -14,17 +14,10 @@
                                     │    (under a deadline: raise Requeue, freed)
                                     └─ still busy ──────────────> raise Requeue
 
-A ``deadline`` (the caller's time limit, less a margin) bounds the wait too, and an interrupt
-(the caller's soft time limit) that arrives while claiming or waiting raises Requeue.
-
 The task layer (``task.py``) supplies the key, the body and a codec, and turns :class:`Requeue`
-and :class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message. :meth:`Gate.run`
-answers with a :class:`RunOutcome`: the value, whether this attempt ran the body, and the
-backend write that rode on the record, if any. Calls go one way, down: the gate never calls back
-into the task layer except through the functions it is handed (the body, a pure ``fold``
-builder, ``emit``).
-
-This module imports no Celery and no kombu (``tests/unit/test_layering.py`` checks it).
+and :class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message; the gate calls
+back into it only through what it is handed (the body, ``fold``, ``emit``). No Celery, no kombu
+here (``tests/unit/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -193,11 +186,10 @@ class Gate:
                 recorded; a :class:`~celery_idem.stores.base.BackendWrite` it returns goes into
                 the same store call (see :meth:`Store.record_with`). The outcome says whether
                 it was made there. An error it raises only means no fold.
-            deadline: ``monotonic()`` time by which this attempt must have stopped waiting,
-                because the caller's own time limit fires soon after (None: no limit). The wait
-                for a busy key ends there at the latest; and an attempt that has waited does
-                not claim a key freed meanwhile, since its body would start with only what is
-                left of the limit. Both raise :class:`Requeue`.
+            deadline: ``monotonic()`` time by which this attempt must stop waiting, because
+                the caller's own time limit fires soon after (None: no limit). An attempt that
+                waited does not claim a key freed meanwhile (its body would start with only what
+                is left of the limit): it raises :class:`Requeue`.
 
         Returns:
             A :class:`RunOutcome`: the body's result, or the recorded result of the attempt
@@ -215,9 +207,8 @@ class Gate:
         try:
             claim, waited = self._settle(attempt, deadline)
         except self.interrupts as exc:
-            # The caller's own time limit fired before any body started here: nothing ran, so
-            # the message can go round again. (A claim that landed just before the interrupt is
-            # left to expire and is taken over, like a crashed holder's.)
+            # Nothing ran: the message can go round again. (A claim that landed just before the
+            # interrupt expires and is taken over, like a crashed holder's.)
             self.emit(Outcome.REQUEUED, attempt.key, 0, "", {"reason": type(exc).__name__})
             raise Requeue(attempt.key, None) from exc
         if claim.status.holds:
@@ -283,14 +274,13 @@ class Gate:
                 if deadline is None or (found is not None and found.state in _OUTCOMES):
                     break  # done, failed, or free to take: the next claim decides atomically
                 if not live:
-                    # Released, gone or expired, but this attempt spent part of its time limit
-                    # waiting: a body started now could be cut off by that limit. Go round
-                    # again; the next delivery claims with the whole limit ahead of it.
+                    # Freed, but this attempt spent part of its time limit waiting (see run's
+                    # ``deadline``): the next delivery claims with the whole limit ahead of it.
                     self.emit(Outcome.REQUEUED, attempt.key, holder.token, holder.task_id,
                               {"reason": "freed"})
                     raise Requeue(attempt.key, found, freed=True)
-                # Another attempt took over meanwhile: wait for it. (Claiming again could win a
-                # key freed in between, and start the body late, the same risk.)
+                # Another attempt took over meanwhile: wait for it (claiming again has the
+                # same risk).
                 assert found is not None
                 holder = found
 
@@ -307,9 +297,8 @@ class Gate:
         fold: Callable[[T], BackendWrite | None] | None,
     ) -> RunOutcome[T]:
         key, token = attempt.key, claim.token
-        # The claim id names this claim beside its token in every fenced call (a stale holder
-        # is refused even if a token number was issued again after the store lost data). A
-        # store without claim ids gives none, and is called as before.
+        # The claim id fences beside the token (a token number may be issued again after the
+        # store lost data); a store without claim ids gives none.
         fence: dict[str, Any] = {"claim_id": claim.claim_id} if claim.claim_id else {}
         if claim.status is ClaimStatus.TAKEOVER:
             prev = claim.record
@@ -329,15 +318,11 @@ class Gate:
             folded = self._record_result(attempt, token, result, write, fence)
         return RunOutcome(result, ran=True, write=write, folded=folded)
 
-    def _after_error(
-        self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any] | None = None,
-    ) -> None:
-        fence = fence or {}
+    def _after_error(self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any]) -> None:
         cfg, key = self.config, attempt.key
         if isinstance(exc, self.handover_signals):
-            # The action now belongs to the task the body handed it to, which reports its outcome
-            # under this attempt's task id: there is no outcome to record here, and holding the
-            # claim would only make a duplicate wait for the lease.
+            # The replacement reports the outcome under this task id: nothing to record, and
+            # holding the claim would only make a duplicate wait for the lease.
             self._release(attempt, token, exc, fence, reason="handed_over")
             return
         if isinstance(exc, cfg.terminal_on):
@@ -369,8 +354,7 @@ class Gate:
             self.store.release(key, token, **fence)
         except LeaseLost as lost:
             if retried:
-                # The re-published attempt (same task id, retries + 1) already took its
-                # claim over: that is the hand-over working, not a lost lease.
+                # The re-published attempt already took its claim over: the hand-over working.
                 logger.debug("celery_idem retry took over key=%s: %s", key, lost)
             else:
                 self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "release"})
@@ -387,11 +371,10 @@ class Gate:
         self.emit(Outcome.RELEASED, key, token, attempt.task_id, extra)
 
     def _record_result(
-        self, attempt: Attempt, token: int, result: Any, also: BackendWrite | None = None,
-        fence: dict[str, Any] | None = None,
+        self, attempt: Attempt, token: int, result: Any, also: BackendWrite | None,
+        fence: dict[str, Any],
     ) -> bool:
         """Record a body's result; return whether ``also`` was written in the same store call."""
-        fence = fence or {}
         try:
             ctype, data = self.codec.encode_result(result)
         except Exception as exc:
@@ -411,9 +394,8 @@ class Gate:
         if recorded:
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
             return folded
-        # The store kept refusing the result. If it takes a small record now, the store is up
-        # and the result itself is what it refuses (too large for it): record that instead, so a
-        # duplicate raises rather than running the body again once the lease has run out.
+        # Refused for record_timeout. If a small record goes in now, the result itself is what
+        # the store refuses (too large): record that, so a duplicate raises instead of running.
         refused = TerminalError(
             f"the body of {attempt.key!r} ran (task {attempt.task_id}) but the store refused to "
             f"record its result of {len(data)} bytes; duplicates get this error"
@@ -431,7 +413,7 @@ class Gate:
 
     def _write(
         self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes,
-        also: BackendWrite | None = None, *, fence: dict[str, Any] | None = None,
+        also: BackendWrite | None = None, *, fence: dict[str, Any],
     ) -> tuple[bool, bool]:
         """Record with retries for ``record_timeout``; the lease keeps being renewed meanwhile.
 
@@ -443,7 +425,6 @@ class Gate:
             LeaseLost: Another holder took over.
         """
         key = attempt.key
-        fence = fence or {}
         deadline = self.monotonic() + self.config.record_timeout
         delay = 0.05
         while True:

@@ -4,39 +4,17 @@ A store keeps one record per idempotency key. Each verb below is ONE atomic oper
 round trip to the server): a Redis Lua script, or one conditional SQL statement. All lease
 arithmetic uses the store's own clock, so workers with skewed clocks still agree on expiry.
 
-Fencing: every claim that succeeds (a fresh claim or a takeover) gets a token strictly greater
-than any token the key had before, *including* tokens of released claims (a release keeps a
-tombstone with the token) and tokens of a record the store has since lost (see "Tokens").
-``record``, ``release`` and ``renew`` succeed only for the current claim, named by its token
-*and* its claim id; a holder whose claim was taken over or reissued gets
-:class:`~celery_idem.exceptions.LeaseLost`.
-
-Timeline of one key (tokens shown as small numbers; see "Tokens" for their real values)::
+Fencing: every taking claim gets a token above any the key had, released and lost ones
+included (:func:`next_token`; why it holds across a loss of the store, and until when:
+docs/fencing.md), and a random claim id (:func:`new_claim_id`), since a token number may be
+issued twice after a loss with a clock that stepped back. ``record``, ``release`` and ``renew``
+succeed only for the current claim, named by its token *and* claim id (``claim_id=None`` checks
+the token alone); any other holder gets :class:`~celery_idem.exceptions.LeaseLost`::
 
     claim(t=1) ──run──> record(1) ─────────────> done  (duplicates get the result)
     claim(t=1) ──run──> release(1) ─> released ─> claim(t=2) ...
     claim(t=1) ──crash ... lease expires ─> claim => TAKEOVER(t=2) ──> record(2) -> done
                                      stale record(1) -> LeaseLost
-
-Tokens: a claim's token is ``max(previous token + 1, store clock in whole microseconds)``
-(:func:`next_token`), computed inside the claim's one atomic step from the store's own clock.
-While the record exists the first term keeps tokens strictly increasing whatever the clock
-does. When the store has lost the record (Redis FLUSHALL, a restart without persistence, a
-failover that dropped the last writes, an expired TTL, a deleted row), the second term still
-gives the next claim a token above the lost one, because every earlier token was at most the
-clock (plus the claims made within the same microsecond) when it was issued, and the clock has
-moved on since. Tokens are about 1.8e15 today: they fit a signed 64-bit integer, SQL
-``BIGINT`` and a Lua (double) number exactly until 2^53 microseconds, in the year 2255. What
-the clock term needs: the store's clock must not step back, across the loss, by more than the
-time since the lost claim (NTP slews; a failover to a replica with a clock behind the old
-master's can break it, and then tokens can repeat).
-
-Claim ids: a token number alone cannot tell two attempts apart if it is ever issued twice
-(after a loss with a clock that stepped back). So each taking claim also stores a random
-``claim_id`` (:func:`new_claim_id`) returned in :class:`~celery_idem.records.Claim`, and the
-holder passes it back to ``record``, ``release`` and ``renew``: a call whose ``claim_id``
-differs from the stored one is refused like a wrong token. ``claim_id=None`` (what a caller
-written before claim ids passes) checks the token alone.
 """
 
 from __future__ import annotations
@@ -76,15 +54,8 @@ def new_claim_id() -> str:
 
 def lease_lost(verb: str, key: str, token: int, current: Record | None,
                claim_id: str | None = None) -> LeaseLost:
-    """Why a fenced write was refused, in the words every store uses.
-
-    Args:
-        verb: The refused verb (``"record"``, ``"release"``, ``"renew"``, ``"forget"``).
-        key: The key as the caller passed it.
-        token: The caller's token.
-        current: The key's record as the store holds it now (None: gone).
-        claim_id: The caller's claim id, if it gave one.
-    """
+    """Why a fenced ``verb`` (``"record"``, ...) of ``key`` was refused, in the words every store
+    uses; ``current`` is the key's record as the store holds it now (None: gone)."""
     if current is not None and current.token == token and claim_id \
             and current.claim_id != claim_id and current.state is State.IN_PROGRESS:
         return LeaseLost(
@@ -96,8 +67,7 @@ def lease_lost(verb: str, key: str, token: int, current: Record | None,
         return LeaseLost(
             f"{verb} of {key!r} with token {token} refused: the record "
             + ("is gone" if current is None else f"now has token {current.token}"),
-            key=key,
-            token=token,
+            key=key, token=token,
         )
     return LeaseLost(f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token)
 
@@ -125,20 +95,13 @@ class DurabilityFinding:
 class BackendWrite:
     """The result backend's write of one task result, for a store that can fold it into a record.
 
-    Celery's Redis backend stores a result as ``SET key value [EX expires]`` plus ``PUBLISH key
-    value`` (what ``AsyncResult.get`` listens for). When the idempotency store lives on the same
-    server, :meth:`Store.record_with` makes that write in the record's own round trip, fenced like
-    the record: one round trip where there were three (record, the backend's ``GET``, its
-    ``SET``+``PUBLISH``).
+    When the idempotency store lives on the backend's server, :meth:`Store.record_with` makes
+    this write in the record's own round trip, fenced like the record.
 
     Attributes:
         key: The backend's result key.
         value: The encoded result meta, exactly as the backend would write it.
         expires: Seconds the key lives (0: no expiry).
-
-    Whether the write was made is :meth:`Store.record_with`'s return value (and, for the task,
-    :attr:`celery_idem.gate.RunOutcome.folded`): the caller skips the backend's own write only
-    then.
     """
 
     key: str
@@ -318,12 +281,10 @@ class Store(abc.ABC):
     ) -> Record | Reservation | None:
         """Read ``key``'s record and, when no attempt holds or answers it, reserve the key.
 
-        The enqueue check of a message about to be published (one round trip, as
-        :meth:`get`): later enqueues of the same key find the reservation and attach to
-        ``task_id``'s message instead of publishing copies. A reservation is not a claim:
-        the worker's claim stays the only arbiter, and it never reads reservations. It
-        expires after ``lease`` seconds, so a message that was lost (or is still queued
-        behind a long backlog) lets the next enqueue publish again.
+        The enqueue check (one round trip): later enqueues of the key attach to ``task_id``'s
+        message instead of publishing copies. Not a claim: the worker's claim never reads
+        reservations. It expires after ``lease`` seconds, so a lost message lets the next
+        enqueue publish again.
 
         Returns:
             The record when there is one that is not released (the caller answers a done or
@@ -349,9 +310,8 @@ class Store(abc.ABC):
     def forget(self, key: str, token: int) -> None:
         """Atomically forget a done or failed outcome, so the next attempt runs the body. Fenced.
 
-        The record becomes a RELEASED tombstone that keeps the token (as :meth:`release`
-        leaves a claim): the next claim gets token + 1. Not abstract, so a store written before
-        it still loads; such a store refuses the verb.
+        The record becomes a RELEASED tombstone that keeps the token, as :meth:`release` leaves
+        it. Not abstract, so a store without it still loads (and refuses the verb).
 
         Raises:
             LeaseLost: The record's token is not ``token``, or it is not done or failed.
@@ -361,10 +321,7 @@ class Store(abc.ABC):
         raise ImproperlyConfigured(f"{type(self).__name__} cannot forget records")
 
     def expires_at(self, key: str) -> float | None:
-        """When the record of ``key`` expires (store clock, epoch seconds); None if unknown.
-
-        One read for operators (``idem show``); a task never needs it.
-        """
+        """When the record of ``key`` expires (store clock, epoch seconds); None if unknown."""
         return None
 
     def now(self) -> float:
@@ -376,10 +333,9 @@ class Store(abc.ABC):
     def check_durability(self) -> list[DurabilityFinding]:
         """What about the store's server can lose records (a restart, memory pressure).
 
-        Called once at worker start (never on the hot path); the worker logs the findings (one
-        WARNING for those at that level, one INFO for notes) and, with
-        ``idempotency_require_durable_store``, refuses to start on a WARNING. The default finds
-        nothing: a store that cannot tell says nothing.
+        Called once at worker start, which logs the findings and, with
+        ``idempotency_require_durable_store``, refuses to start on a WARNING one. The default
+        finds nothing.
 
         Raises:
             StoreUnavailable: The store could not be reached.

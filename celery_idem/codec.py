@@ -5,12 +5,11 @@ is in ``result_accept_content`` (or ``accept_content``): a record written with p
 never unpickled, by an app that does not accept pickle.
 
 Terminal errors are stored as JSON ``{"module", "type", "message"}`` and re-raised as the same
-type with the same message, for types whose module is already imported in the worker (the task
-module is). Other types come back as :class:`TerminalError` naming the original type, so a
-record can never make a worker import a module.
+type with the same message when its module is already imported (the task module is); else as
+:class:`TerminalError` naming the type, so a record can never make a worker import a module.
 
 The gate sees only the :class:`Codec` protocol; kombu is imported when a :class:`KombuCodec` is
-built (by the Celery seam), so importing this module loads neither kombu nor Celery.
+built, so importing this module loads neither kombu nor Celery.
 """
 
 from __future__ import annotations
@@ -72,8 +71,6 @@ class KombuCodec:
         self.accept: set[str] | None = None
         if accept is not None:
             self.accept = serialization.prepare_accept_content(accept)  # type: ignore[no-untyped-call]
-        # JSON with one encoder built once, while kombu's own "json" is registered: an
-        # acceleration (celery_idem.accel.kombu_json); else kombu's dumps, the plain path.
         self._json: JsonShortcut | None = None
         if serializer == "json" and accel.enabled(accelerate):
             self._json = json_shortcut(serialization, exceptions.EncodeError)

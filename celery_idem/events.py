@@ -42,9 +42,9 @@ class Outcome(str, enum.Enum):
     ATTACHED = "attached"
 
 
-#: Answers given without running the body: INFO by default, so a worker's log says which of
-#: several ``succeeded`` lines for one action ran (``original_task_id``), and the producer's
-#: says which enqueues published nothing. ``idempotency_log_answers = False`` makes them DEBUG.
+#: Answers given without running the body: INFO (DEBUG with ``idempotency_log_answers = False``),
+#: so a log says which of several ``succeeded`` lines for one action ran, and which enqueues
+#: published nothing.
 ANSWERS = frozenset({Outcome.DUPLICATE, Outcome.WAITED, Outcome.ANSWERED, Outcome.ATTACHED})
 
 #: Outcomes an operator should see at INFO or above; the rest log at DEBUG.
@@ -71,14 +71,9 @@ def log_outcome(
 ) -> None:
     """Log one decision as one line of ``name=value`` pairs (never the task's arguments).
 
-    Args:
-        outcome: The decision.
-        key: The idempotency key.
-        token: The fencing token of the record the decision is about (0: none).
-        original_task_id: The task that claimed, holds or recorded the key.
-        task_id: The task id of this attempt (or of the enqueue's result).
-        extra: More ``name=value`` pairs, in order.
-        answers: False: log the answers (:data:`ANSWERS`) at DEBUG instead of INFO.
+    ``token`` is the record's (0: none), ``original_task_id`` the task that claimed, holds or
+    recorded the key, ``task_id`` this attempt's (or the enqueue's); ``extra`` is logged in order.
+    ``answers=False`` logs the :data:`ANSWERS` at DEBUG instead of INFO.
     """
     level = logging.DEBUG if not answers and outcome in ANSWERS else _LOUD.get(outcome, logging.DEBUG)
     if not logger.isEnabledFor(level):

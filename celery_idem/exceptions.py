@@ -14,19 +14,12 @@ Every exception derives from one root, so ``except IdempotencyError`` catches th
 Each class calls ``super().__init__(message)`` so that ``str()`` and pickling work when Celery
 stores the exception in its result backend.
 
-This module imports no Celery, so the core (the gate, the stores) can use it without loading
-Celery. :class:`ImproperlyConfigured` is still Celery's ``ImproperlyConfigured`` wherever users
-catch it: :func:`adopt_celery_base` adds Celery's class to its bases, and runs when
-
-* the Celery seam (``celery_idem.task``) is imported: ``from celery_idem import
-  IdempotentTask``, and ``celery_idem.ImproperlyConfigured`` itself, load it;
-* this module is imported in a process that has already imported ``celery.exceptions``;
-* an ``ImproperlyConfigured`` is created in a process that has imported ``celery.exceptions``
-  (whoever writes ``except celery.exceptions.ImproperlyConfigured`` has).
-
-It is one class object throughout, so an ``except celery.exceptions.ImproperlyConfigured``
-around a task's definition, a store URL or a worker start catches it, and so does ``except
-celery_idem.ImproperlyConfigured`` in a process that never loads Celery.
+This module imports no Celery, so the core can use it without loading Celery. Still,
+:class:`ImproperlyConfigured` is Celery's ``ImproperlyConfigured`` wherever users catch it:
+:func:`adopt_celery_base` adds Celery's class to its bases when the Celery seam
+(``celery_idem.task``) is imported, when this module is imported after ``celery.exceptions``,
+and when one is created in a process that has imported ``celery.exceptions`` (whoever writes
+``except celery.exceptions.ImproperlyConfigured`` has). It is one class object throughout.
 """
 
 from __future__ import annotations
@@ -53,8 +46,7 @@ class IdempotencyError(Exception):
 class TerminalError(IdempotencyError):
     """Raised by a task body for an outcome that must never be retried (card declined, ...).
 
-    The gate records it as the action's outcome: every later duplicate re-raises the same type
-    and message without running the body.
+    Recorded as the action's outcome: every later duplicate re-raises it without running the body.
     """
 
 
@@ -77,18 +69,14 @@ class IdempotencyKeyMismatch(TerminalError):
 class InvalidKey(IdempotencyError, ValueError):
     """Raised for a per-call key, a scope or a message's key header that cannot be used.
 
-    Not a str, empty, too long, or with control or format characters (a newline, an ANSI
-    escape, a bidirectional override). Nothing is published, claimed or stored under it.
-    A ``ValueError`` too, as the key checks raised before.
+    Not a str, empty, too long, or with control or format characters. Nothing is published,
+    claimed or stored under it.
     """
 
 
 class LeaseLost(IdempotencyError):
-    """Raised when a fenced write (record, release, renew) finds that another holder took over.
-
-    The holder's lease expired (crash, pause, partition) and a newer claim with a higher token
-    exists; the stale holder must not overwrite it.
-    """
+    """Raised when a fenced write (record, release, renew) finds that another holder took over
+    (this holder's lease expired: crash, pause, partition); it must not overwrite the new one."""
 
     def __init__(self, message: str, key: str | None = None, token: int | None = None) -> None:
         super().__init__(message)
@@ -102,8 +90,7 @@ class LeaseLost(IdempotencyError):
 class StoreUnavailable(IdempotencyError):
     """Raised when the idempotency store cannot be reached or did not answer in time.
 
-    The gate never runs a body unguarded: at claim time this means the body does not run and
-    the message is re-queued.
+    At claim time the body does not run and the message is re-queued (never unguarded).
     """
 
 
@@ -119,11 +106,8 @@ class CorruptRecord(IdempotencyError):
 
 
 class ImproperlyConfigured(IdempotencyError):
-    """Raised when a task or app is configured in a way celery_idem cannot honour.
-
-    Also a ``celery.exceptions.ImproperlyConfigured`` whenever Celery is loaded (see the module
-    docstring).
-    """
+    """Raised when a task or app is configured in a way celery_idem cannot honour (also
+    Celery's ``ImproperlyConfigured`` whenever Celery is loaded: see the module docstring)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ImproperlyConfigured:
         if "celery.exceptions" in sys.modules:  # who catches Celery's class has imported it
@@ -134,16 +118,13 @@ class ImproperlyConfigured(IdempotencyError):
 def adopt_celery_base() -> None:
     """Make :class:`ImproperlyConfigured` a subclass of Celery's ``ImproperlyConfigured`` too.
 
-    Called by the Celery seam (``celery_idem.task``) when it is imported; idempotent. The
-    class object stays the same (its bases change), so exceptions raised before and after,
-    and every ``except`` naming either class, agree.
+    Idempotent. The class object stays the same (its bases change), so exceptions raised
+    before and after, and every ``except`` naming either class, agree.
     """
     from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
 
     if not issubclass(ImproperlyConfigured, CeleryImproperlyConfigured):
-        # Both are plain Exception subclasses (no __slots__), so the layouts agree and Python
-        # allows the new bases; the MRO becomes ImproperlyConfigured, IdempotencyError,
-        # Celery's ImproperlyConfigured, CeleryError, Exception.
+        # Both are plain Exception subclasses (no __slots__): the layouts agree.
         ImproperlyConfigured.__bases__ = (IdempotencyError, CeleryImproperlyConfigured)
 
 

@@ -51,8 +51,7 @@ class Lease:
     done: bool = False
     renewals: int = 0
     claim_id: str = ""
-    # Made on first use: almost no lease is ever lost, and an Event (a Condition and its lock)
-    # costs a few µs on every task's hot path (docs/benchmarks.md, the gate's CPU budget).
+    # Made on first use: almost no lease is ever lost, and an Event costs CPU on every task.
     _lost: threading.Event | None = field(default=None, init=False, repr=False)
 
     @property
@@ -126,18 +125,13 @@ class LeaseKeeper:
             else:  # a store without claim ids may not take the argument
                 lease.store.renew(lease.key, lease.token, lease.duration)
         except LeaseLost as exc:
-            if lease.done:
-                # A renewal delayed (by an outage, say) past the holder's own record: the record
-                # fenced it, and nothing was lost.
+            if lease.done:  # a renewal delayed past the holder's own record, which fenced it
                 logger.debug("celery_idem late renewal refused key=%s token=%s: %s",
                              lease.key, lease.token, exc)
                 return
             lease.lost.set()
-            logger.error(
-                "celery_idem lease_lost key=%s token=%s: %s; another holder took over, this "
-                "attempt's record will be refused",
-                lease.key, lease.token, exc,
-            )
+            logger.error("celery_idem lease_lost key=%s token=%s: %s; another holder took over, this "
+                         "attempt's record will be refused", lease.key, lease.token, exc)
             return
         except StoreUnavailable as exc:
             # Try again soon: the lease still has two thirds of its time left.
@@ -153,11 +147,7 @@ class LeaseKeeper:
 
 
 class _Held:
-    """The context of one :meth:`LeaseKeeper.hold`.
-
-    A class rather than a ``@contextmanager`` generator: this runs once per task, and a
-    generator context manager costs several µs more per call.
-    """
+    """The context of one :meth:`LeaseKeeper.hold` (a class: cheaper than a generator's, per task)."""
 
     __slots__ = ("_keeper", "_lease", "_reset")
 

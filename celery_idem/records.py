@@ -55,7 +55,7 @@ class Record:
         key: The idempotency key (without the store's prefix).
         state: The record's state.
         token: The fencing token of the latest claim; strictly increasing per key, also across
-            a loss of the record (see :mod:`celery_idem.stores.base`, "Tokens").
+            a loss of the record (docs/fencing.md).
         owner: Who holds or held the claim (``host:pid``).
         task_id: The Celery task id of the attempt that claimed it (the original task id).
         attempt: The ``retries`` count of that attempt.
@@ -65,10 +65,8 @@ class Record:
         content_type: MIME type of ``data`` (the result serializer's, or the error codec's).
         data: The encoded result (done) or error (failed).
         updated: Server time (epoch seconds) of the last write.
-        claim_id: The random id the store gave the claim that wrote the record (empty for a
-            released tombstone, and for a record of a store or version without claim ids). The
-            holder passes it back to ``record``, ``release`` and ``renew``: with the token, it
-            names the attempt, so a stale holder is refused even if a token was ever reissued.
+        claim_id: The random id of the claim that wrote the record (empty for a released
+            tombstone, and from a store without claim ids); see :attr:`Claim.claim_id`.
     """
 
     key: str
@@ -96,9 +94,9 @@ class Claim:
             DONE, the error for FAILED, the live holder for BUSY, the expired holder for TAKEOVER.
         now: The store's clock at the claim (epoch seconds), so lease arithmetic never mixes
             clocks of different hosts.
-        claim_id: When ``status.holds``, the random id of the caller's claim, to pass to
-            ``record``, ``release`` and ``renew`` with the token; empty otherwise, and from a
-            store that does not issue claim ids (it is then fenced by the token alone).
+        claim_id: When ``status.holds``, the random id of the caller's claim, passed with the
+            token to ``record``, ``release`` and ``renew`` (a stale holder is refused even if
+            a token was reissued); empty otherwise, and from a store without claim ids.
     """
 
     status: ClaimStatus

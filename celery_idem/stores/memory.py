@@ -1,10 +1,8 @@
 """In-process store (``memory://``): for unit tests of the gate and eager mode.
 
-It implements every verb of the contract under one lock, with an injectable clock so tests
-can expire leases without sleeping. Tokens follow :func:`~celery_idem.stores.base.next_token`
-on that clock, so a record that expired (or that a test deleted) is never followed by a token
-at or below its own. State lives on the instance, never on the class.
-It is not shared between processes: never use it with real workers.
+Every verb of the contract under one lock, with an injectable clock so tests can expire leases
+without sleeping. State lives on the instance; it is not shared between processes, so never use
+it with real workers.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..config import DEFAULT_PREFIX
-from ..exceptions import LeaseLost
 from ..records import Claim, ClaimStatus, Record, State
 from .base import Store, lease_lost, new_claim_id, next_token
 
@@ -96,16 +93,13 @@ class MemoryStore(Store):
                 return take(ClaimStatus.TAKEOVER)
             return Claim(ClaimStatus.BUSY, rec.token, rec, now)
 
-    def _fenced(self, key: str, token: int, claim_id: str | None, now: float, verb: str) -> Record:
+    def _fenced(self, key: str, token: int, claim_id: str | None, now: float, verb: str,
+                states: tuple[State, ...] = (State.IN_PROGRESS,)) -> Record:
+        """The caller's record (its token, its claim id, one of ``states``), else LeaseLost."""
         rec = self._live(key, now)
-        if rec is None or rec.token != token:
-            raise lease_lost(verb, key, token, rec)
-        if claim_id is not None and rec.claim_id != claim_id:
-            # The same token number, another claim: it was reissued after a loss.
-            raise LeaseLost(
-                f"{verb} of {key!r} with token {token} refused: the record belongs to another "
-                f"claim with the same token", key=key, token=token,
-            )
+        if rec is None or rec.token != token or rec.state not in states \
+                or (claim_id is not None and rec.claim_id != claim_id):
+            raise lease_lost(verb, key, token, rec, claim_id)
         return rec
 
     def record(
@@ -116,11 +110,9 @@ class MemoryStore(Store):
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         with self._lock:
             now = self._clock()
-            rec = self._fenced(key, token, claim_id, now, "record")
+            rec = self._fenced(key, token, claim_id, now, "record", (State.IN_PROGRESS, state))
             if rec.state is state:
                 return  # the holder retrying a record whose reply it lost
-            if rec.state is not State.IN_PROGRESS:
-                raise lease_lost("record", key, token, rec)
             new = dataclasses.replace(
                 rec, state=state, content_type=content_type, data=data, lease_expires=None,
                 updated=now,
@@ -131,8 +123,6 @@ class MemoryStore(Store):
         with self._lock:
             now = self._clock()
             rec = self._fenced(key, token, claim_id, now, "release")
-            if rec.state is not State.IN_PROGRESS:
-                raise lease_lost("release", key, token, rec)
             expires = self._records[key][1]
             tomb = Record(key=key, state=State.RELEASED, token=rec.token, updated=now)
             self._records[key] = (tomb, expires)
@@ -141,8 +131,6 @@ class MemoryStore(Store):
         with self._lock:
             now = self._clock()
             rec = self._fenced(key, token, claim_id, now, "renew")
-            if rec.state is not State.IN_PROGRESS:
-                raise lease_lost("renew", key, token, rec)
             # The record must outlive the lease (see renew.lua).
             expires = max(self._records[key][1], now + lease)
             self._records[key] = (dataclasses.replace(rec, lease_expires=now + lease), expires)
@@ -151,9 +139,7 @@ class MemoryStore(Store):
     def forget(self, key: str, token: int) -> None:
         with self._lock:
             now = self._clock()
-            rec = self._fenced(key, token, None, now, "forget")
-            if rec.state not in (State.DONE, State.FAILED):
-                raise lease_lost("forget", key, token, rec)
+            rec = self._fenced(key, token, None, now, "forget", (State.DONE, State.FAILED))
             tomb = Record(key=key, state=State.RELEASED, token=rec.token, updated=now)
             self._records[key] = (tomb, self._records[key][1])
 

@@ -13,13 +13,13 @@ import functools
 import importlib
 import inspect
 import math
-import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from . import accel
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "MIN_PERIOD",
     "IdempotencyConfig",
     "Settings",
-    "accelerate_from_env",
     "check_options",
     "default_release_on",
     "forget_settings",
@@ -155,10 +154,8 @@ _MIN_ABBREVIATION = 4
 
 
 def _distance(a: str, b: str) -> int:
-    """Edit distance between ``a`` and ``b``, a swap of two adjacent letters counting as one.
-
-    (Optimal string alignment: the typos a keyboard makes, ``feilds``, ``idempotancy``.)
-    """
+    """Edit distance between ``a`` and ``b``, a swap of two adjacent letters counting as one
+    (optimal string alignment: the typos a keyboard makes, ``feilds``)."""
     previous2: list[int] = []
     previous = list(range(len(b) + 1))
     for i, ca in enumerate(a, 1):
@@ -172,11 +169,8 @@ def _distance(a: str, b: str) -> int:
 
 
 def _close_suffix(tail: str, suffixes: dict[str, str]) -> str | None:
-    """The option whose suffix (what follows ``idempotency_``) ``tail`` is, give or take a typo.
-
-    One edit for a suffix of up to four letters (``ttl``, ``wait``), two for longer ones: a
-    short name two edits away from ``ttl`` is as close to many ordinary words.
-    """
+    """The option whose suffix (after ``idempotency_``) ``tail`` is, give or take one typo for a
+    suffix of up to four letters (two edits from ``ttl`` reach many ordinary words), two else."""
     best: tuple[int, str] | None = None
     for suffix, option in suffixes.items():
         d = _distance(tail, suffix)
@@ -214,10 +208,9 @@ def near_miss(name: str) -> str | None:
 def check_options(owner: str, namespace: Iterable[str]) -> None:
     """Reject unknown ``idempotency_*`` names and near misses, naming the option meant.
 
-    A near miss (``idempotancy_fields``, ``idem_fields``, see :func:`near_miss`) is refused as
-    firmly as an unknown ``idempotency_*`` name: Celery keeps any keyword of ``@app.task`` as a
-    task attribute without a word, so a misspelt ``idempotency_fields`` would leave the key
-    covering every argument, and two calls differing in a note would both run.
+    A near miss (:func:`near_miss`) is refused as firmly as an unknown ``idempotency_*`` name:
+    Celery keeps any ``@app.task`` keyword as an attribute without a word, so a misspelt
+    ``idempotency_fields`` would silently key on every argument.
 
     Args:
         owner: Name of the task (or class), for messages.
@@ -304,8 +297,8 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
             f"got {operation!r}"
         )
     if "@" in operation:
-        # "operation@scope" is how a scope shows in a key: an "@" in the operation would let
-        # one operation's unscoped keys be read as another's scoped ones.
+        # "@" separates the scope in a key (keys.py): one operation's unscoped keys would read
+        # as another's scoped ones.
         raise ImproperlyConfigured(
             f"{owner}: the operation {operation!r} contains '@', which separates the operation "
             f"from the scope in a key; set idempotency_operation to a name without '@'"
@@ -381,22 +374,11 @@ def _flag(owner: str, name: str, value: Any) -> bool:
 
 # -- app settings --------------------------------------------------------------------------------
 
-#: The key prefix when ``idempotency_key_prefix`` is not set: the one place this literal lives
-#: (the stores import it from here, which imports nothing of the Celery seam).
+#: The key prefix when ``idempotency_key_prefix`` is not set: the one place this literal lives.
 DEFAULT_PREFIX = "celery-idem:"
 
-#: The environment variable that turns every acceleration off (``0``, ``false``, ``no``, ``off``).
-ACCELERATE_ENV = "CELERY_IDEM_ACCELERATE"
-
-_OFF = frozenset({"0", "false", "no", "off"})
-
-
-def accelerate_from_env() -> bool:
-    """False when ``CELERY_IDEM_ACCELERATE`` is ``0``, ``false``, ``no`` or ``off``; else True.
-
-    Read at each call, for code that has no app at hand (a store built from a URL).
-    """
-    return os.environ.get(ACCELERATE_ENV, "").strip().lower() not in _OFF
+#: The environment variable that turns every acceleration off (:func:`celery_idem.accel.enabled`).
+ACCELERATE_ENV = accel.ENV
 
 
 @dataclass(frozen=True)
@@ -429,10 +411,7 @@ _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary(
 
 
 def read_settings(conf: Mapping[str, Any]) -> Settings:
-    """Read a :class:`Settings` from an app's configuration (``app.conf``), now.
-
-    The environment variable ``CELERY_IDEM_ACCELERATE`` is read here too.
-    """
+    """Read a :class:`Settings` from an app's configuration (``app.conf``) and the environment, now."""
     options = conf.get("idempotency_store_options")
     return Settings(
         store=conf.get("idempotency_store"),
@@ -443,7 +422,7 @@ def read_settings(conf: Mapping[str, Any]) -> Settings:
         fold_results=conf.get("idempotency_fold_results") is not False,
         require_durable_store=bool(conf.get("idempotency_require_durable_store")),
         log_answers=conf.get("idempotency_log_answers", True) is not False,
-        accelerate=conf.get("idempotency_accelerate", True) is not False and accelerate_from_env(),
+        accelerate=accel.enabled(conf.get("idempotency_accelerate", True) is not False),
     )
 
 
@@ -460,11 +439,8 @@ def settings(app: Any) -> Settings:
 
 
 def forget_settings(app: Any | None = None) -> None:
-    """Drop the settings read for ``app`` (every app when None): the next read sees ``app.conf``.
-
-    For tests that change an app's settings after its first use; an application sets them once,
-    before its tasks run.
-    """
+    """Drop the settings read for ``app`` (every app when None): the next read sees ``app.conf``
+    (for tests that change an app's settings after its first use)."""
     if app is None:
         _settings.clear()
     else:

@@ -129,12 +129,10 @@ class Gate:
         retry_signals: Exceptions that mean "the task already re-published itself" (Celery's
             ``Retry``): the claim is released so the new attempt passes the gate.
         handover_signals: Exceptions that mean "the body handed its action to another task"
-            (Celery's ``Task.replace``, which publishes the replacement and raises ``Ignore``):
-            nothing is recorded, since the outcome is the replacement's, and the claim is
-            released so that a duplicate does not wait for the lease.
-        interrupts: Exceptions that end this attempt's turn when they arrive while it claims
-            or waits, before any body runs (the task's own soft time limit): they become
-            :class:`Requeue`. Raised by the body, they are handled like any other error.
+            (Celery's ``Task.replace`` raises ``Ignore``): nothing is recorded, the claim is
+            released.
+        interrupts: Exceptions (the task's soft time limit) that become :class:`Requeue` when
+            they arrive while claiming or waiting; raised by the body, they are any error.
         sleep: Injectable for tests.
         monotonic: Injectable for tests.
         lease_keeper: Renews the lease while the body runs.
@@ -182,18 +180,16 @@ class Gate:
         Args:
             attempt: Who runs, under which key.
             body: Called with the fencing token; its return value is recorded.
-            fold: Builds the result backend's write from the body's result, just before it is
-                recorded; a :class:`~celery_idem.stores.base.BackendWrite` it returns goes into
-                the same store call (see :meth:`Store.record_with`). The outcome says whether
-                it was made there. An error it raises only means no fold.
+            fold: Builds the result backend's write from the body's result; a
+                :class:`~celery_idem.stores.base.BackendWrite` it returns goes into the record's
+                store call (:meth:`Store.record_with`). An error it raises only means no fold.
             deadline: ``monotonic()`` time by which this attempt must stop waiting, because
                 the caller's own time limit fires soon after (None: no limit). An attempt that
                 waited does not claim a key freed meanwhile (its body would start with only what
                 is left of the limit): it raises :class:`Requeue`.
 
         Returns:
-            A :class:`RunOutcome`: the body's result, or the recorded result of the attempt
-            that ran it, and whether the backend write rode on the record.
+            A :class:`RunOutcome`.
 
         Raises:
             Requeue: The key is still in progress after ``config.wait`` seconds (or at
@@ -220,16 +216,11 @@ class Gate:
         return RunOutcome(self.answer(rec), ran=False)
 
     def _settle(self, attempt: Attempt, deadline: float | None) -> tuple[Claim, bool]:
-        """Claim the key, waiting (bounded) while someone else holds it.
+        """Claim the key, waiting (bounded) while someone else holds it (raises as :meth:`run`).
 
         Returns:
             A claim that holds the key or carries a DONE/FAILED record, and whether this
             attempt waited for it.
-
-        Raises:
-            Requeue: Still busy at the end of the wait, or freed after a wait under ``deadline``.
-            IdempotencyKeyMismatch: Same key, different payload.
-            StoreUnavailable: The store could not be reached.
         """
         cfg = self.config
         waited = False

@@ -335,18 +335,9 @@ def select_fields(
 
 # -- the key's namespace --------------------------------------------------------------------------
 #
-# Every key a task stores has one shape:
-#
-#     key       = namespace ":" ident
-#     namespace = operation [ "@" scope ]
-#     ident     = 32 hex chars            a derived key (the fields, or idempotency_key_func)
-#               | "key=" caller key       a per-call key (apply_async(idempotency_key=...))
-#               | "key#" 32 hex chars     a per-call key too long to keep readable (its hash)
-#
-# So a caller's key can only ever name an action of the operation it is passed to, in the scope
-# it is passed with: ``refund.apply_async(..., idempotency_key="hr.get_salary:...")`` stores
-# ``refund:key=hr.get_salary:...``, never get_salary's record. Derived idents are hex digests and
-# per-call idents start with "key", which no digest does, so the two kinds never meet.
+# Every key a task stores is ``operation[@scope]:ident`` (the grammar: docs/concepts.md, "Key"),
+# so a caller's key can only name an action of the operation it is passed to, in its scope.
+# Derived idents are hex digests and per-call idents start with "key", so the two never meet.
 
 #: Longest caller-supplied string: a per-call key, and a message's key header as a whole.
 MAX_CALLER_KEY = 200

@@ -8,6 +8,7 @@ for shared task defaults, subclass :class:`~celery_idem.IdempotentTask`.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import importlib
@@ -60,13 +61,6 @@ KNOWN_OPTIONS = frozenset(
 
 #: Attributes with the prefix that are not options (set by the library at run time).
 _RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempotency_config"})
-
-#: App settings (``app.conf``), which are not task options.
-_APP_SETTINGS = frozenset(
-    {"idempotency_store", "idempotency_key_prefix", "idempotency_store_options", "idempotency_events",
-     "idempotency_receipts_table", "idempotency_fold_results", "idempotency_require_durable_store",
-     "idempotency_log_answers", "idempotency_accelerate"}
-)
 
 #: Modules whose timeout/connection errors release the claim, where installed.
 _OPTIONAL_RELEASE_ON = (
@@ -408,6 +402,9 @@ class Settings:
 
 
 _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
+
+#: App settings (``app.conf``), which are not task options: one per :class:`Settings` field.
+_APP_SETTINGS = frozenset(f"idempotency_{f.name}" for f in dataclasses.fields(Settings))
 
 
 def read_settings(conf: Mapping[str, Any]) -> Settings:

@@ -151,7 +151,7 @@ def canonical(value: Any, path: str = "value") -> Any:
         return value
     # Order matters: bool before int (bool is an int), Enum before its mixin types (an IntEnum
     # is an int), datetime before date (a datetime is a date).
-    if value is None or isinstance(value, (str, bool)):
+    if isinstance(value, (str, bool)):
         return value
     if isinstance(value, enum.Enum):
         return canonical(value.value, path)
@@ -237,7 +237,9 @@ def bind_arguments(
     """
     binder = _BINDERS.get(id(signature))
     if binder is None or binder.signature is not signature:
-        binder = _binder(signature)
+        if len(_BINDERS) >= _MAX_BINDERS:  # signatures made on the fly: never grow without bound
+            _BINDERS.clear()
+        binder = _BINDERS[id(signature)] = _Binder(signature)
     bound = binder.bind(args, kwargs)
     if bound is not None:
         return bound
@@ -290,13 +292,6 @@ class _Binder:
 #: Prepared binders by ``id(signature)`` (each keeps its signature, so a reused id is noticed).
 _BINDERS: dict[int, _Binder] = {}
 _MAX_BINDERS = 1024
-
-
-def _binder(signature: inspect.Signature) -> _Binder:
-    if len(_BINDERS) >= _MAX_BINDERS:  # signatures made on the fly: never grow without bound
-        _BINDERS.clear()
-    binder = _BINDERS[id(signature)] = _Binder(signature)
-    return binder
 
 
 def signature_of(run: Any) -> inspect.Signature | None:
@@ -361,7 +356,9 @@ def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
     key, a lone surrogate no store can encode). ``what`` names the value in the error.
     """
     if type(value) is not str:
-        raise InvalidKey(f"{what} must be a str, got {type(value).__name__} {_short(value)}")
+        text = repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        raise InvalidKey(f"{what} must be a str, got {type(value).__name__} {text}")
     if not value:
         raise InvalidKey(f"{what} must not be empty")
     if len(value) > limit:
@@ -383,11 +380,6 @@ def _only_spaces_unprintable(value: str) -> bool:
     import unicodedata
 
     return all(c.isprintable() or unicodedata.category(c) == "Zs" for c in value)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_scope(scope: Any) -> str:

@@ -25,7 +25,6 @@ from .config import forget_settings, settings
 from .durability import check_replication, check_store
 from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers
 from .exceptions import ImproperlyConfigured, StoreUnavailable
-from .records import Record
 from .stores import store_from_url
 from .stores.base import Store
 
@@ -37,7 +36,6 @@ __all__ = [
     "check_worker",
     "emit_answer",
     "emit_decision",
-    "emit_producer_decision",
     "events_enabled",
     "forget_store",
     "get_store",
@@ -139,11 +137,6 @@ def events_enabled(app: Celery) -> bool:
     return app in _events_on
 
 
-def log_answers(app: Celery) -> bool:
-    """Whether answers log at INFO (``idempotency_log_answers``, on unless False)."""
-    return settings(app).log_answers
-
-
 def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: str,
                   extra: dict[str, Any]) -> None:
     """Report one decision of ``task``'s gate: a log line, the observers, and a
@@ -151,7 +144,7 @@ def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: 
     req = task.request
     app = task.app
     log_outcome(outcome, key, token, original, req.id or "", extra,
-                answers=outcome not in ANSWERS or log_answers(app))
+                answers=outcome not in ANSWERS or settings(app).log_answers)
     notify_observers(task.name, outcome, key, token, original, task_span=True)
     if req.is_eager or req.called_directly or not events_enabled(app):
         return
@@ -164,25 +157,19 @@ def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: 
         logger.debug("celery_idem event not sent key=%s: %s", key, exc)
 
 
-def emit_answer(task: Task, outcome: Outcome, rec: Record, result_id: str) -> None:
-    """Report a decision ``apply_async`` made from the record: nothing was published.
+def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_task_id: str,
+                result_id: str, record_state: str) -> None:
+    """Report a decision ``apply_async`` made from a record or a queued message's reservation
+    (``record_state="reserved"``, token 0): nothing was published.
 
     A log line, and a ``task-idempotency`` event under the returned result's id only when this
     process sends events (``idempotency_events``, ``task_send_sent_event``, a worker's ``-E``).
     """
-    emit_producer_decision(task, outcome, rec.key, rec.token, rec.task_id, result_id,
-                           rec.state.value)
-
-
-def emit_producer_decision(task: Task, outcome: Outcome, key: str, token: int,
-                           original_task_id: str, result_id: str, record_state: str) -> None:
-    """:func:`emit_answer` for a decision made from what the enqueue check found: a record,
-    or a queued message's reservation (``record_state="reserved"``, token 0)."""
     app = task.app
     conf = app.conf
     extra = {"record_state": record_state, "at": "enqueue"}
     log_outcome(outcome, key, token, original_task_id, result_id, extra,
-                answers=log_answers(app))
+                answers=settings(app).log_answers)
     notify_observers(task.name, outcome, key, token, original_task_id, task_span=False)
     if not (settings(app).events or conf.task_send_sent_event
             or events_enabled(app)) or conf.task_always_eager:
@@ -242,15 +229,10 @@ def release_held_logs(app: Celery) -> None:
 
 
 @celeryd_after_setup.connect(weak=False)  # type: ignore[untyped-decorator]
-def _after_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    app = getattr(instance, "app", None)
-    if app is not None:
-        release_held_logs(app)
-
-
 @worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
-def _at_shutdown(sender: Any = None, **_: Any) -> None:
-    app = getattr(sender, "app", None)
+def _release(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    # The worker is celeryd_after_setup's instance (its sender is a host name), worker_shutdown's sender.
+    app = getattr(sender if instance is None else instance, "app", None)
     if app is not None:
         release_held_logs(app)
 

@@ -17,7 +17,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from celery.states import FAILURE, READY_STATES
 
-from .app import emit_producer_decision
+from .app import emit_answer
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .records import Record, Reservation, State
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from .gate import Gate
 
-__all__ = ["AttachedResult", "attach", "may_attach"]
+__all__ = ["AttachedResult", "add_to_parent", "attach", "may_attach"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -55,17 +55,8 @@ def attach(
     args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
     fingerprint: Callable[[], str | None],
 ) -> AttachedResult | None:
-    """Attach this enqueue to the action ``found`` shows under way; None: publish instead.
-
-    Args:
-        task: The task being enqueued.
-        gate: Its gate (the store and the codec).
-        key: The idempotency key.
-        found: A record in progress, or another queued message's reservation.
-        args: The call's positional arguments.
-        kwargs: The call's keyword arguments.
-        options: The other ``apply_async`` options.
-        fingerprint: Computes the call's fingerprint (None when the key has none).
+    """Attach this enqueue to the action ``found`` (a record in progress, or a queued message's
+    reservation) shows under way; None: publish instead.
 
     Raises:
         IdempotencyKeyMismatch: The action under way was enqueued with other identifying
@@ -81,20 +72,23 @@ def attach(
         stored, holder, token, state = found.fingerprint, found.task_id, 0, "reserved"
     expected = fingerprint()
     if expected is not None and stored != expected:
-        emit_producer_decision(task, Outcome.MISMATCH, key, token, holder, holder, state)
+        emit_answer(task, Outcome.MISMATCH, key, token, holder, holder, state)
         raise IdempotencyKeyMismatch(
             f"idempotency key {key!r} is in use by an action with different arguments (task "
             f"{holder}); use a new key for a new action. Nothing was sent.",
             key=key,
         )
-    emit_producer_decision(task, Outcome.ATTACHED, key, token, holder, holder, state)
+    emit_answer(task, Outcome.ATTACHED, key, token, holder, holder, state)
     result = AttachedResult(task, gate, key, holder, args, kwargs, options)
-    if options.get("add_to_parent", True):
-        # As apply_async does: a running task lists it among its children.
-        parent = task.app.current_worker_task
-        if parent:
-            parent.add_trail(result)
+    add_to_parent(task, result, options)
     return result
+
+
+def add_to_parent(task: Task, result: AsyncResult, options: Mapping[str, Any]) -> None:
+    """List ``result`` among the running task's children, as ``apply_async`` does."""
+    parent = task.app.current_worker_task
+    if parent and options.get("add_to_parent", True):
+        parent.add_trail(result)
 
 
 def _live(rec: Record) -> bool:

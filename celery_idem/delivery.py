@@ -41,13 +41,8 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
             body: Callable[[int], Any], started: float) -> Any:
     """Run ``body`` through ``gate`` for the current request of ``task``, and return its result.
 
-    Args:
-        task: The running task (its ``request`` is this delivery's).
-        gate: The task's gate.
-        writer: The task's result writer, or None (results left to Celery).
-        attempt: The attempt, with its key.
-        body: Called with the fencing token when this attempt wins the key.
-        started: ``time.monotonic()`` when the request started (time limits count from there).
+    ``body`` is called with the fencing token when this attempt wins the key; ``started`` is
+    ``time.monotonic()`` when the request started (time limits count from there).
 
     Returns:
         The body's result, or the recorded result of the attempt that ran it.

@@ -30,10 +30,6 @@ _ADVICE = (
 def check_store(store: Store, *, require: bool = False) -> None:
     """Log what ``store.check_durability()`` finds; refuse to start on a risk if ``require``.
 
-    Args:
-        store: The app's idempotency store.
-        require: ``idempotency_require_durable_store``: raise instead of warning.
-
     Raises:
         ImproperlyConfigured: ``require`` is set and the store can lose records; the message
             names the settings.

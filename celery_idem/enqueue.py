@@ -24,7 +24,7 @@ from kombu.serialization import dumps
 from .accel.celery_compat import fire_full_barriers
 from .accel.enqueue_check import EnqueueCheck
 from .app import emit_answer
-from .attach import attach, may_attach
+from .attach import add_to_parent, attach, may_attach
 from .config import settings
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
@@ -132,14 +132,8 @@ def restore_cached(task_id: str, value: Any, state: str, name: str | None, key: 
 
 
 def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: Exception) -> TypeError:
-    """Name the argument the message serializer could not encode (nothing was sent).
-
-    Args:
-        task_name: The task's name, for the message.
-        bound: The call's arguments by name (empty when they do not bind).
-        serializer: The message serializer.
-        exc: The serializer's error.
-    """
+    """Name the argument (of ``bound``, empty when the call does not bind) that ``serializer``
+    could not encode; nothing was sent."""
     for name, value in bound.items():
         try:
             dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
@@ -162,18 +156,8 @@ def answer_from_record(
     The record is read unless given; the answer is stored under a chosen task id
     (:func:`celery_idem.results.store_answer`).
 
-    Args:
-        task: The task being enqueued.
-        gate: The task's gate (its store and codec are used).
-        writer: The task's result writer, or None.
-        key: The idempotency key.
-        args: The call's positional arguments.
-        kwargs: The call's keyword arguments.
-        task_id: The task id the caller chose, if any.
-        options: The other ``apply_async`` options.
-        arguments_hash: Computes the call's fingerprint, None when the key has none (called
-            only once a done or failed record is found).
-        record: The key's record, when the caller has read it.
+    ``arguments_hash`` computes the call's fingerprint (None: the key has none), called only
+    once a done or failed record is found.
 
     Raises:
         IdempotencyKeyMismatch: The call has a fingerprint (a per-call key, or
@@ -193,7 +177,8 @@ def answer_from_record(
     expected = arguments_hash()
     if expected is not None and rec.payload_hash != expected:
         # A record without a fingerprint cannot show it is this action: refused as well.
-        emit_answer(task, Outcome.MISMATCH, rec, task_id or rec.task_id)
+        emit_answer(task, Outcome.MISMATCH, rec.key, rec.token, rec.task_id, task_id or rec.task_id,
+                    rec.state.value)
         raise IdempotencyKeyMismatch(
             f"idempotency key {key!r} was first used with different arguments (task "
             f"{rec.task_id}); use a new key for a new action. Nothing was sent.",
@@ -212,12 +197,10 @@ def answer_from_record(
         if not store_answer(task, writer, request, value, state):
             return None
     result = CachedResult(rec, value, state, name=task.name, task_id=task_id, app=app)
-    emit_answer(task, Outcome.ANSWERED, rec, result.id)
-    if not eager and options.get("add_to_parent", True):
-        # As send_task does: the running task lists it among its children.
-        parent = app.current_worker_task
-        if parent:
-            parent.add_trail(result)
+    emit_answer(task, Outcome.ANSWERED, rec.key, rec.token, rec.task_id, result.id,
+                rec.state.value)
+    if not eager:
+        add_to_parent(task, result, options)
     return result
 
 

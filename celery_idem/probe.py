@@ -115,13 +115,8 @@ def _driver_message(exc: BaseException) -> str:
 
 
 def refusal(exc: BaseException, setting: str, where: str) -> ImproperlyConfigured | None:
-    """The start-up refusal for ``exc``, or None when ``exc`` is not a configuration mistake.
-
-    Args:
-        exc: What building or probing the store raised.
-        setting: The app setting the store came from (``idempotency_store``, ``result_backend``).
-        where: The store, for the message (no password).
-    """
+    """The start-up refusal for ``exc`` (naming ``setting`` and ``where``, with no password), or
+    None when ``exc`` is not a configuration mistake."""
     reason = misconfiguration(exc)
     if reason is None:
         return None

@@ -45,16 +45,8 @@ class ResultWriter(Protocol):
 
 
 def result_writer(task: Any, store: Store) -> ResultWriter | None:
-    """The seam of the result fold: ``task``'s writer for ``store``, or None (Celery writes).
-
-    Args:
-        task: The Celery task (its ``app`` and ``backend`` are read).
-        store: The task's idempotency store.
-
-    Returns:
-        None when accelerations are off, ``idempotency_fold_results`` is False, or the backend
-        is not one the fold knows.
-    """
+    """The seam of the result fold: ``task``'s writer for ``store``, or None (Celery writes):
+    accelerations off, ``idempotency_fold_results`` False, or a backend the fold does not know."""
     read = settings(task.app)
     if not (read.accelerate and read.fold_results):
         return None
@@ -69,13 +61,6 @@ def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: An
 
     Through the writer when it can (one round trip), else the backend's ``store_result``.
     Nothing is written when the request ignores its result, as in Celery.
-
-    Args:
-        task: The task (its ``backend`` stores the result).
-        writer: The task's result writer, or None.
-        request: A request context with the ``id`` to store under.
-        value: The recorded value, or for ``FAILURE`` the recorded exception.
-        state: ``SUCCESS`` or ``FAILURE``.
 
     Returns:
         True when the outcome is stored (or nothing needs storing); False when the write
@@ -105,10 +90,6 @@ def answer_task_id(chosen: str | None, original: str) -> str | None:
     A chosen id is kept. A body that ran in a direct call (``task(...)``, ``celery.map``) has
     no task id and no stored result, so the answer gets a new id, and the outcome is stored
     under it as under a chosen one.
-
-    Args:
-        chosen: The task id the caller chose, or None.
-        original: The record's task id ("" for a direct call).
     """
     if chosen or original:
         return chosen

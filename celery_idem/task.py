@@ -104,28 +104,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_terminal_on: ClassVar[Any] = DEFAULT_TERMINAL_ON
     #: Store a hash of the full arguments and refuse the key with other arguments.
     idempotency_validate: ClassVar[bool] = False
-    #: A per-call key's record keeps a hash of the identifying arguments (the fields, else all),
-    #: and the key with other ones is refused with ``IdempotencyKeyMismatch``. False answers
-    #: such a reuse from the first record.
+    #: A per-call key's record keeps a hash of the arguments that identify the action (the
+    #: fields, else all of them), and the same key with other identifying arguments is refused
+    #: with ``IdempotencyKeyMismatch``. False answers such a reuse from the first record.
     idempotency_fingerprint: ClassVar[bool] = True
     #: Seconds a delivered duplicate holds its pool process waiting for a key in progress
     #: before re-queueing itself with a countdown (re-queues do not count against
-    #: ``max_retries``). 0: re-queue at once. A time limit can cut it shorter
-    #: (``celery_idem.timelimits``).
+    #: ``max_retries``). 0: re-queue at once, so copies never occupy the workers. A time limit
+    #: can cut it shorter: see ``celery_idem.timelimits``.
     idempotency_wait: ClassVar[float] = 0
     #: Seconds the gate keeps retrying the record of a finished body while the store is down.
     idempotency_record_timeout: ClassVar[float] = 10
     #: Read the record before publishing, so an enqueue of a done key publishes nothing and
-    #: returns a :class:`CachedResult`. False saves that round trip; the worker then answers
-    #: a done key's message from the record (the body still runs at most once).
+    #: returns a :class:`CachedResult`. False saves that store round trip on every enqueue;
+    #: a done key's enqueue then publishes a message that the worker answers from the record
+    #: (the body still runs at most once, the caller waits for the result as usual).
     idempotency_check_on_enqueue: ClassVar[bool] = True
-    #: Seconds of a schedule slot (None: no slot). A derived key gains the multiple of the
-    #: period nearest to the enqueue time, so a periodic task runs at most once per slot however
-    #: many beat processes send each tick (within half a period). A per-call key is kept as is.
+    #: Seconds of a schedule slot (None: no slot). A key derived from the arguments (or by
+    #: ``idempotency_key_func``) gains the multiple of the period nearest to the enqueue time:
+    #: a periodic task runs at most once per slot however many beat processes send each tick,
+    #: when they send within half a period of it. A per-call key is kept as it is.
     idempotency_period: ClassVar[float | None] = None
 
-    #: At-least-once delivery: acknowledged only after the body ran, re-delivered if the worker
-    #: dies. The gate makes the repeats harmless.
+    #: At-least-once delivery: a message is acknowledged only after the body ran, and
+    #: re-delivered if the worker dies. The gate makes the repeats harmless.
     acks_late = True
     reject_on_worker_lost = True
 

@@ -237,11 +237,6 @@ def _release(sender: Any = None, instance: Any = None, **_: Any) -> None:
         release_held_logs(app)
 
 
-def _store_setting(app: Celery) -> str:
-    """The app setting the store comes from, for messages."""
-    return "idempotency_store" if settings(app).store else "result_backend"
-
-
 def _broker_driver(sender: Any, app: Celery) -> str:
     conn = worker_connection(sender)
     try:
@@ -305,15 +300,13 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     if isinstance(sender, Worker):
         _hold_logs(app)
     try:
-        setting = _store_setting(app)
+        setting = "idempotency_store" if settings(app).store else "result_backend"  # for messages
         try:
             store = get_store(app)
         except StoreUnavailable as exc:  # a cluster client connects when it is built
             configured = settings(app).store or app.conf.get("result_backend")
-            refused = probe.refusal(exc, setting, str(configured))
-            if refused is not None:
-                raise refused from exc
-            raise
+            probe.unreachable(exc, setting, str(configured))
+            return
         timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
                                 getattr(sender, "soft_time_limit", None))
         check_pool(sender, app)
@@ -326,7 +319,3 @@ def check_worker(sender: Any = None, **_: Any) -> None:
         release_held_logs(app)
         logger.critical("celery_idem: %s", exc)
         raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
-    except StoreUnavailable as exc:
-        logger.warning("celery_idem could not reach the idempotency store (%s) at worker start: "
-                       "%s. The worker starts; its tasks are re-queued until the store answers",
-                       _store_setting(app), exc)

@@ -21,6 +21,7 @@ __all__ = [
     "misconfiguration",
     "probe_store",
     "requeue_delay",
+    "unreachable",
 ]
 
 logger = logging.getLogger("celery_idem")
@@ -141,14 +142,19 @@ def probe_store(store: Store, setting: str) -> bool:
     try:
         store.now()
     except StoreUnavailable as exc:
-        refused = refusal(exc, setting, describe(store))
-        if refused is not None:
-            raise refused from exc
-        logger.warning(
-            "celery_idem could not reach the idempotency store (%s) at worker start: %s. The "
-            "worker starts; its tasks are re-queued until the store answers", setting, exc)
+        unreachable(exc, setting, describe(store))
         return False
     return True
+
+
+def unreachable(exc: StoreUnavailable, setting: str, where: str) -> None:
+    """At worker start: raise the refusal for ``exc``, or warn that the worker starts anyway."""
+    refused = refusal(exc, setting, where)
+    if refused is not None:
+        raise refused from exc
+    logger.warning(
+        "celery_idem could not reach the idempotency store (%s) at worker start: %s. The "
+        "worker starts; its tasks are re-queued until the store answers", setting, exc)
 
 
 def describe(store: Store) -> str:

@@ -265,20 +265,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 tx.result = {"order": 7}
             return tx.result
 
-        On enter, the receipt row (keyed by the idempotency key) is inserted first; if an
-        earlier attempt already committed one, the block does not run and the task returns that
-        attempt's ``tx.result``. On a clean exit, ``tx.result`` is stored in the receipt and the
-        transaction is committed. See ``docs/transactions.md``.
+        If an earlier attempt committed the receipt, the block does not run and the task returns
+        that attempt's ``tx.result``. See ``docs/transactions.md``.
 
         Args:
-            session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to PostgreSQL,
-                MySQL/MariaDB or SQLite (the business database; it need not be the store's).
-                None (on Django): the block is ``transaction.atomic(using=using)`` and the
-                receipt goes through that Django connection (docs/django.md).
-            commit: True: the block ends with a commit. False: the receipt joins a transaction
-                the caller commits.
-            table: The receipts table (default ``app.conf.idempotency_receipts_table``, else
-                ``celery_idem_receipts``); created on first use (on Django: by ``migrate``).
+            session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to the business
+                database; None on Django (the block is ``transaction.atomic(using=using)``).
+            commit: False: the receipt joins a transaction the caller commits.
+            table: The receipts table (default ``idempotency_receipts_table``, else
+                ``celery_idem_receipts``).
             using: On Django, the ``DATABASES`` alias of the writes (default ``"default"``).
 
         Raises:
@@ -356,10 +351,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         sets ``idempotency_check_on_enqueue = False``). Either way the result carries the key
         as ``result.idempotency_key``.
 
-        A task id that was chosen (``task_id=``, which is how a frozen signature, a chain's
-        next step and a chord body arrive) is kept: the recorded outcome is stored under it in
-        the result backend, so anyone waiting on that id hears, and the returned
-        :class:`CachedResult` has that id. Without one, the result has the original task id.
+        A chosen task id (``task_id=``, a frozen signature, a chain's next step, a chord body)
+        is kept, and the recorded outcome is stored under it, so anyone waiting on it hears.
+        Without one, the result has the original task id.
 
         Raises:
             TypeError: The key cannot be derived from the arguments; nothing was published.

@@ -106,21 +106,18 @@ def _limits(task: Any, conf: Any, *, worker: bool = True) -> Limits:
     """
 
     def one(option: str, setting: str, flag: str, fallback: float | None) -> tuple[float | None, str]:
-        value = getattr(task, option, None)
-        if value:
-            # Celery copies the app setting onto a task that sets no option of its own.
-            if conf is not None and conf.get(setting) == value:
-                return value, f"{setting}={value:g} (app setting)"
-            return value, f"{option}={value:g} (task option)"
-        # Celery < 5.7 leaves the app setting to the pool (the worker's flag wins over it).
+        own = getattr(task, option, None)
         setting_value = conf.get(setting) if conf is not None else None
-        if fallback:
-            if setting_value == fallback:
-                return fallback, f"{setting}={fallback:g} (app setting)"
-            return fallback, f"{flag}={fallback:g} (worker)"
-        if setting_value:
-            return setting_value, f"{setting}={setting_value:g} (app setting)"
-        return None, ""
+        # Celery copies the app setting onto a task that sets no option of its own (5.7), or
+        # leaves it to the pool (older), where the worker's flag wins over it: name the source.
+        value = own or fallback or setting_value
+        if not value:
+            return None, ""
+        if value == setting_value:
+            return value, f"{setting}={value:g} (app setting)"
+        if value == own:
+            return value, f"{option}={value:g} (task option)"
+        return value, f"{flag}={value:g} (worker)"
 
     soft, soft_from = one("soft_time_limit", "task_soft_time_limit", "--soft-time-limit",
                           _worker["soft"] if worker else None)

@@ -1,17 +1,9 @@
 """What celery_idem keeps per Celery app and per process: the store, the owner, events, start checks.
 
-* :func:`get_store`: the app's idempotency store, built once from its settings.
-* :func:`owner_id`: who runs an attempt (``host:pid``), fork-aware.
-* The events switch: whether this process sends ``task-idempotency`` events for an app
-  (:func:`events_enabled`), and :func:`emit_decision` / :func:`emit_answer`, which report a
-  decision to the log, to the observers (``celery_idem.events.OBSERVERS``; the bundled
-  OpenTelemetry add-on is one) and, when the switch is on, as a Celery event.
-* :func:`check_worker`: the ``worker_init`` hook that refuses to start a worker whose store or
-  time limits are misconfigured, and warns (through Celery's logging, once it is set up) about
-  what only degrades.
-
-The task seam (``celery_idem.task``) and the add-ons (``celery_idem.contrib``) reach the store
-and the owner through these public names.
+:func:`get_store` (built once per app), :func:`owner_id` (``host:pid``), :func:`emit_decision`
+and :func:`emit_answer` (a decision to the log, the observers and, when the process sends
+events, a Celery event), and :func:`check_worker`, the ``worker_init`` hook that refuses a
+misconfigured store or time limit and warns about what only degrades.
 """
 
 from __future__ import annotations
@@ -33,7 +25,6 @@ from .config import forget_settings, settings
 from .durability import check_replication, check_store
 from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers
 from .exceptions import ImproperlyConfigured, StoreUnavailable
-from .records import Record
 from .stores import store_from_url
 from .stores.base import Store
 
@@ -45,7 +36,6 @@ __all__ = [
     "check_worker",
     "emit_answer",
     "emit_decision",
-    "emit_producer_decision",
     "events_enabled",
     "forget_store",
     "get_store",
@@ -55,18 +45,11 @@ __all__ = [
 
 logger = logging.getLogger("celery_idem")
 
-#: Add-ons loaded with the core because they observe every decision when their optional
-#: dependency is installed (each registers itself in ``celery_idem.events.OBSERVERS``). Named,
-#: not imported, so the core's modules import nothing from ``celery_idem.contrib``.
+#: Add-ons loaded with the core, which register themselves in ``celery_idem.events.OBSERVERS``
+#: when their optional dependency is installed. Named, so the core imports nothing of contrib.
 BUNDLED_OBSERVERS = ("celery_idem.contrib.otel",)
-
-
-def _load_bundled_observers() -> None:
-    for name in BUNDLED_OBSERVERS:
-        importlib.import_module(name)
-
-
-_load_bundled_observers()
+for _name in BUNDLED_OBSERVERS:
+    importlib.import_module(_name)
 
 _stores: weakref.WeakKeyDictionary[Celery, Store] = weakref.WeakKeyDictionary()
 _events_on: weakref.WeakSet[Celery] = weakref.WeakSet()
@@ -98,18 +81,14 @@ def get_store(app: Celery) -> Store:
                 url = "memory://"
             if not isinstance(url, str):
                 url = getattr(url, "url", None) or repr(url)  # a backend class or instance
-            # result_backend_transport_options: where Celery users already put a sentinel
-            # master_name; only the sentinel:// store reads it.
+            # Where Celery users already put a sentinel master_name (the sentinel:// store).
             store = store_from_url(
                 url, prefix=read.key_prefix,
                 options={**(read.store_options or {}), "accelerate": read.accelerate},
                 backend_transport_options=conf.get("result_backend_transport_options"))
-            # A store built here with its own pool is ours to close: when the app is collected,
-            # its pooled connections are closed rather than left to the garbage collector
-            # (psycopg warns about each). A Store the user passed is theirs; the Django store
-            # uses Django's connection of whichever thread the collection runs in, which is not
-            # ours to close. The finalizer holds the store, and no store refers back to its
-            # app, so the app can still be collected.
+            # A store built here is ours to close when the app is collected (psycopg warns
+            # about each connection left to the garbage collector); a Store the user passed,
+            # and Django's connections, are not. No store refers back to its app.
             if type(store).__module__.startswith("celery_idem.stores."):
                 weakref.finalize(app, _close_quietly, store)
         _stores[app] = store
@@ -117,18 +96,15 @@ def get_store(app: Celery) -> Store:
 
 
 def _close_quietly(store: Store) -> None:
-    # Runs at garbage collection or interpreter exit, where an exception can only be printed.
-    # A server already gone has nothing left to close.
+    # At garbage collection or exit an exception can only be printed.
     with contextlib.suppress(Exception):
         store.close()
 
 
 def forget_store(app: Celery) -> Store | None:
-    """Drop ``app``'s cached store (not closed) and settings, so the next :func:`get_store`
-    builds it anew from ``app.conf``.
+    """Drop ``app``'s cached store (not closed) and settings, so :func:`get_store` builds anew.
 
-    For tests and tools that change an app's settings after its store was built. Tasks keep the
-    store their gate was built with until their ``_gate`` is rebuilt.
+    For tests and tools that change an app's settings; a task keeps its gate's store.
 
     Returns:
         The store that was cached, or None.
@@ -156,31 +132,19 @@ def owner_id() -> str:
 
 
 def events_enabled(app: Celery) -> bool:
-    """Whether this worker process sends ``task-idempotency`` events for ``app``.
-
-    Switched on at worker start (:func:`check_worker`) by ``-E``, ``worker_send_task_events``
-    or ``idempotency_events``.
-    """
+    """Whether this worker process sends ``task-idempotency`` events for ``app`` (switched on
+    at worker start by ``-E``, ``worker_send_task_events`` or ``idempotency_events``)."""
     return app in _events_on
-
-
-def log_answers(app: Celery) -> bool:
-    """Whether answers log at INFO (``idempotency_log_answers``, on unless False)."""
-    return settings(app).log_answers
 
 
 def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: str,
                   extra: dict[str, Any]) -> None:
-    """Report one decision of ``task``'s gate, in a worker (or an eager or direct call).
-
-    A log line, the observers, and a ``task-idempotency`` event from the running task when the
-    events switch is on (never in eager mode or a direct call). Monitoring never changes the
-    outcome: an event that cannot be sent is logged at DEBUG.
-    """
+    """Report one decision of ``task``'s gate: a log line, the observers, and a
+    ``task-idempotency`` event when the worker sends events (never in eager or direct calls)."""
     req = task.request
     app = task.app
     log_outcome(outcome, key, token, original, req.id or "", extra,
-                answers=outcome not in ANSWERS or log_answers(app))
+                answers=outcome not in ANSWERS or settings(app).log_answers)
     notify_observers(task.name, outcome, key, token, original, task_span=True)
     if req.is_eager or req.called_directly or not events_enabled(app):
         return
@@ -193,27 +157,19 @@ def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: 
         logger.debug("celery_idem event not sent key=%s: %s", key, exc)
 
 
-def emit_answer(task: Task, outcome: Outcome, rec: Record, result_id: str) -> None:
-    """Report a decision ``apply_async`` made from the record: nothing was published.
+def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_task_id: str,
+                result_id: str, record_state: str) -> None:
+    """Report a decision ``apply_async`` made from a record or a queued message's reservation
+    (``record_state="reserved"``, token 0): nothing was published.
 
-    A log line (INFO, like a worker's duplicate); a ``task-idempotency`` event (with the
-    task's name, under the returned result's id) only when this process sends events
-    (``idempotency_events``, ``task_send_sent_event``, or a worker started with ``-E``), so
-    with events off an answer costs one log call and no broker round trip.
+    A log line, and a ``task-idempotency`` event under the returned result's id only when this
+    process sends events (``idempotency_events``, ``task_send_sent_event``, a worker's ``-E``).
     """
-    emit_producer_decision(task, outcome, rec.key, rec.token, rec.task_id, result_id,
-                           rec.state.value)
-
-
-def emit_producer_decision(task: Task, outcome: Outcome, key: str, token: int,
-                           original_task_id: str, result_id: str, record_state: str) -> None:
-    """:func:`emit_answer` for a decision made from what the enqueue check found: a record,
-    or a queued message's reservation (``record_state="reserved"``, token 0)."""
     app = task.app
     conf = app.conf
     extra = {"record_state": record_state, "at": "enqueue"}
     log_outcome(outcome, key, token, original_task_id, result_id, extra,
-                answers=log_answers(app))
+                answers=settings(app).log_answers)
     notify_observers(task.name, outcome, key, token, original_task_id, task_span=False)
     if not (settings(app).events or conf.task_send_sent_event
             or events_enabled(app)) or conf.task_always_eager:
@@ -230,12 +186,10 @@ def emit_producer_decision(task: Task, outcome: Outcome, key: str, token: int,
 
 # -- worker start ---------------------------------------------------------------------------------
 #
-# worker_init runs before Celery configures logging (celery/apps/worker.py: setup_logging comes
-# after it): a line logged there reaches Python's last-resort handler (stderr, no level, no
-# timestamp) and never a --logfile. So the start checks run at worker_init, where a refusal
-# (SystemExit) still stops the worker before it consumes, but what they log is held and logged
-# again, in order and with its own timestamp, once Celery's logging is set up
-# (celeryd_after_setup), or at worker_shutdown if the worker stops before that.
+# worker_init runs before Celery sets up logging, so a line logged there would reach Python's
+# last-resort handler and never a --logfile. The checks run there (a refusal still stops the
+# worker before it consumes), but what they log is held and logged again once Celery's logging
+# is set up (celeryd_after_setup), or at worker_shutdown if the worker stops before that.
 
 
 class _Hold(logging.Filter):
@@ -256,18 +210,13 @@ _held: weakref.WeakKeyDictionary[Celery, tuple[_Hold, int]] = weakref.WeakKeyDic
 def _hold_logs(app: Celery) -> None:
     hold = _Hold()
     _held[app] = (hold, logger.level)
-    # Every level is kept: what is shown is decided when they are released, against the level
-    # Celery sets up (the root logger's level is Python's default, WARNING, before that).
+    # Every level is kept: what is shown is decided on release, at the level Celery sets up.
     logger.setLevel(logging.DEBUG)
     logger.addFilter(hold)
 
 
 def release_held_logs(app: Celery) -> None:
-    """Log what the worker-start checks of ``app`` logged while Celery's logging was not set up.
-
-    Called from ``celeryd_after_setup`` (and ``worker_shutdown``, and before a refusal); only
-    the first call logs anything, so each line appears once per worker.
-    """
+    """Log what the worker-start checks of ``app`` held (only the first call logs anything)."""
     held = _held.pop(app, None)
     if held is None:
         return
@@ -280,22 +229,12 @@ def release_held_logs(app: Celery) -> None:
 
 
 @celeryd_after_setup.connect(weak=False)  # type: ignore[untyped-decorator]
-def _after_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    app = getattr(instance, "app", None)
-    if app is not None:
-        release_held_logs(app)
-
-
 @worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
-def _at_shutdown(sender: Any = None, **_: Any) -> None:
-    app = getattr(sender, "app", None)
+def _release(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    # The worker is celeryd_after_setup's instance (its sender is a host name), worker_shutdown's sender.
+    app = getattr(sender if instance is None else instance, "app", None)
     if app is not None:
         release_held_logs(app)
-
-
-def _store_setting(app: Celery) -> str:
-    """The app setting the store comes from, for messages."""
-    return "idempotency_store" if settings(app).store else "result_backend"
 
 
 def _broker_driver(sender: Any, app: Celery) -> str:
@@ -317,12 +256,8 @@ def _pool_name(sender: Any) -> str:
 
 
 def check_pool(sender: Any, app: Celery) -> None:
-    """Warn when this worker will not restore the unacked messages of a dead worker.
-
-    On a Redis broker, kombu restores a dead worker's unacked messages from a periodic scan that
-    runs on the worker's event loop (its hub). Workers without one (gevent and eventlet pools,
-    any worker started without the event loop) never run it: only a worker's start does.
-    """
+    """Warn when this worker (no event loop, on a Redis broker) will not restore the unacked
+    messages of a dead worker: kombu's periodic restore runs on the event loop."""
     if getattr(sender, "use_eventloop", True) or _broker_driver(sender, app) != "redis":
         return
     logger.warning(
@@ -341,11 +276,8 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     """Celery's ``worker_init`` hook: switch events on, and check the store, pool and time limits.
 
     Fails the worker at start-up, not at the first message, when the store or a time limit is
-    misconfigured: a store that rejects the credentials, names a database that does not exist
-    (``celery_idem.probe``), or cannot keep records while ``idempotency_require_durable_store``
-    is set. Warns once per worker about what only degrades (the store's durability, a pool
-    that does not restore unacked messages, time limits); those lines are logged through
-    Celery's logging once it is set up (``--logfile``, level, timestamp).
+    misconfigured (``celery_idem.probe``, ``idempotency_require_durable_store``); warns once
+    about what only degrades.
 
     Raises:
         SystemExit: The store or a time limit is misconfigured (the reason is logged at
@@ -357,8 +289,7 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     if getattr(sender, "task_events", False) or settings(app).events \
             or app.conf.worker_send_task_events:
         _events_on.add(app)
-    # The app's IdempotentTasks, known by their gate (a class attribute, read without building
-    # it): this module is below the task seam and does not import it.
+    # The app's IdempotentTasks, known by their gate property (this module cannot import them).
     tasks = [task for task in app.tasks.values() if hasattr(type(task), "idempotency_gate")]
     if not tasks:
         return
@@ -369,15 +300,13 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     if isinstance(sender, Worker):
         _hold_logs(app)
     try:
-        setting = _store_setting(app)
+        setting = "idempotency_store" if settings(app).store else "result_backend"  # for messages
         try:
             store = get_store(app)
         except StoreUnavailable as exc:  # a cluster client connects when it is built
             configured = settings(app).store or app.conf.get("result_backend")
-            refused = probe.refusal(exc, setting, str(configured))
-            if refused is not None:
-                raise refused from exc
-            raise
+            probe.unreachable(exc, setting, str(configured))
+            return
         timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
                                 getattr(sender, "soft_time_limit", None))
         check_pool(sender, app)
@@ -385,13 +314,8 @@ def check_worker(sender: Any = None, **_: Any) -> None:
             check_store(store, require=settings(app).require_durable_store)
             check_replication(store)
     except ImproperlyConfigured as exc:
-        # Celery logs and swallows exceptions raised by signal handlers, and the worker would
-        # start consuming messages it can only fail: stop it here, with the reason (and what
-        # was held: there will be no "after setup").
+        # Celery swallows a signal handler's exception and the worker would consume messages
+        # it can only fail: stop it, with the reason and what was held.
         release_held_logs(app)
         logger.critical("celery_idem: %s", exc)
         raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
-    except StoreUnavailable as exc:
-        logger.warning("celery_idem could not reach the idempotency store (%s) at worker start: "
-                       "%s. The worker starts; its tasks are re-queued until the store answers",
-                       _store_setting(app), exc)

@@ -1,21 +1,8 @@
 """Attach at enqueue: a copy of an action under way publishes nothing and follows it.
 
 An enqueue whose key is in progress (a live claim), or reserved by a message still queued
-(:meth:`celery_idem.stores.base.Store.reserve`), does not publish a copy: the copy would only
-reach a worker to find the key busy and go round again. It returns an :class:`AttachedResult`
-instead, whose id is the task id of the attempt it attached to, and which resolves to the
-action's outcome:
-
-* the holder's result, from the result backend under the holder's task id (a redelivery or a
-  retry of the holder keeps that id);
-* else the outcome in the action's record, whichever attempt wrote it (a copy that took over
-  after the holder died records it under the key, whatever its own task id);
-* and when the action has no attempt left (no live claim, no reservation, no outcome) for a
-  whole lease, the handle publishes the call itself, once, under the task id it attached to,
-  and follows that message: nothing is lost, and the gate still runs the body at most once.
-
-This module is the Celery seam's (it imports Celery); the decision it makes is small enough to
-stay next to the handle.
+(:meth:`celery_idem.stores.base.Store.reserve`), does not publish a copy that would only find
+the key busy: it returns an :class:`AttachedResult` of the attempt it attached to.
 """
 
 from __future__ import annotations
@@ -28,35 +15,33 @@ from typing import TYPE_CHECKING, Any
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
-from celery.states import FAILURE, READY_STATES, SUCCESS
+from celery.states import FAILURE, READY_STATES
 
-from .app import emit_producer_decision
+from .app import emit_answer
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .records import Record, Reservation, State
+from .results import recorded_outcome
 
 if TYPE_CHECKING:
     from celery import Task
 
     from .gate import Gate
 
-__all__ = ["AttachedResult", "attach", "may_attach"]
+__all__ = ["AttachedResult", "add_to_parent", "attach", "may_attach"]
 
 logger = logging.getLogger("celery_idem")
 
-#: How long one wait on the result backend lasts before the handle looks at the record: the
-#: delay after which an outcome that reached only the record (the holder's message lost, a
-#: copy's takeover recorded under another task id) is seen.
+#: Seconds of one wait on the result backend before the handle looks at the record (where an
+#: outcome recorded under another task id is seen).
 FOLLOW_STEP = 1.0
 
 
 def may_attach(task: Task, options: Mapping[str, Any]) -> bool:
     """Whether this enqueue may attach to an action under way instead of publishing.
 
-    Not in eager mode (the body runs in place), not with a task id chosen beforehand (the
-    caller's check), not for a message with a countdown or an ETA
-    (attaching would run it sooner than asked, and a reservation of it would outlive its
-    lease), and not without a result backend (the handle waits there first).
+    Not in eager mode (the body runs in place), not with a countdown or an ETA (attaching
+    would run it sooner than asked), not without a result backend (the handle waits there).
     """
     if task.app.conf.task_always_eager:
         return False
@@ -70,17 +55,8 @@ def attach(
     args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
     fingerprint: Callable[[], str | None],
 ) -> AttachedResult | None:
-    """Attach this enqueue to the action ``found`` shows under way; None: publish instead.
-
-    Args:
-        task: The task being enqueued.
-        gate: Its gate (the store and the codec).
-        key: The idempotency key.
-        found: A record in progress, or another queued message's reservation.
-        args: The call's positional arguments.
-        kwargs: The call's keyword arguments.
-        options: The other ``apply_async`` options.
-        fingerprint: Computes the call's fingerprint (None when the key has none).
+    """Attach this enqueue to the action ``found`` (a record in progress, or a queued message's
+    reservation) shows under way; None: publish instead.
 
     Raises:
         IdempotencyKeyMismatch: The action under way was enqueued with other identifying
@@ -96,20 +72,23 @@ def attach(
         stored, holder, token, state = found.fingerprint, found.task_id, 0, "reserved"
     expected = fingerprint()
     if expected is not None and stored != expected:
-        emit_producer_decision(task, Outcome.MISMATCH, key, token, holder, holder, state)
+        emit_answer(task, Outcome.MISMATCH, key, token, holder, holder, state)
         raise IdempotencyKeyMismatch(
             f"idempotency key {key!r} is in use by an action with different arguments (task "
             f"{holder}); use a new key for a new action. Nothing was sent.",
             key=key,
         )
-    emit_producer_decision(task, Outcome.ATTACHED, key, token, holder, holder, state)
+    emit_answer(task, Outcome.ATTACHED, key, token, holder, holder, state)
     result = AttachedResult(task, gate, key, holder, args, kwargs, options)
-    if options.get("add_to_parent", True):
-        # As apply_async does: a running task lists it among its children.
-        parent = task.app.current_worker_task
-        if parent:
-            parent.add_trail(result)
+    add_to_parent(task, result, options)
     return result
+
+
+def add_to_parent(task: Task, result: AsyncResult, options: Mapping[str, Any]) -> None:
+    """List ``result`` among the running task's children, as ``apply_async`` does."""
+    parent = task.app.current_worker_task
+    if parent and options.get("add_to_parent", True):
+        parent.add_trail(result)
 
 
 def _live(rec: Record) -> bool:
@@ -121,8 +100,11 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
     """The result of an enqueue that attached to its action under way: nothing was published.
 
     It is an ``AsyncResult`` of the attempt it attached to, so ``state``, ``ready()``,
-    ``ResultSet`` and ``id`` behave as for that task id, and ``get()`` follows the action
-    through a takeover (see the module docstring). Revoking it revokes the shared action.
+    ``ResultSet`` and ``id`` behave as for that task id. It resolves to the holder's result in
+    the backend, else to the outcome in the action's record (a takeover records it under the
+    key, whatever its task id); when the action has no attempt left (no claim, reservation or
+    outcome) for a whole lease, the handle publishes the call itself, once, under its id, and
+    follows that message. Revoking it revokes the shared action.
 
     Attributes:
         id: The task id of the attempt it attached to (the holder's, or the reserved
@@ -147,7 +129,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         self._gate = gate
         self._call = (tuple(args or ()), dict(kwargs or {}), dict(options))
         self._gone_since: float | None = None
-        self._found: tuple[State, Any] | None = None  # the outcome read from the record
+        self._found: tuple[str, Any] | None = None  # the Celery state and value recorded
 
     @property
     def state(self) -> str:
@@ -161,7 +143,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         found = self._found or self._look()
         if found is None:
             return str(self.followed.state) if self.followed is not None else state
-        return str(FAILURE if found[0] is State.FAILED else SUCCESS)
+        return found[0]
 
     status = state
 
@@ -189,21 +171,17 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 return self.followed.get(timeout=left, propagate=propagate, interval=interval,
                                          **kwargs)
+            if self._found is None:
+                step = FOLLOW_STEP if deadline is None else \
+                    max(0.0, min(FOLLOW_STEP, deadline - time.monotonic()))
+                try:
+                    return super().get(timeout=step, propagate=propagate, interval=interval,
+                                       **kwargs)
+                except CeleryTimeoutError:
+                    self._look()
             if self._found is not None:
                 state, value = self._found
-                if state is State.FAILED and propagate:
-                    raise value
-                return value
-            step = FOLLOW_STEP if deadline is None else \
-                max(0.0, min(FOLLOW_STEP, deadline - time.monotonic()))
-            try:
-                return super().get(timeout=step, propagate=propagate, interval=interval, **kwargs)
-            except CeleryTimeoutError:
-                pass
-            found = self._look()
-            if found is not None:
-                state, value = found
-                if state == State.FAILED and propagate:
+                if state == FAILURE and propagate:
                     raise value
                 return value
             if deadline is not None and time.monotonic() >= deadline:
@@ -211,20 +189,14 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
 
     wait = get
 
-    def _look(self) -> tuple[State, Any] | None:
+    def _look(self) -> tuple[str, Any] | None:
         """Read the record: its outcome if it has one; publish once the action has no attempt."""
         store, key = self._gate.store, self.idempotency_key
         try:
             rec = store.get(key)
             live = rec is not None and rec.state is State.IN_PROGRESS and _live(rec)
             if rec is not None and rec.state in (State.DONE, State.FAILED):
-                codec = self._gate.codec
-                if rec.state is State.FAILED:
-                    self._found = State.FAILED, codec.decode_error(
-                        rec.key, rec.content_type or "", rec.data or b"")
-                else:
-                    self._found = State.DONE, codec.decode_result(
-                        rec.key, rec.content_type or "", rec.data or b"")
+                self._found = recorded_outcome(self._gate.codec, rec)
                 return self._found
             if not live:
                 live = store.reservation(key) is not None
@@ -239,15 +211,13 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
             self._gone_since = now
             return None
         if now - self._gone_since >= self._gate.config.lease:
-            # No claim, no reservation and no outcome for a whole lease: the message it
-            # attached to is gone (lost, or expired). Send the call itself; the gate still
-            # runs the body at most once if that message turns up after all.
+            # The message it attached to is gone (lost, or expired): send the call itself; the
+            # gate still runs the body at most once if that message turns up after all.
             args, kwargs, options = self._call
             headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
             logger.warning("celery_idem attached result: the action of key=%s has no attempt "
                            "left (task %s); publishing the call again", key, self.id)
-            # Under the id it attached to: whoever waits on that id (a ResultSet, a caller
-            # holding the id) gets the outcome too.
+            # Under the id it attached to, so whoever waits on that id gets the outcome too.
             self.followed = self._task.apply_async(
                 args, kwargs, task_id=self.id, **{**options, "headers": headers})
         return None

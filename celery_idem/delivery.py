@@ -1,18 +1,10 @@
 """The worker side of the seam: one delivery through the gate, its re-queue, its result write.
 
-``IdempotentTask.__call__`` builds the :class:`~celery_idem.gate.Attempt` and the body, and
-hands them to :func:`deliver`, which
-
-* runs them through the gate, under the request's time limit (``celery_idem.timelimits``);
-* turns the gate's :class:`~celery_idem.gate.Requeue` and
-  :class:`~celery_idem.exceptions.StoreUnavailable` into a re-published message
-  (:func:`requeue`), or, in a process with no broker to go back to (eager mode, a direct
-  call), into another round in place or the error;
-* stores the result in the result backend in one round trip when it can (:func:`write_result`,
-  with the task's result writer: the result fold, an acceleration, see ``celery_idem/results.py``
-  and ``celery_idem/accel/redis_results.py``), folded into the record's own store call when
-  the store and the backend are one Redis. Without a writer (accelerations off, or
-  ``idempotency_fold_results = False``) Celery's tracer writes the result (the plain path).
+``IdempotentTask.__call__`` hands the :class:`~celery_idem.gate.Attempt` and the body to
+:func:`deliver`, which runs them through the gate under the request's time limit, turns a busy
+key or a store outage into a re-published message (:func:`requeue`; in eager mode or a direct
+call, another round in place or the error), and stores the result with the task's result
+writer when it has one (``celery_idem/results.py``).
 """
 
 from __future__ import annotations
@@ -39,10 +31,8 @@ __all__ = ["BUSY_FIRST", "BUSY_MAX", "REQUEUES_HEADER", "deliver", "requeue", "w
 
 #: Message header counting re-queues of a duplicate that found the key busy (not retries).
 REQUEUES_HEADER = "idempotency_requeues"
-#: A delivered copy of a busy key goes back with a countdown of BUSY_FIRST x 2^n seconds, at
-#: most BUSY_MAX, on its n-th re-queue: it holds no pool process while it waits (the worker
-#: keeps a countdown message aside), and one copy makes at most about 4 + D / BUSY_MAX
-#: messages for a body that runs D seconds (docs/scenarios.md).
+#: A copy of a busy key goes back with a countdown of BUSY_FIRST x 2^n seconds, at most
+#: BUSY_MAX, on its n-th re-queue, holding no pool process meanwhile (docs/scenarios.md).
 BUSY_FIRST = 0.5
 BUSY_MAX = 5.0
 
@@ -51,13 +41,8 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
             body: Callable[[int], Any], started: float) -> Any:
     """Run ``body`` through ``gate`` for the current request of ``task``, and return its result.
 
-    Args:
-        task: The running task (its ``request`` is this delivery's).
-        gate: The task's gate.
-        writer: The task's result writer, or None (results left to Celery).
-        attempt: The attempt, with its key.
-        body: Called with the fencing token when this attempt wins the key.
-        started: ``time.monotonic()`` when the request started (time limits count from there).
+    ``body`` is called with the fencing token when this attempt wins the key; ``started`` is
+    ``time.monotonic()`` when the request started (time limits count from there).
 
     Returns:
         The body's result, or the recorded result of the attempt that ran it.
@@ -72,6 +57,7 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
     # No pool enforces a limit in the calling process (eager mode, a direct call).
     deadline = None if local else timelimits.request_deadline(task, req, started)
     fold = functools.partial(writer.build, req) if writer is not None and writer.folds else None
+    n = int((req.headers or {}).get(REQUEUES_HEADER, 0))  # this message's re-queues so far
     rounds = 0
     while True:
         try:
@@ -88,7 +74,6 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
                 continue
             # A freed key is claimed by the next delivery at once; a busy one is looked at
             # again later, later each time.
-            n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
             countdown = 0.0 if busy.freed else min(BUSY_FIRST * 2.0 ** min(n, 16), BUSY_MAX)
             requeue(task, countdown=countdown, reason=str(busy))
         except StoreUnavailable as down:
@@ -96,8 +81,6 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
                 raise
             emit_decision(task, Outcome.REQUEUED, attempt.key, 0, req.id or "",
                           {"reason": "store_unavailable"})
-            n = int((req.headers or {}).get(REQUEUES_HEADER, 0))
-            # WARNING with the delay, or ERROR with the cause for a mistake (celery_idem/probe.py)
             log_store_down(task.name, req.id or "", attempt.key, down, n)
             requeue(task, countdown=requeue_delay(n), reason=str(down), exc=down)
         else:
@@ -107,21 +90,13 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
 
 
 def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> None:
-    """Store the result in one round trip (celery_idem/accel/redis_results.py), or leave it to Celery.
-
-    Args:
-        writer: The task's result writer.
-        req: The request the result is stored for.
-        outcome: What the gate did: a write that rode on the record needs nothing more.
-    """
+    """Store the result with ``writer`` (unless it rode on the record), or leave it to Celery."""
     if not outcome.folded:
-        # Not folded (another server, a duplicate answered from its record, an ACL that
-        # refused the script's write): SET + PUBLISH without the backend's GET.
+        # Another server, a duplicate answered from its record, an ACL that refused the fold.
         write = outcome.write or writer.build(req, outcome.value)
         if write is None or not writer.write(write):
             return
-    # Stored: Celery must not write it again (mark_as_done skips the store when the
-    # request ignores results).
+    # Stored: Celery must not write it again.
     req.ignore_result = True
 
 

@@ -1,12 +1,9 @@
 """The worker-start durability check: can the store lose records?
 
 A Redis without AOF forgets every record on a restart, and one with an evicting
-``maxmemory-policy`` drops them under memory pressure: either turns a routine event into
-duplicate effects, silently. :func:`check_store` asks the store
-(:meth:`~celery_idem.stores.base.Store.check_durability`) once, when the worker starts, and says
-so: one WARNING naming the settings and the risk, or, with the app setting
-``idempotency_require_durable_store = True``, a refusal to start. A store that does not let us
-read its settings (a managed Redis that refuses ``CONFIG``) gets one INFO line.
+``maxmemory-policy`` drops them under memory pressure: either silently turns a routine event into
+duplicate effects. :func:`check_store` says so once, when the worker starts: one WARNING, or with
+``idempotency_require_durable_store = True`` a refusal to start.
 """
 
 from __future__ import annotations
@@ -33,10 +30,6 @@ _ADVICE = (
 def check_store(store: Store, *, require: bool = False) -> None:
     """Log what ``store.check_durability()`` finds; refuse to start on a risk if ``require``.
 
-    Args:
-        store: The app's idempotency store.
-        require: ``idempotency_require_durable_store``: raise instead of warning.
-
     Raises:
         ImproperlyConfigured: ``require`` is set and the store can lose records; the message
             names the settings.
@@ -44,8 +37,7 @@ def check_store(store: Store, *, require: bool = False) -> None:
     try:
         findings = store.check_durability()
     except StoreUnavailable as exc:
-        # The gate handles an unreachable store (nothing runs unguarded); the check is only
-        # advice, so the worker starts and says it could not look.
+        # Only advice: the gate handles an unreachable store.
         logger.warning("celery_idem could not check the store's durability at worker start: %s", exc)
         return
     notes = [f for f in findings if f.level < logging.WARNING]
@@ -72,13 +64,8 @@ def check_store(store: Store, *, require: bool = False) -> None:
 
 
 def check_replication(store: Store) -> None:
-    """Warn when a replicated store cannot confirm its writes (too few replicas connected).
-
-    A store that waits for replicas (``wait_replicas``, the cluster and Sentinel stores)
-    answers every write with ``StoreUnavailable`` while its master has fewer replicas than
-    that: the gate re-queues every task until one connects. Stores without replicas say
-    nothing (they have no ``replication_warnings``).
-    """
+    """Warn when a store that waits for replicas (``wait_replicas``) has too few connected:
+    every write fails, and the gate re-queues every task until one connects."""
     warnings = getattr(store, "replication_warnings", None)
     if warnings is None:
         return

@@ -1,11 +1,9 @@
 """The producer side of the seam: an enqueue answered from the record, and unsendable arguments.
 
-``IdempotentTask.apply_async`` asks :func:`answer_from_record` before publishing: a key that is
-already done (or failed terminally) is answered with a :class:`CachedResult`, and nothing is
-published. The record is read first, or within the publish when the broker can take that
-(an acceleration, :class:`~celery_idem.accel.enqueue_check.EnqueueCheck`, plugged in at
-:func:`enqueue_check`); :func:`check_enqueue` is the whole check, attaching to an action under
-way included. :func:`unsendable` names the argument the message serializer refused.
+:func:`check_enqueue` is what ``IdempotentTask.apply_async`` asks before publishing: a done (or
+failed) key is answered with a :class:`CachedResult` (:func:`answer_from_record`), a key under
+way is attached to (``attach.py``), else the message is published. The record is read first,
+or within the publish (an acceleration, plugged in at :func:`enqueue_check`).
 """
 
 from __future__ import annotations
@@ -19,21 +17,21 @@ from celery import Celery
 from celery.app import app_or_default
 from celery.app.task import Context
 from celery.result import AsyncResult, EagerResult
-from celery.states import FAILURE, SUCCESS
+from celery.states import SUCCESS
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
 from .accel.celery_compat import fire_full_barriers
 from .accel.enqueue_check import EnqueueCheck
 from .app import emit_answer
-from .attach import attach, may_attach
+from .attach import add_to_parent, attach, may_attach
 from .config import settings
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .gate import Gate
 from .identity import HEADER
 from .records import Record, Reservation, State
-from .results import ResultWriter, answer_task_id, store_answer
+from .results import ResultWriter, answer_task_id, recorded_outcome, store_answer
 
 if TYPE_CHECKING:
     from celery import Task
@@ -55,9 +53,8 @@ class CachedResult(EagerResult):  # type: ignore[misc]
 
     Attributes:
         id: The task id the caller chose (``task_id=``, a frozen signature, a chain step, a
-            chord body), under which the outcome was also stored in the result backend; else
-            the task id of the attempt that ran the body (the original task id), or a new id
-            with the outcome stored under it when the body ran in a direct call.
+            chord body), under which the outcome was also stored; else the original task id,
+            or a new id with the outcome stored under it when the body ran in a direct call.
         original_task_id: The task id of the attempt that ran the body ("" for a direct call).
         idempotency_key: The key.
     """
@@ -79,13 +76,9 @@ class CachedResult(EagerResult):  # type: ignore[misc]
     def then(self, callback: Any, on_error: Any = None, weak: bool = False) -> Any:
         """Call ``callback`` now (the result is ready); a barrier it completes fires later.
 
-        A ResultSet builds a vine barrier over its results' ``then``, and counts this one now.
-        A barrier whose results are all ready while it is built never fires by itself; the
-        backend's result consumer hands this id's stored meta back during ``join_native``
-        (a chosen id has the outcome stored, the original id has the run's result), and then
-        the barrier is fired if it counted every result (see
-        :func:`celery_idem.accel.celery_compat.fire_full_barriers`). It is never counted twice: that
-        would fire it while other results of the set are still pending.
+        A ResultSet's barrier whose results are all ready while it is built never fires by
+        itself: it is fired when the result consumer hands this id's meta back during
+        ``join_native``, if it counted every result (never twice: that would fire it early).
         """
         if self.backend is not None and self.backend.is_async:
             self._waited_on = True
@@ -96,11 +89,9 @@ class CachedResult(EagerResult):  # type: ignore[misc]
             finally:
                 self._registering = False
             if self._resolved_early:
-                # The consumer had this id's meta buffered (an earlier get() of the same id,
-                # say) and handed it over at once, before the barrier was finalized, and
-                # then did not register this handle. Register it now (the buffer is empty),
-                # so that the join's own fetch hands the meta over again, when the barrier
-                # can fire. Measured on Celery 5.4: join_native of such a set timed out.
+                # The consumer handed over buffered meta at once, before the barrier was
+                # finalized, and did not register this handle: register it again, so the
+                # join's own fetch hands the meta over when the barrier can fire.
                 self._resolved_early = False
                 self.backend.add_pending_result(self, weak=weak)
         return self.on_ready.then(callback, on_error)
@@ -127,8 +118,7 @@ class CachedResult(EagerResult):  # type: ignore[misc]
         return f"<CachedResult: {self.id} (original {self.original_task_id})>"
 
     def __del__(self) -> None:
-        # Cancel only a wait this handle registered itself (AsyncResult's __del__ cancels
-        # unconditionally).
+        # Cancel only a wait this handle registered (AsyncResult's __del__ always cancels).
         if getattr(self, "_waited_on", False):
             super().__del__()
 
@@ -142,14 +132,8 @@ def restore_cached(task_id: str, value: Any, state: str, name: str | None, key: 
 
 
 def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: Exception) -> TypeError:
-    """Name the argument the message serializer could not encode (nothing was sent).
-
-    Args:
-        task_name: The task's name, for the message.
-        bound: The call's arguments by name (empty when they do not bind).
-        serializer: The message serializer.
-        exc: The serializer's error.
-    """
+    """Name the argument (of ``bound``, empty when the call does not bind) that ``serializer``
+    could not encode; nothing was sent."""
     for name, value in bound.items():
         try:
             dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
@@ -169,22 +153,11 @@ def answer_from_record(
 ) -> CachedResult | None:
     """The answer from the record for an enqueue of a done (or failed) key, or None: publish.
 
-    One store round trip (the record's read), plus one to store the answer under a task id
-    the caller chose (see :func:`celery_idem.results.store_answer`). With ``record`` (read
-    already, by the publish: see :func:`enqueue_check`), no read.
+    The record is read unless given; the answer is stored under a chosen task id
+    (:func:`celery_idem.results.store_answer`).
 
-    Args:
-        task: The task being enqueued.
-        gate: The task's gate (its store and codec are used).
-        writer: The task's result writer, or None.
-        key: The idempotency key.
-        args: The call's positional arguments.
-        kwargs: The call's keyword arguments.
-        task_id: The task id the caller chose, if any.
-        options: The other ``apply_async`` options.
-        arguments_hash: Computes the call's fingerprint, None when the key has none (called
-            only once a done or failed record is found).
-        record: The key's record, when the caller has read it.
+    ``arguments_hash`` computes the call's fingerprint (None: the key has none), called only
+    once a done or failed record is found.
 
     Raises:
         IdempotencyKeyMismatch: The call has a fingerprint (a per-call key, or
@@ -204,38 +177,30 @@ def answer_from_record(
     expected = arguments_hash()
     if expected is not None and rec.payload_hash != expected:
         # A record without a fingerprint cannot show it is this action: refused as well.
-        emit_answer(task, Outcome.MISMATCH, rec, task_id or rec.task_id)
+        emit_answer(task, Outcome.MISMATCH, rec.key, rec.token, rec.task_id, task_id or rec.task_id,
+                    rec.state.value)
         raise IdempotencyKeyMismatch(
             f"idempotency key {key!r} was first used with different arguments (task "
             f"{rec.task_id}); use a new key for a new action. Nothing was sent.",
             key=key,
         )
-    codec = gate.codec
-    value: Any
-    if rec.state is State.FAILED:
-        state, value = FAILURE, codec.decode_error(rec.key, rec.content_type or "", rec.data or b"")
-    else:
-        state, value = SUCCESS, codec.decode_result(rec.key, rec.content_type or "", rec.data or b"")
+    state, value = recorded_outcome(gate.codec, rec)
     options = options or {}
     app = task.app
     conf = app.conf
     eager = conf.task_always_eager
     task_id = answer_task_id(task_id, rec.task_id)
     if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
-        # Someone may be waiting on this id (the caller, a chain's result, a parent's
-        # children): Celery would store the outcome under it, so store it. If that fails,
-        # publish, and the worker answers the message from the record. (The original id
-        # holds the run's own result already, with its children: not overwritten.)
+        # Someone may wait on this id (the caller, a chain, a parent): store the outcome under
+        # it as Celery would; if that fails, publish, and the worker answers from the record.
         request = answer_request(task, task_id, args, kwargs, options)
         if not store_answer(task, writer, request, value, state):
             return None
     result = CachedResult(rec, value, state, name=task.name, task_id=task_id, app=app)
-    emit_answer(task, Outcome.ANSWERED, rec, result.id)
-    if not eager and options.get("add_to_parent", True):
-        # As send_task does: the running task lists it among its children.
-        parent = app.current_worker_task
-        if parent:
-            parent.add_trail(result)
+    emit_answer(task, Outcome.ANSWERED, rec.key, rec.token, rec.task_id, result.id,
+                rec.state.value)
+    if not eager:
+        add_to_parent(task, result, options)
     return result
 
 
@@ -267,9 +232,7 @@ def answer_request(
 def enqueue_check(app: Any) -> EnqueueCheck | None:
     """The seam of the enqueue check within the publish: a task's :class:`EnqueueCheck`, or None.
 
-    None with accelerations off (``idempotency_accelerate``, ``CELERY_IDEM_ACCELERATE``): the
-    record is read first, then the message published (the plain path). Otherwise
-    :class:`celery_idem.accel.enqueue_check.EnqueueCheck`, which chooses per enqueue.
+    None with accelerations off (the plain path: the record is read, then the message published).
     """
     return EnqueueCheck() if settings(app).accelerate else None
 
@@ -282,10 +245,8 @@ def check_enqueue(
 ) -> AsyncResult | str | None:
     """The enqueue check: what the key's record (or reservation) says about this enqueue.
 
-    ``IdempotentTask.apply_async`` asks it before publishing a call that may be answered (not a
-    retry, a re-queue or a canvas publish), with the task's gate, its :class:`EnqueueCheck`
-    (None: read first, see :func:`enqueue_check`) and result writer; ``publish`` sends the
-    message under the task id it is given.
+    Asked for a call that may be answered (not a retry, a re-queue or a canvas publish);
+    ``publish`` sends the message under the task id it is given.
 
     Returns:
         The answer (a published message's result, a :class:`CachedResult` from the record,
@@ -322,9 +283,8 @@ def check_enqueue(
             else:
                 found = store.get(key)
         except StoreUnavailable as exc:
-            # The worker's gate still guards the body; publishing is safe. Under the id it
-            # tried to reserve: if only the reply was lost, the reservation that later
-            # enqueues attach to names a message that exists.
+            # Publish (the gate still guards the body) under the id it tried to reserve: if
+            # only the reply was lost, the reservation names a message that exists.
             logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
             return sent_id if reserving and sent_id != task_id else None
     answer: AsyncResult | None = None

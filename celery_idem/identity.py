@@ -1,9 +1,7 @@
 """A task's key identity: the key of a call, its fingerprint, and the key a message's header names.
 
-The key derivation of :class:`~celery_idem.task.IdempotentTask`, apart from the seam's two
-hooks (``apply_async`` and ``__call__`` ask it for the key; ``idempotency_key_for`` is its public
-face). Each function takes the task (its ``name``, ``idempotency_config``, ``typing`` and
-``app`` are read) and, where arguments are bound, the signature they bind to.
+The key derivation of :class:`~celery_idem.task.IdempotentTask` (``idempotency_key_for`` is its
+public face). Each function takes the task and, where arguments are bound, their signature.
 """
 
 from __future__ import annotations
@@ -56,10 +54,9 @@ def identify(
 ) -> tuple[str, Callable[[], str | None]]:
     """The call's key, and a function computing its fingerprint (None: not checked).
 
-    The arguments are bound once for both; the fingerprint is computed only when asked
-    (at enqueue, only once a record was found). With ``idempotency_period`` a derived key
-    gains the slot of ``at`` (default: now, read once here: ``apply_async`` calls this once
-    and the header carries the key, so retries and redeliveries keep the slot).
+    The arguments are bound once for both; the fingerprint is computed only when asked. With
+    ``idempotency_period`` a derived key gains the slot of ``at`` (default: now; the header
+    carries the key, so retries and redeliveries keep the slot).
     """
     cfg = task.idempotency_config
     args, kwargs = tuple(args or ()), dict(kwargs or {})
@@ -92,8 +89,7 @@ def identify(
 
 
 def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None) -> dict[str, Any]:
-    """``fields`` with the slot of ``at`` (now, when None) under ``$slot``, for a task with
-    ``idempotency_period``; unchanged without one (so its keys are as before)."""
+    """``fields`` with the slot of ``at`` under ``$slot`` when the task has a period."""
     period = task.idempotency_config.period
     if period is None:
         return fields
@@ -107,10 +103,8 @@ def fingerprint_of(
 ) -> str | None:
     """The hash stored with the record and compared on every later use of its key.
 
-    A per-call key's covers the arguments that identify the action (``idempotency_fields``,
-    else all of them), so the same key with other identifying arguments is refused; with
-    ``idempotency_validate`` any key's covers the whole call. A derived key's fields are in
-    the key itself, so without ``idempotency_validate`` it has none.
+    A per-call key's covers the identifying arguments; with ``idempotency_validate`` any key's
+    covers the whole call. A derived key has its fields in the key, so otherwise none.
     """
     cfg = task.idempotency_config
     if cfg.validate:
@@ -126,12 +120,9 @@ def fingerprint_of(
 def header_key(task: Any, header: Any) -> tuple[str, bool]:
     """The stored key of a message's key header, and whether it is a per-call key.
 
-    The header is the producer's word, and a message can be forged or written by another
-    program, so it is checked as ``apply_async`` checks a caller's key. A key of this task's
-    operation (``<operation>[@<scope>]:...``, as ``apply_async`` writes it) is used as it
-    is; anything else is a caller's key of this operation (``<operation>:key=<header>``),
-    so a header can never name another operation's record, and a producer in another
-    language may send its own key as the header.
+    A message can be forged or written by another program, so the header is checked as a
+    caller's key is. A key of this task's operation is used as it is; anything else is a
+    caller's key of this operation, so a header never names another operation's record.
 
     Raises:
         InvalidKey: The header is not a str, is empty, too long or has control characters;
@@ -153,12 +144,9 @@ def key_arguments(
 ) -> tuple[Sequence[Any], Mapping[str, Any]]:
     """The arguments as the key sees them: as Celery sends them, whoever calls.
 
-    * A new-style errback (``errback(request, exc, traceback, *stored)``, called by Celery
-      in-process) gets the failed task's id for the request and None for the exception
-      and the traceback: neither can be put in a key, and the id names the failure.
-    * A ``pydantic=True`` task's models are dumped the way ``apply_async`` dumps them
-      (whatever the serializer, so ``apply()``, ``delay()`` and a worker that gets the
-      dict agree); a model it leaves alone is keyed by ``model_dump(mode="json")``.
+    A new-style errback's request, exception and traceback become the failed task's id, None
+    and None (the id names the failure). A ``pydantic=True`` task's models are dumped as
+    ``apply_async`` dumps them, so ``apply()``, ``delay()`` and a worker agree.
     """
     failed = failed_request(args)
     if failed is not None:
@@ -185,18 +173,14 @@ def bind(
         typing = task.typing if task.typing is not None else task.app.strict_typing
         if not typing:
             # typing=False: Celery sends a call that does not bind (the worker's signature
-            # may differ from this one), so the key must not refuse it. Keyed by the
-            # arguments as passed, under names no parameter can have.
+            # may differ), so it is keyed by the arguments as passed.
             return {UNBOUND_ARGS: list(args), UNBOUND_KWARGS: dict(kwargs)}
         raise TypeError(f"{task.name}{signature}: {exc}") from None
 
 
 def failed_request(args: Sequence[Any]) -> Context | None:
-    """The failed task's request when ``args`` are those of a new-style errback call, else None.
-
-    Celery passes the failed task's ``Context`` first; a message never carries one, so it is
-    never a business argument.
-    """
+    """The failed task's ``Context`` when ``args`` are a new-style errback call's (a message
+    never carries one), else None."""
     first = args[0] if args else None
     return first if isinstance(first, Context) else None
 
@@ -222,9 +206,8 @@ def _unix_time(at: float | dt.datetime | None) -> float:
 
 
 def message_time(request: Any) -> float | None:
-    """The time a message was sent, when it says so: its ``timestamp`` property (AMQP's, or
-    ``send_task(..., timestamp=...)``), as Unix seconds or a datetime (naive: UTC). None
-    otherwise: Celery's own messages carry no sending time."""
+    """The message's ``timestamp`` property as Unix seconds (a naive datetime is UTC), or
+    None: Celery's own messages carry no sending time."""
     properties = getattr(request, "properties", None)
     stamp = properties.get("timestamp") if isinstance(properties, Mapping) else None
     if isinstance(stamp, dt.datetime):
@@ -238,7 +221,7 @@ def message_time(request: Any) -> float | None:
 
 
 def _check_key(task: str, key: str) -> str:
-    """A derived key as long as its operation makes it must still fit the stores' column."""
+    """A derived key (as long as its operation makes it) must fit the stores' column."""
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidKey(
             f"{task}: the key {key[:60]!r}... is {len(key)} characters; the limit is "

@@ -1,16 +1,9 @@
 """Is a store error a configuration mistake or an outage? The worker-start probe and the run-time log.
 
-An outage heals by itself (the server comes back), so the gate re-queues the message and waits.
-A wrong password, an unknown user or a database that does not exist never heals: re-queued
-forever at INFO, it looks exactly like an outage while every caller's ``get()`` hangs. So:
-
-* :func:`probe_store` asks the store for its clock once at worker start and turns such an error
-  into :class:`~celery_idem.exceptions.ImproperlyConfigured` naming the setting the store came
-  from (``idempotency_store`` or ``result_backend``): the worker refuses to start.
-* :func:`log_store_down` is what a worker logs when it re-queues a message because the store
-  could not be used: WARNING for an outage (with the re-queue delay and its backoff), ERROR with
-  the cause for a mistake.
-* :func:`misconfiguration` decides, from the error's causes (redis-py, psycopg, PyMySQL codes).
+An outage heals by itself, so the gate re-queues the message and waits. A wrong password, an
+unknown user or a missing database never heals, yet would look exactly like an outage. So
+:func:`probe_store` refuses to start a worker on such an error, :func:`log_store_down` logs it at
+ERROR with the fix (an outage: WARNING), and :func:`misconfiguration` tells them apart.
 """
 
 from __future__ import annotations
@@ -28,21 +21,20 @@ __all__ = [
     "misconfiguration",
     "probe_store",
     "requeue_delay",
+    "unreachable",
 ]
 
 logger = logging.getLogger("celery_idem")
 
-#: The longest delay before a message re-queued for an unavailable store is delivered again
-#: (seconds). The delay doubles per re-queue from 1 s: 1, 2, 4, 8, 16, 30, 30, ... There is no
-#: limit on their number: the message waits for the store rather than running unguarded or
-#: being dropped (docs/reliability.md, "When the store is down").
+#: The longest delay (s) before a message re-queued for an unavailable store is delivered again;
+#: it doubles from 1 s, with no limit on re-queues (docs/reliability.md, "When the store is down").
 REQUEUE_DELAY_CAP = 30.0
 
 AUTHENTICATION = "rejected the credentials (authentication failed)"
 MISSING_DATABASE = "has no such database"
 PERMISSION = "refused a command this worker needs (permission denied)"
 
-# What the reason means the user should fix, for the messages.
+# What to fix, for the messages.
 _FIX = {
     AUTHENTICATION: "its user name and password",
     MISSING_DATABASE: "its database name (or create the database)",
@@ -62,8 +54,7 @@ _SQLSTATES = {
     "28000": AUTHENTICATION,  # invalid_authorization_specification
     "3D000": MISSING_DATABASE,  # invalid_catalog_name
 }
-# libpq puts a connection failure's reason only in the message (no SQLSTATE on psycopg's
-# connection errors).
+# libpq gives a connection failure's reason only in the message (no SQLSTATE).
 _MESSAGES = (
     (re.compile(r'database "[^"]*" does not exist'), MISSING_DATABASE),
     (re.compile(r"password authentication failed|no password supplied|"
@@ -89,10 +80,7 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
 
 
 def misconfiguration(exc: BaseException) -> str | None:
-    """Why ``exc`` is a configuration mistake no retry fixes, or None for an outage (or unknown).
-
-    Args:
-        exc: A store error, usually :class:`StoreUnavailable` raised from the driver's error.
+    """Why ``exc`` (a store error) is a configuration mistake no retry fixes, or None.
 
     Returns:
         One of the module's reasons (authentication, missing database, permission), or None.
@@ -128,13 +116,8 @@ def _driver_message(exc: BaseException) -> str:
 
 
 def refusal(exc: BaseException, setting: str, where: str) -> ImproperlyConfigured | None:
-    """The start-up refusal for ``exc``, or None when ``exc`` is not a configuration mistake.
-
-    Args:
-        exc: What building or probing the store raised.
-        setting: The app setting the store came from (``idempotency_store``, ``result_backend``).
-        where: The store, for the message (no password).
-    """
+    """The start-up refusal for ``exc`` (naming ``setting`` and ``where``, with no password), or
+    None when ``exc`` is not a configuration mistake."""
     reason = misconfiguration(exc)
     if reason is None:
         return None
@@ -148,10 +131,6 @@ def refusal(exc: BaseException, setting: str, where: str) -> ImproperlyConfigure
 def probe_store(store: Store, setting: str) -> bool:
     """Ask ``store`` for its clock once, at worker start; refuse a configuration mistake.
 
-    Args:
-        store: The app's idempotency store.
-        setting: The app setting it came from, for the message.
-
     Returns:
         True when the store answered; False when it could not be reached (logged at WARNING:
         the worker starts, and the gate re-queues its tasks until the store answers).
@@ -163,14 +142,19 @@ def probe_store(store: Store, setting: str) -> bool:
     try:
         store.now()
     except StoreUnavailable as exc:
-        refused = refusal(exc, setting, describe(store))
-        if refused is not None:
-            raise refused from exc
-        logger.warning(
-            "celery_idem could not reach the idempotency store (%s) at worker start: %s. The "
-            "worker starts; its tasks are re-queued until the store answers", setting, exc)
+        unreachable(exc, setting, describe(store))
         return False
     return True
+
+
+def unreachable(exc: StoreUnavailable, setting: str, where: str) -> None:
+    """At worker start: raise the refusal for ``exc``, or warn that the worker starts anyway."""
+    refused = refusal(exc, setting, where)
+    if refused is not None:
+        raise refused from exc
+    logger.warning(
+        "celery_idem could not reach the idempotency store (%s) at worker start: %s. The "
+        "worker starts; its tasks are re-queued until the store answers", setting, exc)
 
 
 def describe(store: Store) -> str:
@@ -180,13 +164,8 @@ def describe(store: Store) -> str:
 
 
 def requeue_delay(requeues: int) -> float:
-    """Seconds before a message re-queued for an unavailable store is delivered again.
-
-    Args:
-        requeues: How many times this message was re-queued before (its
-            ``idempotency_requeues`` header).
-    """
-    # The exponent is capped: 2.0 ** n overflows a float past 1023 re-queues of a long outage.
+    """Seconds before a message re-queued ``requeues`` times already is delivered again."""
+    # The exponent is capped: 2.0 ** n overflows a float past 1023 re-queues.
     return min(2.0 ** min(max(requeues, 0), 16), REQUEUE_DELAY_CAP)
 
 
@@ -194,16 +173,8 @@ def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException,
                    requeues: int) -> None:
     """Log one re-queue of a message because the store could not be used.
 
-    WARNING for an outage, with the delay and how it grows; ERROR, with the cause and the fix,
-    for an error no retry fixes (a password changed while the worker runs, a dropped database).
-    The message is re-queued in both cases: fixing the setting or the server lets it run.
-
-    Args:
-        task_name: The task's name.
-        task_id: The request's id.
-        key: The idempotency key.
-        exc: The store's error.
-        requeues: How many times the message was re-queued before this one.
+    WARNING for an outage, with the delay; ERROR, with the cause and the fix, for an error no
+    retry fixes (a password changed while the worker runs). The message is re-queued in both.
     """
     delay = requeue_delay(requeues)
     reason = misconfiguration(exc)

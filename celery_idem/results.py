@@ -1,33 +1,29 @@
 """A task's result writer (the seam of the result fold), and the producer's answer write.
 
-The plain path is Celery's own: the task returns its value and the tracer stores it (for Redis:
-the backend's ``GET``, then ``SET`` + ``PUBLISH``). The result fold is an acceleration
-(:mod:`celery_idem.accel.redis_results`, :mod:`celery_idem.accel.db_results`): the result
-written in the record's own round trip (``Store.record_with``, the stores' seam), or directly
-without the backend's ``GET``. :func:`result_writer` is the seam: a writer only with
-accelerations on (:func:`celery_idem.accel.enabled`, ``idempotency_accelerate``) and
-``idempotency_fold_results`` True (the default); None otherwise, and the task leaves its result
-to Celery.
-
-:func:`store_answer` is the producer's write: an enqueue answered from the record under a task
-id someone chose (``task_id=``, a frozen signature, a chain's next step, a chord body) stores
-the recorded outcome under that id, so whoever waits on it hears. Direct when a writer can,
-else the backend's ``store_result`` (the plain path).
+The plain path is Celery's own: the tracer stores the task's value. The result fold is an
+acceleration (:mod:`celery_idem.accel.redis_results`, :mod:`celery_idem.accel.db_results`):
+the result written in the record's own round trip (``Store.record_with``), or directly without
+the backend's ``GET``. :func:`store_answer` stores an enqueue's answer from the record under a
+task id someone chose, so whoever waits on it hears.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from celery.states import SUCCESS
+from celery.states import FAILURE, SUCCESS
 from kombu.utils.uuid import uuid
 
 from .accel.celery_compat import get_actual_ignore_result
 from .config import settings
+from .records import Record, State
 from .stores.base import BackendWrite, Store
 
-__all__ = ["ResultWriter", "answer_task_id", "result_writer", "store_answer"]
+if TYPE_CHECKING:
+    from .codec import Codec
+
+__all__ = ["ResultWriter", "answer_task_id", "recorded_outcome", "result_writer", "store_answer"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -49,17 +45,8 @@ class ResultWriter(Protocol):
 
 
 def result_writer(task: Any, store: Store) -> ResultWriter | None:
-    """The seam of the result fold: ``task``'s writer for ``store``, or None (Celery writes).
-
-    Args:
-        task: The Celery task (its ``app`` and ``backend`` are read).
-        store: The task's idempotency store.
-
-    Returns:
-        None when accelerations are off or ``idempotency_fold_results`` is False, and when
-        the backend is not one the fold knows; else the writer of
-        :func:`celery_idem.accel.db_results.result_writer`.
-    """
+    """The seam of the result fold: ``task``'s writer for ``store``, or None (Celery writes):
+    accelerations off, ``idempotency_fold_results`` False, or a backend the fold does not know."""
     read = settings(task.app)
     if not (read.accelerate and read.fold_results):
         return None
@@ -72,18 +59,8 @@ def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: An
                  state: str) -> bool:
     """Store an outcome answered from the record under ``request.id``, as Celery stores results.
 
-    One round trip on a Redis backend (the direct write: ``SET`` + ``PUBLISH``, without the
-    backend's ``GET``: the value is the record's, the same for every writer); otherwise the
-    backend's own ``store_result`` (Redis with the fold turned off: ``GET``, then ``SET`` +
-    ``PUBLISH``; a database: one transaction). Nothing is written when the request ignores
-    its result, as Celery writes nothing then.
-
-    Args:
-        task: The task (its ``backend`` stores the result).
-        writer: The task's result writer, or None.
-        request: A request context with the ``id`` to store under.
-        value: The recorded value, or for ``FAILURE`` the recorded exception.
-        state: ``SUCCESS`` or ``FAILURE``.
+    Through the writer when it can (one round trip), else the backend's ``store_result``.
+    Nothing is written when the request ignores its result, as in Celery.
 
     Returns:
         True when the outcome is stored (or nothing needs storing); False when the write
@@ -110,18 +87,19 @@ def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: An
 def answer_task_id(chosen: str | None, original: str) -> str | None:
     """The task id an enqueue answered from the record hands back, or None: the original id.
 
-    A chosen id (``task_id=``, a frozen signature, a chain step) is kept, and the outcome is
-    stored under it. Without one, the original attempt's id is used: its own result is stored
-    under it. A body that ran in a direct call (``task(...)`` in-process, or Celery's
-    ``map``/``starmap`` calling it) has no task id and no stored result, so the answer gets a
-    new id, as every enqueue does in Celery, and the outcome is stored under that id as for a
-    chosen one: a ``ResultSet`` or anyone holding the id can then find it in the backend.
-
-    Args:
-        chosen: The task id the caller chose, or None.
-        original: The record's task id ("" for a direct call).
+    A chosen id is kept. A body that ran in a direct call (``task(...)``, ``celery.map``) has
+    no task id and no stored result, so the answer gets a new id, and the outcome is stored
+    under it as under a chosen one.
     """
     if chosen or original:
         return chosen
     return str(uuid())
 
+
+
+def recorded_outcome(codec: Codec, rec: Record) -> tuple[str, Any]:
+    """A done or failed record's Celery state (``SUCCESS``, ``FAILURE``) and value (or error)."""
+    content_type, data = rec.content_type or "", rec.data or b""
+    if rec.state is State.FAILED:
+        return FAILURE, codec.decode_error(rec.key, content_type, data)
+    return SUCCESS, codec.decode_result(rec.key, content_type, data)

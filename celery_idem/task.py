@@ -1,19 +1,14 @@
 """``IdempotentTask``: the Celery seam. Thin on purpose: the decisions live in ``gate.py``.
 
-Two hooks:
-
-* ``apply_async`` (producer side, and every retry/canvas publish): derive the key from the
-  business arguments, put it in the ``idempotency_key`` header, and answer at once, without
-  publishing, when the key is already done.
+* ``apply_async`` (producer side, every retry and canvas publish): derive the key, put it in the
+  ``idempotency_key`` header, and answer at once, without publishing, when the key is done.
 * ``__call__`` (worker side, every pool and eager mode): read the key from the header (or derive
   it, for ``send_task`` by name), and run the body through the gate.
 
-What the seam needs beside the gate lives in core modules of its own: the per-app store, the
-owner id, events and the worker-start checks in ``app.py``; the enqueue answer and
-:class:`CachedResult` in ``enqueue.py``; the re-queue loop and the result write in
-``delivery.py``. ``get_store`` and ``CachedResult`` are re-exported here for their old paths.
-Importing this module makes celery_idem's ``ImproperlyConfigured`` Celery's too
-(:func:`celery_idem.exceptions.adopt_celery_base`).
+The rest of the seam: ``app.py`` (store, owner, events, start checks), ``identity.py`` (the key),
+``enqueue.py`` (the enqueue answer), ``delivery.py`` (re-queue, result write). ``get_store`` and
+``CachedResult`` are re-exported here. Importing this module makes celery_idem's
+``ImproperlyConfigured`` Celery's too (:func:`celery_idem.exceptions.adopt_celery_base`).
 """
 
 from __future__ import annotations
@@ -53,8 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 
-# An ``except celery.exceptions.ImproperlyConfigured`` around a task's configuration catches
-# celery_idem's: see celery_idem/exceptions.py.
 adopt_celery_base()
 
 logger = logging.getLogger("celery_idem")
@@ -66,8 +59,8 @@ SCOPE_OPTION = "idempotency_scope"
 class ReceiptFound(BaseException):
     """Raised out of ``idempotent_transaction`` when an earlier attempt committed the receipt.
 
-    The task layer turns it into the body's return value (the receipt's result). A
-    BaseException, so a body's ``except Exception`` cannot swallow it and carry on.
+    The task layer returns the receipt's result. A BaseException, so a body's
+    ``except Exception`` cannot swallow it.
     """
 
     def __init__(self, receipt: Receipt) -> None:
@@ -78,8 +71,8 @@ class ReceiptFound(BaseException):
 class Replaced(Ignore):  # type: ignore[misc]
     """Celery's ``Ignore`` as :meth:`IdempotentTask.on_replace` raises it: the task was replaced.
 
-    The worker handles it as the ``Ignore`` it is (no state stored for the replaced task); the
-    gate sees a hand-over (``handover_signals``) and releases the claim without recording.
+    The worker handles it as ``Ignore``; the gate sees a hand-over (``handover_signals``) and
+    releases the claim without recording.
     """
 
 
@@ -159,8 +152,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @cached_property
     def _call_signature(self) -> inspect.Signature | None:
-        """The signature ``self.run`` is called with: not followed through ``functools.wraps``,
-        so a decorator that takes ``*args, **kwargs`` (and may supply an argument) binds any call."""
+        """``self.run``'s signature not followed through ``functools.wraps``, so a decorator
+        that takes ``*args, **kwargs`` (and may supply an argument) binds any call."""
         try:
             return inspect.signature(self.run, follow_wrapped=False)
         except (TypeError, ValueError):
@@ -214,13 +207,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """Return the key a call with these arguments gets (as stored, without the prefix).
 
         ``<operation>:<32 hex>`` for a key derived from the arguments, ``<operation>:key=<k>``
-        for a per-call ``idempotency_key``; with a scope, ``<operation>@<scope>:...``. So a
-        per-call key only ever names an action of this task's operation, in its scope.
-
-        The arguments are keyed as Celery sends them (``pydantic=True`` models dumped), a call
-        that does not bind is keyed by its raw arguments when the task has ``typing=False``,
-        and a new-style errback call (the failed task's ``Context`` first) by the failed task's
-        id: see ``docs/compat.md``.
+        for a per-call ``idempotency_key``; with a scope, ``<operation>@<scope>:...``. The
+        arguments are keyed as Celery sends them: see ``docs/compat.md``.
 
         Args:
             args: The call's positional arguments.
@@ -233,33 +221,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         Raises:
             TypeError: The arguments do not match the task's signature (and the task checks
-                them: ``typing``), or a value that is part of the key has no canonical form
-                (the message names the field).
+                them: ``typing``), or a value that is part of the key has no canonical form.
             InvalidKey: The per-call key or the scope is not usable (the message says why).
             ValueError: ``at`` is a naive datetime.
         """
-        return self._identify(args, kwargs, idempotency_key, idempotency_scope, at)[0]
-
-    # The key's identity lives in celery_idem/identity.py; these keep the task's own names.
-
-    def _identify(
-        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-        explicit: Any, scope: Any, at: float | dt.datetime | None = None,
-    ) -> tuple[str, Callable[[], str | None]]:
-        return identity.identify(self, self._signature, args, kwargs, explicit, scope, at)
-
-    def _fingerprint(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], per_call: bool
-    ) -> str | None:
-        return identity.fingerprint_of(self, self._signature, args, kwargs, per_call)
-
-    def _header_key(self, header: Any) -> tuple[str, bool]:
-        return identity.header_key(self, header)
-
-    def _bound(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], *, as_sent: bool = True
-    ) -> dict[str, Any]:
-        return identity.bind(self, self._signature, args, kwargs, as_sent=as_sent)
+        return identity.identify(self, self._signature, args, kwargs, idempotency_key,
+                                 idempotency_scope, at)[0]
 
     @property
     def idempotency_key(self) -> str | None:
@@ -298,20 +265,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 tx.result = {"order": 7}
             return tx.result
 
-        On enter, the receipt row (keyed by the idempotency key) is inserted first; if an
-        earlier attempt already committed one, the block does not run and the task returns that
-        attempt's ``tx.result``. On a clean exit, ``tx.result`` is stored in the receipt and the
-        transaction is committed. See ``docs/transactions.md``.
+        If an earlier attempt committed the receipt, the block does not run and the task returns
+        that attempt's ``tx.result``. See ``docs/transactions.md``.
 
         Args:
-            session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to PostgreSQL,
-                MySQL/MariaDB or SQLite (the business database; it need not be the store's).
-                None (on Django): the block is ``transaction.atomic(using=using)`` and the
-                receipt goes through that Django connection (docs/django.md).
-            commit: True: the block ends with a commit. False: the receipt joins a transaction
-                the caller commits.
-            table: The receipts table (default ``app.conf.idempotency_receipts_table``, else
-                ``celery_idem_receipts``); created on first use (on Django: by ``migrate``).
+            session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to the business
+                database; None on Django (the block is ``transaction.atomic(using=using)``).
+            commit: False: the receipt joins a transaction the caller commits.
+            table: The receipts table (default ``idempotency_receipts_table``, else
+                ``celery_idem_receipts``).
             using: On Django, the ``DATABASES`` alias of the writes (default ``"default"``).
 
         Raises:
@@ -330,8 +292,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         held = current_lease.get()
         if held is not None and held.key != key:
-            # Inside a saga step: the gate holds the step's key, not the task's. A receipt keyed
-            # by the task would answer the whole saga with this step's result.
+            # A saga step: the gate holds the step's key, and a receipt keyed by the task would
+            # answer the whole saga with this step's result.
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction cannot be used inside a saga step (the "
                 f"step runs under its own key {held.key!r}); write the step's receipt-worthy "
@@ -345,30 +307,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 f"{self.name}: idempotent_transaction was already used in this run of "
                 f"{key!r}; one action has one receipt, so put all its writes in one block"
             )
+        read = settings(self.app)
+        common: dict[str, Any] = {
+            "key": read.key_prefix + key, "token": token, "task_id": req.id or "",
+            "codec": self._gate.codec, "ttl": self.idempotency_config.ttl,
+            "lease_lost": lambda: self.idempotency_lease_lost, "on_found": ReceiptFound,
+        }
+        tx: ReceiptTransaction | DjangoReceiptTransaction
+        # The receipts are add-ons (Django, or sqlalchemy), imported only when asked for.
         if session_or_connection is None:
-            # Django: the receipt goes through Django's connection (no SQLAlchemy needed).
             from .contrib.django.receipts import DjangoReceiptTransaction
 
-            read = settings(self.app)
-            django_tx = DjangoReceiptTransaction(
-                using=using or "default", key=read.key_prefix + key, token=token, task_id=req.id or "",
-                codec=self._gate.codec, ttl=self.idempotency_config.ttl,
-                table=table or read.receipts_table or "celery_idem_receipts",
-                lease_lost=lambda: self.idempotency_lease_lost, on_found=ReceiptFound,
-            )
-            req.idempotency_receipt_ = django_tx
-            return django_tx
+            tx = DjangoReceiptTransaction(
+                using=using or "default",
+                table=table or read.receipts_table or "celery_idem_receipts", **common)
+        else:
+            from .contrib.receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction
 
-        # The SQLAlchemy receipt is an add-on (it needs sqlalchemy), imported only when asked for.
-        from .contrib.receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction
-        read = settings(self.app)
-        tx = ReceiptTransaction(
-            session_or_connection,
-            key=read.key_prefix + key, token=token, task_id=req.id or "", codec=self._gate.codec,
-            ttl=self.idempotency_config.ttl,
-            table=table or read.receipts_table or DEFAULT_RECEIPTS_TABLE,
-            commit=commit, lease_lost=lambda: self.idempotency_lease_lost, on_found=ReceiptFound,
-        )
+            tx = ReceiptTransaction(
+                session_or_connection, commit=commit,
+                table=table or read.receipts_table or DEFAULT_RECEIPTS_TABLE, **common)
         req.idempotency_receipt_ = tx
         return tx
 
@@ -393,10 +351,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         sets ``idempotency_check_on_enqueue = False``). Either way the result carries the key
         as ``result.idempotency_key``.
 
-        A task id that was chosen (``task_id=``, which is how a frozen signature, a chain's
-        next step and a chord body arrive) is kept: the recorded outcome is stored under it in
-        the result backend, so anyone waiting on that id hears, and the returned
-        :class:`CachedResult` has that id. Without one, the result has the original task id.
+        A chosen task id (``task_id=``, a frozen signature, a chain's next step, a chord body)
+        is kept, and the recorded outcome is stored under it, so anyone waiting on it hears.
+        Without one, the result has the original task id.
 
         Raises:
             TypeError: The key cannot be derived from the arguments; nothing was published.
@@ -409,16 +366,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if header is not None:
             # A publish that carries the key already (a retry, a re-queue, a canvas step made
             # from a request): it must be a key of this task, as the worker checks.
-            key, per_call = self._header_key(header)
+            key, per_call = identity.header_key(self, header)
             fingerprint: Callable[[], str | None] = functools.partial(
-                self._fingerprint, tuple(args or ()), dict(kwargs or {}), per_call)
+                identity.fingerprint_of, self, self._signature, tuple(args or ()),
+                dict(kwargs or {}), per_call)
         else:
-            key, fingerprint = self._identify(args, kwargs, explicit, scope)
+            key, fingerprint = identity.identify(self, self._signature, args, kwargs, explicit,
+                                                 scope)
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.
-        # A chain's last step (chain=[]) and a link callback (no link) are answered here: under
-        # the task id they carry when frozen (a chain step always is), else under the original.
+        # A chain's last step (chain=[]) and a link callback are answered, under their own id.
         republish = bool(options.get("retries")) or REQUEUES_HEADER in headers
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
@@ -429,55 +387,44 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 link_error=link_error, shadow=shadow, headers=headers, **options,
             )
 
-        def send(prod: Any, sent_id: str | None) -> AsyncResult:
-            try:
-                return publish(prod, sent_id)
-            except EncodeError as exc:
-                serializer = (options.get("serializer") or self.serializer
-                              or self.app.conf.task_serializer)
-                try:
-                    bound = self._bound(args or (), kwargs or {}, as_sent=False)
-                except TypeError:
-                    bound = {}
-                raise unsendable(self.name, bound, serializer, exc) from exc
-
         reserved: str | None = None  # the task id this enqueue reserved the key for
         if not republish and not canvas and self.idempotency_config.check_on_enqueue:
-            answer = self._check_enqueue(key, args, kwargs, task_id, producer, options,
-                                         fingerprint, publish)
+            answer = check_enqueue(self, self._gate, self._enqueue_check, self._result_writer,
+                                   key, args, kwargs, task_id, producer, options, fingerprint,
+                                   publish)
             if isinstance(answer, AsyncResult):
                 answer.idempotency_key = key
                 return answer
             if answer is not None:
                 task_id = reserved = answer
         try:
-            result = send(producer, task_id)
-        except BaseException:
+            result = publish(producer, task_id)
+        except BaseException as exc:
             if reserved is not None:
                 # Not sent: later enqueues must not attach to a message that does not exist.
                 with contextlib.suppress(Exception):
                     self._gate.store.unreserve(key, reserved)
+            if isinstance(exc, EncodeError):
+                serializer = (options.get("serializer") or self.serializer
+                              or self.app.conf.task_serializer)
+                try:
+                    bound = identity.bind(self, self._signature, args or (), kwargs or {},
+                                          as_sent=False)
+                except TypeError:
+                    bound = {}
+                raise unsendable(self.name, bound, serializer, exc) from exc
             raise
         # So a caller (an agent keeping a checkpoint, say) can store the key with the task id.
         result.idempotency_key = key
         return result
-
-    def _check_enqueue(
-        self, key: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-        task_id: str | None, producer: Any, options: dict[str, Any],
-        fingerprint: Callable[[], str | None], publish: Callable[[Any, str], AsyncResult],
-    ) -> AsyncResult | str | None:
-        """The enqueue check (:func:`celery_idem.enqueue.check_enqueue`)."""
-        return check_enqueue(self, self._gate, self._enqueue_check, self._result_writer, key,
-                             args, kwargs, task_id, producer, options, fingerprint, publish)
 
     # -- worker side ---------------------------------------------------------------------------
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
         """Push a request that inherits the current one (Celery 5.5+'s own behaviour).
 
-        ``Task.__call__`` pushes a request for the body; Celery 5.4 pushed a blank one, so a body
-        behind a custom ``__call__`` saw no id, headers, retries or idempotency key.
+        Celery 5.4 pushed a blank one, so a body behind a custom ``__call__`` saw no id,
+        headers, retries or idempotency key.
         """
         self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
@@ -493,18 +440,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if header is None:
             # send_task by name, another language's producer, Task.apply(): derive it here
             # (a period's slot from the message's time, when it has one, else from now).
-            key, fingerprint = self._identify(args, kwargs, None, None, message_time(req))
+            key, fingerprint = identity.identify(self, self._signature, args, kwargs, None, None,
+                                                 message_time(req))
             digest = fingerprint()
-            # A re-queue and Celery's retry publish from the request's headers: they carry the
-            # key derived here, or the copy would derive it again from a later clock (another
-            # period slot: the CI of 2026-12-05 ran a re-queued send_task body twice). Not on
-            # a direct call: its request is Celery's one default request, shared by every
-            # direct call (celery.map's items), and each call is an action of its own.
+            # A re-queue and Celery's retry publish from the request's headers: they must carry
+            # this key, or the copy derives it again from a later clock (another period slot).
+            # Not on a direct call: its request is Celery's one default request, shared by
+            # every direct call (celery.map's items), each an action of its own.
             if not req.called_directly:
                 req.headers = {**(req.headers or {}), HEADER: key}
         else:
-            key, per_call = self._header_key(header)
-            digest = self._fingerprint(args, kwargs, per_call)
+            key, per_call = identity.header_key(self, header)
+            digest = identity.fingerprint_of(self, self._signature, args, kwargs, per_call)
         attempt = Attempt(
             key=key,
             task_id=req.id or "",
@@ -516,9 +463,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         call_body = super().__call__
         if not (req.is_eager or req.called_directly) and \
                 getattr(call_body, "__func__", None) is Task.__call__:
-            # In a worker Celery's tracer has pushed this task and its request already; for a
-            # task without its own __call__ it calls run() itself. Do the same, instead of
-            # Task.__call__ pushing both again (a copy of the request: ~10-25 µs per task).
+            # In a worker Celery's tracer has pushed this task and its request already, and
+            # for a task without its own __call__ it calls run() itself: do the same.
             call_body = self.run
 
         def body(token: int) -> Any:
@@ -533,18 +479,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return deliver(self, self._gate, self._result_writer, attempt, body, started)
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Raise TypeError, without claiming the key, when the body cannot be called with these
-        arguments (a ``typing=False`` task, or a message from a producer whose signature of the
-        task differs).
+        """Raise TypeError, without entering the gate, when the body cannot take these arguments.
 
-        Such a call fails before the first line of the body, so no effect can have happened,
-        and the gate is not entered: nothing is claimed and nothing is recorded. Not held, as an
-        unclassified error would be: a duplicate would wait for the lease of a body that never
-        started. Not recorded as terminal either: the call fails only against this worker's code
-        (``typing=False`` exists because the producer's signature may differ from the worker's),
-        and a record would fail the action for ``idempotency_ttl`` on a worker that accepts it.
-        Every delivery of the message fails the same way, as in plain Celery, and the FAILURE
-        Celery stores for it reaches the caller at once.
+        Such a call fails before the body's first line, so no effect happened: nothing is
+        claimed (a duplicate would wait for a body that never started) and nothing recorded
+        (with ``typing=False`` the call fails only against this worker's code, and a terminal
+        record would fail the action on a worker that accepts it). Each delivery fails as in
+        plain Celery, and the FAILURE reaches the caller at once.
         """
         sig = self._call_signature
         if sig is None:
@@ -557,13 +498,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _call_as_errback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run a new-style errback, ``errback(request, exc, traceback)``, that Celery called.
 
-        Celery calls it in-process from the failed task's failure handling
-        (``Backend._call_task_errbacks``), not through a message. ``self.request`` is then not
-        this errback's: it is the default request, or the failed request itself when a task is
-        its own errback (whose key and result must stay untouched). So the errback runs under a
-        request of its own, through the gate, keyed by the failed task's id
-        (:func:`celery_idem.identity.key_arguments`): a failure handled twice (a redelivered
-        message) runs it once.
+        Celery calls it in-process from the failed task's failure handling, so
+        ``self.request`` is not this errback's (it may be the failed request itself, whose key
+        must stay untouched). It runs under a request of its own, through the gate, keyed by
+        the failed task's id: a failure handled twice runs it once.
         """
         key = self.idempotency_key_for(args, kwargs)
         self.request_stack.push(Context(args=list(args), kwargs=dict(kwargs), headers={HEADER: key},
@@ -576,13 +514,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def on_replace(self, sig: Any) -> Any:
         """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it.
 
-        Celery ends the replaced task by raising ``Ignore`` after publishing ``sig``, which it
-        froze with this task's id, so the outcome lands under that id. It is raised here as
-        :class:`Replaced`, which the gate releases the claim on without recording: the action's
-        outcome is the replacement's, and each IdempotentTask in it is gated under its own key.
-        A duplicate of the replaced call runs its body again and replaces it again (see
-        ``docs/limits.md``). In eager mode the replacement runs in place and its result is the
-        body's, recorded as usual.
+        Celery ends the replaced task with ``Ignore`` after publishing ``sig`` under this
+        task's id; it is raised as :class:`Replaced`, on which the gate releases the claim
+        without recording: the outcome is the replacement's (see ``docs/limits.md``). In eager
+        mode the replacement runs in place and its result is recorded as the body's.
         """
         try:
             return super().on_replace(sig)

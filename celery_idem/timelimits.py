@@ -1,19 +1,11 @@
 """Celery time limits and the wait of a duplicate (the task seam's side; the gate gets a deadline).
 
-Celery counts a task's ``soft_time_limit`` and ``time_limit`` from the start of the request, and a
-duplicate that waits for a busy key spends that time too. If a limit fires during the wait, the
-request ends as FAILURE and its message is acknowledged: nothing runs the action later. So the
-task bounds the wait by what is left of the limit that fires first, less a margin for the
-re-queue, and the gate re-queues before the limit can fire.
-
-A limit comes from, first match wins (as in Celery's ``Request.execute_using_pool``, field by
-field):
-
-1. the call: ``apply_async(soft_time_limit=..., time_limit=...)``, which reaches the worker as
-   ``request.timelimit = (hard, soft)``;
-2. the task: the ``soft_time_limit``/``time_limit`` options, which Celery fills from the app's
-   ``task_soft_time_limit``/``task_time_limit`` when the task does not set them;
-3. the worker: ``--soft-time-limit``/``--time-limit`` (the pool's defaults).
+A duplicate that waits for a busy key spends its request's time limit; a limit firing during the
+wait ends the request as FAILURE and acknowledges its message, so nothing runs the action later.
+So the wait is bounded by what is left of the limit that fires first, less a margin for the
+re-queue. A limit comes from, first match wins (as in Celery's ``Request.execute_using_pool``):
+the call (``request.timelimit``), the task's options (which Celery fills from the app's
+``task_*time_limit``), the worker's ``--soft-time-limit``/``--time-limit``.
 """
 
 from __future__ import annotations
@@ -40,21 +32,19 @@ __all__ = [
 
 logger = logging.getLogger("celery_idem")
 
-#: The margin kept before a limit is a share of it, at least ``MARGIN_MIN`` s (a re-queue is one
-#: publish; a loaded host adds scheduling delay) and at most ``MARGIN_MAX`` s.
+#: The margin kept before a limit: a share of it, at least ``MARGIN_MIN`` s (a publish on a
+#: loaded host), at most ``MARGIN_MAX`` s.
 MARGIN_SHARE = 0.2
 MARGIN_MIN = 0.5
 MARGIN_MAX = 5.0
 #: A shorter limit leaves a duplicate less than ``MARGIN_MIN`` s to wait for a busy key.
 MIN_TIME_LIMIT = 2 * MARGIN_MIN
 
-#: Schemes of the kombu transports with a ``visibility_timeout`` (a task still running when it
-#: runs out is delivered again).
+#: Schemes of the kombu transports with a ``visibility_timeout``.
 _VISIBILITY_SCHEMES = frozenset({"redis", "rediss", "sentinel"})
 _DEFAULT_VISIBILITY = 3600.0
 
-#: The worker's ``--soft-time-limit``/``--time-limit`` (set at ``worker_init``, before the pool
-#: forks, so every child inherits them).
+#: The worker's ``--soft-time-limit``/``--time-limit`` (set at ``worker_init``, before the fork).
 _worker: dict[str, float | None] = {"soft": None, "hard": None}
 
 
@@ -71,16 +61,12 @@ def set_worker_limits(soft: float | None, hard: float | None) -> None:
 def request_deadline(task: Any, request: Any, started: float) -> float | None:
     """The ``monotonic()`` time by which a duplicate must stop waiting, or None (no limit).
 
-    Args:
-        task: The running task (its ``soft_time_limit``/``time_limit``, app settings included).
-        request: Its request (``request.timelimit`` carries the per-call limits).
-        started: ``monotonic()`` when the request started (``__call__``; Celery's clock starts a
-            moment earlier, when the pool accepted the job, which the margin covers).
+    ``started`` is when ``__call__`` started (Celery's clock starts a moment earlier, which the
+    margin covers).
     """
     # The precedence of ``_limits``, without naming the sources: this runs on every call.
+    # The app setting last: Celery 5.7 copies it onto the task, older ones leave it to the pool.
     hard, soft = getattr(request, "timelimit", None) or (None, None)
-    # Then the pool's default (the worker's flag, else the app setting), or, outside a worker,
-    # the app setting: Celery 5.7 copies it onto the task, older releases leave it to the pool.
     conf = task.app.conf
     soft = soft or task.soft_time_limit or _worker["soft"] or conf.get("task_soft_time_limit")
     hard = hard or task.time_limit or _worker["hard"] or conf.get("task_time_limit")
@@ -120,22 +106,18 @@ def _limits(task: Any, conf: Any, *, worker: bool = True) -> Limits:
     """
 
     def one(option: str, setting: str, flag: str, fallback: float | None) -> tuple[float | None, str]:
-        value = getattr(task, option, None)
-        if value:
-            # Celery copies the app setting onto a task that sets no option of its own.
-            if conf is not None and conf.get(setting) == value:
-                return value, f"{setting}={value:g} (app setting)"
-            return value, f"{option}={value:g} (task option)"
-        # Celery < 5.7 does not copy the app setting onto the task; the pool applies it as its
-        # default (the worker's flag wins over it), so name the setting the user wrote.
+        own = getattr(task, option, None)
         setting_value = conf.get(setting) if conf is not None else None
-        if fallback:
-            if setting_value == fallback:
-                return fallback, f"{setting}={fallback:g} (app setting)"
-            return fallback, f"{flag}={fallback:g} (worker)"
-        if setting_value:
-            return setting_value, f"{setting}={setting_value:g} (app setting)"
-        return None, ""
+        # Celery copies the app setting onto a task that sets no option of its own (5.7), or
+        # leaves it to the pool (older), where the worker's flag wins over it: name the source.
+        value = own or fallback or setting_value
+        if not value:
+            return None, ""
+        if value == setting_value:
+            return value, f"{setting}={value:g} (app setting)"
+        if value == own:
+            return value, f"{option}={value:g} (task option)"
+        return value, f"{flag}={value:g} (worker)"
 
     soft, soft_from = one("soft_time_limit", "task_soft_time_limit", "--soft-time-limit",
                           _worker["soft"] if worker else None)
@@ -169,12 +151,6 @@ def _refuse(label: str, limits: Limits) -> None:
 def check_worker(app: Any, tasks: Iterable[Any], time_limit: float | None,
                  soft_time_limit: float | None) -> None:
     """At worker start: refuse limits that cannot work, warn once about those that degrade.
-
-    Args:
-        app: The worker's app.
-        tasks: Its ``IdempotentTask`` instances.
-        time_limit: The worker's ``--time-limit`` (or ``task_time_limit``).
-        soft_time_limit: The worker's ``--soft-time-limit`` (or ``task_soft_time_limit``).
 
     Raises:
         ImproperlyConfigured: A task's limit cannot work (the message names the settings).

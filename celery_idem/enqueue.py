@@ -21,7 +21,7 @@ from celery.states import SUCCESS
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
-from .accel.celery_compat import fire_full_barriers
+from .accel.celery_compat import MetaHook, fire_full_barriers
 from .accel.enqueue_check import EnqueueCheck
 from .app import emit_answer
 from .attach import add_to_parent, attach, may_attach
@@ -44,7 +44,7 @@ __all__ = [
 logger = logging.getLogger("celery_idem")
 
 
-class CachedResult(EagerResult):  # type: ignore[misc]
+class CachedResult(MetaHook, EagerResult):  # type: ignore[misc]
     """The result of an enqueue that found its key already recorded: nothing was published.
 
     Its value is known, so ``get()`` returns it (or raises the recorded error) at once. It is
@@ -96,7 +96,7 @@ class CachedResult(EagerResult):  # type: ignore[misc]
                 self.backend.add_pending_result(self, weak=weak)
         return self.on_ready.then(callback, on_error)
 
-    def _maybe_set_cache(self, meta: Any) -> Any:
+    def on_meta(self, meta: Any) -> Any:
         if self._registering:
             self._resolved_early = True
             return meta

@@ -24,12 +24,12 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task
-from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
 from . import identity, timelimits
+from .accel.celery_compat import push_fresh_request
 from .app import emit_decision, get_store, owner_id
 from .codec import KombuCodec
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
@@ -426,7 +426,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         Celery 5.4 pushed a blank one, so a body behind a custom ``__call__`` saw no id,
         headers, retries or idempotency key.
         """
-        self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
+        super().push_request(*args, **{**self.request.__dict__, **kwargs})
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if failed_request(args) is not None and not getattr(self.request, "idempotency_errback_",
@@ -504,12 +504,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         the failed task's id: a failure handled twice runs it once.
         """
         key = self.idempotency_key_for(args, kwargs)
-        self.request_stack.push(Context(args=list(args), kwargs=dict(kwargs), headers={HEADER: key},
-                                        idempotency_errback_=True))
+        push_fresh_request(self, args=list(args), kwargs=dict(kwargs), headers={HEADER: key},
+                           idempotency_errback_=True)
         try:
             return self(*args, **kwargs)
         finally:
-            self.request_stack.pop()
+            self.pop_request()
 
     def on_replace(self, sig: Any) -> Any:
         """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it.

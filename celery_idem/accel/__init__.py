@@ -128,6 +128,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("vine", "barrier._value", "celery_compat.fire_full_barriers", "vine 5.1.0 (celery "
                 "5.4.0-5.7.0)", "not switched (a result set's wait); missing: no barrier fired "
                 "here, so join_native over cached results only may wait"),
+    PrivateName("celery", "Task.request_stack", "celery_compat.push_fresh_request",
+                "celery 5.4.0-5.7.0", "not switched (an errback's own request); no fallback: "
+                "Task.push_request inherits the current request from 5.5"),
+    PrivateName("celery", "AsyncResult._maybe_set_cache (overridden)", "celery_compat.MetaHook",
+                "celery 5.4.0-5.7.0", "not switched (a cached result in a result set); not called: "
+                "the handle's value is known already, only a join_native barrier waits longer"),
     PrivateName("celery", "WorkController._conninfo", "celery_compat.worker_connection",
                 "celery 5.4.0-5.7.0", "not switched (a warning's broker driver); missing: the "
                 "app's connection_for_read(), the same driver"),

@@ -13,6 +13,10 @@ in :data:`celery_idem.accel.PRIVATE_NAMES` with the versions checked and its fal
   for a warning that names the broker's driver.
 * :func:`get_actual_ignore_result`: whether Celery stores no result for a request (public from
   Celery 5.6; before, the same rule written out here).
+* :func:`push_fresh_request`: push a request that inherits nothing (``Task.request_stack``:
+  ``push_request`` inherits the current request from Celery 5.5).
+* :class:`MetaHook`: a result handle told when the result consumer hands it its meta (Celery's
+  ``AsyncResult._maybe_set_cache``, which the consumer calls): ``on_meta`` is the public seam.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from celery.app.task import Context
 from vine import barrier  # type: ignore[import-untyped, unused-ignore]
 
 try:  # Celery 5.7
@@ -34,8 +39,25 @@ except ImportError:  # pragma: no cover - older Celery
             one) or the request does (``mark_as_done`` skips the write)."""
             return bool(task.ignore_result or getattr(req, "ignore_result", False))
 
-__all__ = ["dump_pydantic_arguments", "fire_full_barriers", "get_actual_ignore_result",
-           "worker_connection"]
+__all__ = ["MetaHook", "dump_pydantic_arguments", "fire_full_barriers",
+           "get_actual_ignore_result", "push_fresh_request", "worker_connection"]
+
+
+def push_fresh_request(task: Any, **fields: Any) -> None:
+    """Push a request made of ``fields`` only; ``task.pop_request()`` pops it."""
+    task.request_stack.push(Context(**fields))
+
+
+class MetaHook:
+    """Mix in before ``AsyncResult``: Celery's result consumer calls ``_maybe_set_cache(meta)``
+    on a pending handle when its meta arrives; this hands it to :meth:`on_meta`."""
+
+    def on_meta(self, meta: Any) -> Any:
+        """Called with the meta the result consumer found; returns it (Celery's contract)."""
+        return meta
+
+    def _maybe_set_cache(self, meta: Any) -> Any:
+        return self.on_meta(meta)
 
 
 def dump_pydantic_arguments(

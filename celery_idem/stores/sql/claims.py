@@ -49,25 +49,16 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
           where <must lock> = EXISTS (SELECT FROM peek WHERE status IN ('claimed', 'takeover', 'busy'))
 
     "peek" reads the row without a lock. When it decides DONE, FAILED or MISMATCH (the
-    duplicate of a finished task, the hot path of a redelivery), that is the answer: the
-    locking branch is skipped by a one-time filter, nothing is locked or written, and the
-    transaction gets no xid, so its commit does not wait for a WAL flush (a row lock is
-    a logged write). The answer is about the row as of the statement's snapshot, and it
-    was true then (a row still live at the clock read after the snapshot was live at
-    it): a claim that writes nothing takes effect at its snapshot, like any read. A
-    write committed after the snapshot (a release of a MISMATCH row, a claim of a row
-    that expired meanwhile) comes after it, as if the claim had arrived a little earlier.
+    duplicate of a finished task), that is the answer: the locking branch is skipped by a
+    one-time filter and nothing is locked or written, so the transaction gets no xid and its
+    commit waits for no WAL flush. The answer is true as of the statement's snapshot, like any
+    read's.
 
-    Otherwise (the key may be taken, or is held: BUSY may turn into a takeover) the claim
-    decides on the locked row, as it always did. FOR UPDATE makes the row we decide on
-    the row the upsert meets: a concurrent claim waits for us and then decides on our
-    row (in READ COMMITTED the lock returns the row's latest version, not the snapshot's).
-    It cannot lock a row that is not there yet: when two claims of an absent key run at
-    once, the loser's snapshot shows no row, its INSERT meets the winner's row, and the
-    token guard (expected old token 0, found >= 1) turns the update into a no-op. The
-    statement then returns a holding decision without an "up" row: nothing was written,
-    and the claim runs again to decide on the winner's row. The upsert reads "decide",
-    so "old" is always evaluated (and locked) first.
+    Otherwise the claim decides on the row locked ``FOR UPDATE``: a concurrent claim waits and
+    then decides on our row (READ COMMITTED returns the row's latest version). When two claims
+    of an absent key run at once, the loser's INSERT meets the winner's row and the token guard
+    (expected 0, found >= 1) makes the update a no-op: the statement returns a holding
+    decision without an "up" row, and the claim runs again (``ClaimRaced``).
     """
     t = table
     # The unlocked look at the row, and the decision on it.
@@ -149,13 +140,10 @@ def select_then_write(
     Raises:
         ClaimRaced: The row changed between the decision and the write; nothing was written.
     """
-    # SQLite and MySQL cannot return the row an upsert replaced, so the decision is read
-    # first and the write is conditional on it. SQLite has no row locks: BEGIN IMMEDIATE
-    # takes the database's write lock up front and serializes the read-decide-write.
-    # MySQL runs in autocommit without locks (SELECT ... FOR UPDATE would need a
-    # transaction: two more round trips, with the row locked across them); instead the
-    # write re-checks in SQL that the row still yields the same decision, and a claim that
-    # finds it changed (or finds the absent key inserted) writes nothing and runs again.
+    # Neither can return the row an upsert replaced. SQLite serializes the read-decide-write
+    # with BEGIN IMMEDIATE (its write lock). MySQL stays in autocommit (FOR UPDATE would cost a
+    # transaction's two round trips): the write re-checks in SQL that the row still yields the
+    # same decision, and one that finds it changed writes nothing and runs again.
     t = table
     clock = sa.select(db_now().label("now")).subquery("clock")
     status = args.predicates(t, clock.c.now).status()

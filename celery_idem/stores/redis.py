@@ -332,12 +332,9 @@ class RedisStore(Store):
         self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
         claim_id: str | None = None,
     ) -> None:
-        code = STATE_CODE.get(state)
-        if code is None:
-            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        args = _record_args(token, state, content_type, data, ttl, claim_id)
         with _translate_errors(self, key):
-            reply = self._run(
-                "record", key, [token, code, content_code(content_type), data, _ms(ttl), claim_id or ""])
+            reply = self._run("record", key, args)
         if reply != REPLY_OK:
             self._check_fence(reply, key, token, "record")
 
@@ -350,13 +347,10 @@ class RedisStore(Store):
         Returns whether ``also`` was written. The caller must know that ``also.key`` lives on
         this store's server and database (the task checks the backend's connection is this).
         """
-        code = STATE_CODE.get(state)
-        if code is None:
-            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        args = _record_args(token, state, content_type, data, ttl, claim_id)
         reply = None
         if not self._fold_refused:
-            args = [token, code, content_code(content_type), data, _ms(ttl), claim_id or "",
-                    also.value, max(0, also.expires)]
+            args += [also.value, max(0, also.expires)]
             with _translate_errors(self, key):
                 try:
                     reply = self._run("record", key, args, other=also.key)
@@ -540,6 +534,14 @@ def store_options(options: dict[str, Any]) -> dict[str, Any]:
     """Take the store's own settings out of ``options`` (the rest go to the client)."""
     return {name: options.pop(name) for name in ("wait_replicas", "wait_timeout", "accelerate")
             if name in options}
+
+
+def _record_args(token: int, state: State, content_type: str, data: bytes, ttl: float,
+                 claim_id: str | None) -> list[Any]:
+    code = STATE_CODE.get(state)
+    if code is None:
+        raise ValueError(f"record() takes DONE or FAILED, not {state}")
+    return [token, code, content_code(content_type), data, _ms(ttl), claim_id or ""]
 
 
 def _ms(seconds: float) -> int:

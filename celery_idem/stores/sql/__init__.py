@@ -28,7 +28,7 @@ acceleration (:mod:`celery_idem.accel.sql_psycopg`, off with ``CELERY_IDEM_ACCEL
 The package, one module per job (imports run down this list, never up)::
 
     schema      the records table, column types, the database clock (public helpers)
-    predicates  the claim's decision as named SQL conditions; a claim's arguments
+    predicates  a claim's arguments, and its decision as one SQL CASE
     engine      URL -> engine: driver fallbacks, pool settings, fork safety
     session     running statements: SQLAlchemy's Connection (psycopg's directly: accel)
     statements  the fenced writes' and the read's statements, built once per table

@@ -1,8 +1,7 @@
 """The claim strategies: one statement on PostgreSQL, decide-then-write elsewhere.
 
-Both decide with :meth:`~celery_idem.stores.sql.predicates.ClaimPredicates.status`; the store
-(:meth:`celery_idem.stores.sql.SQLStore.claim`) picks one by dialect and turns the decided row
-into a :class:`~celery_idem.records.Claim`. Internal to the SQL store package.
+Both decide with :meth:`~celery_idem.stores.sql.predicates.ClaimArgs.status`; the store picks
+one by dialect. Internal to the SQL store package.
 """
 
 from __future__ import annotations
@@ -58,19 +57,19 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
     then decides on our row (READ COMMITTED returns the row's latest version). When two claims
     of an absent key run at once, the loser's INSERT meets the winner's row and the token guard
     (expected 0, found >= 1) makes the update a no-op: the statement returns a holding
-    decision without an "up" row, and the claim runs again (``ClaimRaced``).
+    decision without an "up" row, and the claim runs again (``ClaimRaced``). The upsert reads
+    "decide", so "old" is always locked first.
     """
     t = table
     # The unlocked look at the row, and the decision on it.
     clock = sa.select(db_now().label("now")).subquery("clock")
     peek = (
-        sa.select(clock.c.now, *t.c, args.predicates(t, clock.c.now).status().label("status"))
+        sa.select(clock.c.now, *t.c, args.status(t, clock.c.now).label("status"))
         .select_from(clock.outerjoin(t, t.c.key == args.stored_key))
         .cte("peek")
         .prefix_with("MATERIALIZED")
     )
-    # Uncorrelated, so PostgreSQL evaluates it once (an InitPlan) and skips the locking
-    # scans entirely (a one-time filter) when it is false.
+    # Uncorrelated: evaluated once (an InitPlan), it skips the locking scans when false.
     must_lock = sa.exists().where(sa.or_(*(peek.c.status == s for s in LOCKED)))
     old = (
         sa.select(t)
@@ -79,9 +78,8 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
         .cte("old")
         .prefix_with("MATERIALIZED")
     )
-    # The clock is read in the same row as the lock is taken (a target list is computed
-    # after the join below it), so a claim that waited for the lock decides on the time it
-    # got it; its own CTE because the decision reads it several times.
+    # The clock is read in the row that takes the lock, so a claim that waited for the lock
+    # decides on the time it got it.
     one = sa.select(sa.literal(1).label("one")).subquery("one")
     locked = (
         sa.select(db_now().label("now"), *old.c)
@@ -95,7 +93,7 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
             sa.select(
                 locked.c.now,
                 *(locked.c[c.name] for c in t.c),
-                args.predicates(locked, locked.c.now).status().label("status"),
+                args.status(locked, locked.c.now).label("status"),
             ),
             # NULL (a state we do not know) is answered unlocked too: CorruptRecord.
             sa.select(*peek.c).where(
@@ -146,7 +144,7 @@ def select_then_write(
     # same decision, and one that finds it changed writes nothing and runs again.
     t = table
     clock = sa.select(db_now().label("now")).subquery("clock")
-    status = args.predicates(t, clock.c.now).status()
+    status = args.status(t, clock.c.now)
     decide = sa.select(clock.c.now, *t.c, status.label("status")).select_from(
         clock.outerjoin(t, t.c.key == args.stored_key)
     )
@@ -168,7 +166,7 @@ def select_then_write(
                 t.c.key == args.stored_key,
                 t.c.token == row["token"],
                 t.c.state == row["state"],
-                args.predicates(t, sa.literal(now, sa.Double)).status() == row["status"],
+                args.status(t, sa.literal(now, sa.Double)) == row["status"],
             )
             update = (
                 sa.update(t)

@@ -100,16 +100,13 @@ class SQLStore(Store):
         Raises:
             TypeError: An option the store does not know.
         """
-        table_name = options.pop("table_name", DEFAULT_TABLE_NAME)
-        engine_options = options.pop("engine_options", None)
-        accelerate = options.pop("accelerate", None)
-        if options:
+        unknown = set(options) - {"table_name", "engine_options", "accelerate"}
+        if unknown:
             raise TypeError(
-                f"SQLStore got unknown option(s) {', '.join(sorted(options))}; it takes "
+                f"SQLStore got unknown option(s) {', '.join(sorted(unknown))}; it takes "
                 f"table_name, engine_options (keyword arguments for create_engine) and accelerate"
             )
-        return cls(url, prefix=prefix, table_name=table_name, engine_options=engine_options,
-                   accelerate=accelerate)
+        return cls(url, prefix=prefix, **options)
 
     @property
     def url(self) -> URL:
@@ -315,11 +312,13 @@ class SQLStore(Store):
                        ttl: float, claim_id: str | None) -> dict[str, Any]:
         if state not in (State.DONE, State.FAILED):
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
-        return {
-            "idem_key": self._stored(key), "idem_token": token, "idem_state": state.value,
-            "idem_content_type": content_type, "idem_data": data, "idem_ttl": ttl,
-            "idem_claim_id": claim_id or "",
-        }
+        return self._fenced(key, token, claim_id, idem_state=state.value,
+                            idem_content_type=content_type, idem_data=data, idem_ttl=ttl)
+
+    def _fenced(self, key: str, token: int, claim_id: str | None, **more: Any) -> dict[str, Any]:
+        """The parameters of a fenced statement (see VerbStatements), and ``more``."""
+        return {"idem_key": self._stored(key), "idem_token": token, "idem_claim_id": claim_id or "",
+                **more}
 
     def _unmatched_record(self, key: str, token: int, state: State, claim_id: str | None) -> None:
         """A record whose fenced UPDATE matched no row: a retry of ours, or LeaseLost."""
@@ -331,15 +330,12 @@ class SQLStore(Store):
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         """One fenced UPDATE to a RELEASED tombstone that keeps the token and the TTL."""
-        params = {"idem_key": self._stored(key), "idem_token": token,
-                  "idem_claim_id": claim_id or ""}
-        if self._execute(self._verbs.release, params)[0] != 1:
+        if self._execute(self._verbs.release, self._fenced(key, token, claim_id))[0] != 1:
             raise lease_lost("release", key, token, self.get(key), claim_id)
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         """One fenced UPDATE (MySQL/MariaDB: and a fenced read of the new lease)."""
-        params = {"idem_key": self._stored(key), "idem_token": token, "idem_lease": lease,
-                  "idem_claim_id": claim_id or ""}
+        params = self._fenced(key, token, claim_id, idem_lease=lease)
         row: Row | None = None
         if self._engine.dialect.update_returning:
             _, row = self._execute(self._verbs.renew_returning, params)

@@ -160,11 +160,7 @@ class ScriptRunner(Protocol):
 
 
 class Scripts:
-    """The plain path: each verb's script registered with redis-py (``register_script``).
-
-    A call is ``EVALSHA``, and after a NOSCRIPT (a restarted or flushed server) ``SCRIPT LOAD``
-    and ``EVALSHA`` again: redis-py's ``Script.__call__``.
-    """
+    """The plain path: redis-py's ``Script`` objects (``EVALSHA``; after NOSCRIPT, load and again)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
@@ -269,9 +265,8 @@ class RedisStore(Store):
             pipe.evalsha(script.sha, len(keys), *keys, *args)
             pipe.execute_command(  # type: ignore[no-untyped-call, unused-ignore]
                 "WAIT", self.wait_replicas, _ms(self.wait_timeout))
-            # raise_on_error=False: a raised pipeline error has its message rewritten
-            # ("Command # 1 (EVALSHA ...) of pipeline caused error: ..."), which would hide a
-            # WRONGTYPE (a foreign key: CorruptRecord) from _translate_errors.
+            # raise_on_error=False: a raised pipeline error has its message rewritten, which
+            # would hide a WRONGTYPE (a foreign key: CorruptRecord) from _translate_errors.
             reply, acked = pipe.execute(raise_on_error=False)
             if isinstance(reply, redis.exceptions.NoScriptError):
                 node.script_load(script.script)  # a restarted or newly promoted server
@@ -394,8 +389,7 @@ class RedisStore(Store):
         args: list[Any] = [task_id, fingerprint or "", max(_ms(lease), 1)]
         with _translate_errors(self, key):
             if self.wait_replicas:
-                # Not through _run's WAIT: a reservation needs no replica's confirmation
-                # (losing one only lets a copy be published, which the claim sorts out).
+                # No WAIT: losing a reservation only lets a copy be published (the claim decides).
                 reply = self._scripts.run("reserve", (name, name + RESERVED), args)
             else:
                 reply = self._run("reserve", key, args, other=name + RESERVED)

@@ -39,8 +39,8 @@ from .redis_format import (
     unreadable,
 )
 
-__all__ = ["CLIENT_DEFAULTS", "RedisStore", "Scripts", "durability_findings", "same_server",
-           "store_options", "text"]
+__all__ = ["CLIENT_DEFAULTS", "REDIS_ERRORS", "RedisStore", "Scripts", "durability_findings",
+           "same_server", "store_options", "text"]
 
 #: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
 #: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
@@ -94,14 +94,10 @@ def _connection_kind(connection_class: type) -> str:
 
 
 def _load(name: str) -> str:
-    """The script ``<name>.lua`` as registered: the shared record parsing (``_record.lua``) first."""
+    """The script ``<name>.lua`` as registered: a verb's after the record parsing (``_record.lua``)."""
     lua = resources.files(__package__).joinpath("lua")
-    return lua.joinpath("_record.lua").read_text("utf-8") + lua.joinpath(f"{name}.lua").read_text("utf-8")
-
-
-def _plain(name: str) -> str:
-    """The script ``<name>.lua`` alone (it does not parse records)."""
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+    head = lua.joinpath("_record.lua").read_text("utf-8") if name in _RECORD_SCRIPTS else ""
+    return head + lua.joinpath(f"{name}.lua").read_text("utf-8")
 
 
 #: Put after a record's name to name its reservation (``Store.reserve``): under the store's
@@ -111,14 +107,13 @@ def _plain(name: str) -> str:
 RESERVED = "\x1freserved"
 
 
-#: Every error redis-py raises (RedisClusterException, no node of a cluster answers, is not a
-#: RedisError).
-_REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+#: Every error redis-py raises (RedisClusterException, no cluster node answers, is not a RedisError).
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
 class _translate_errors:
-    """Map redis-py errors to the store contract's, most specific first: the store's one
-    error translation (a class, not a generator: it is on every verb's path)."""
+    """Map redis-py errors to the contract's, most specific first (a class, not a generator:
+    it is on every verb's path)."""
 
     __slots__ = ("key", "store")
 
@@ -130,8 +125,8 @@ class _translate_errors:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
-        if exc is None or not isinstance(exc, _REDIS_ERRORS):
-            return  # nothing raised, or not redis-py's (StoreUnavailable from _run, say)
+        if exc is None or not isinstance(exc, REDIS_ERRORS):
+            return  # not redis-py's (StoreUnavailable from _run, say)
         store, key = self.store, self.key
         if isinstance(exc, redis.ResponseError):
             if str(exc).startswith("WRONGTYPE"):
@@ -146,8 +141,7 @@ class _translate_errors:
         raise StoreUnavailable(f"the Redis store at {store.location} failed: {exc}") from exc
 
 
-#: The verbs' scripts (celery_idem/stores/lua/<name>.lua): these parse records (``_record.lua``
-#: first); the enqueue check's reservations do not.
+#: The scripts (celery_idem/stores/lua/<name>.lua): the verbs' parse records, the reservations' not.
 _RECORD_SCRIPTS = ("claim", "record", "release", "renew", "forget")
 _PLAIN_SCRIPTS = ("reserve", "unreserve")
 
@@ -166,18 +160,12 @@ class ScriptRunner(Protocol):
 
 
 class Scripts:
-    """The plain path: each verb's script registered with redis-py (``register_script``).
-
-    A call is ``EVALSHA``, and after a NOSCRIPT (a restarted or flushed server) ``SCRIPT LOAD``
-    and ``EVALSHA`` again: redis-py's ``Script.__call__``.
-    """
+    """The plain path: redis-py's ``Script`` objects (``EVALSHA``; after NOSCRIPT, load and again)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self.registered: dict[str, Any] = {
-            **{name: client.register_script(_load(name)) for name in _RECORD_SCRIPTS},
-            **{name: client.register_script(_plain(name)) for name in _PLAIN_SCRIPTS},
-        }
+            name: client.register_script(_load(name)) for name in (*_RECORD_SCRIPTS, *_PLAIN_SCRIPTS)}
 
     def run(self, name: str, keys: tuple[str, ...], args: list[Any]) -> Any:
         return self.registered[name](keys=keys, args=args)
@@ -277,9 +265,8 @@ class RedisStore(Store):
             pipe.evalsha(script.sha, len(keys), *keys, *args)
             pipe.execute_command(  # type: ignore[no-untyped-call, unused-ignore]
                 "WAIT", self.wait_replicas, _ms(self.wait_timeout))
-            # raise_on_error=False: a raised pipeline error has its message rewritten
-            # ("Command # 1 (EVALSHA ...) of pipeline caused error: ..."), which would hide a
-            # WRONGTYPE (a foreign key: CorruptRecord) from _translate_errors.
+            # raise_on_error=False: a raised pipeline error has its message rewritten, which
+            # would hide a WRONGTYPE (a foreign key: CorruptRecord) from _translate_errors.
             reply, acked = pipe.execute(raise_on_error=False)
             if isinstance(reply, redis.exceptions.NoScriptError):
                 node.script_load(script.script)  # a restarted or newly promoted server
@@ -340,12 +327,9 @@ class RedisStore(Store):
         self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
         claim_id: str | None = None,
     ) -> None:
-        code = STATE_CODE.get(state)
-        if code is None:
-            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        args = _record_args(token, state, content_type, data, ttl, claim_id)
         with _translate_errors(self, key):
-            reply = self._run(
-                "record", key, [token, code, content_code(content_type), data, _ms(ttl), claim_id or ""])
+            reply = self._run("record", key, args)
         if reply != REPLY_OK:
             self._check_fence(reply, key, token, "record")
 
@@ -358,23 +342,17 @@ class RedisStore(Store):
         Returns whether ``also`` was written. The caller must know that ``also.key`` lives on
         this store's server and database (the task checks the backend's connection is this).
         """
-        code = STATE_CODE.get(state)
-        if code is None:
-            raise ValueError(f"record() takes DONE or FAILED, not {state}")
-        if self._fold_refused:
-            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
-                        claim_id=claim_id)
-            return False
-        args = [token, code, content_code(content_type), data, _ms(ttl), claim_id or "",
-                also.value, max(0, also.expires)]
-        with _translate_errors(self, key):
-            try:
-                reply = self._run("record", key, args, other=also.key)
-            except redis.exceptions.NoPermissionError:
-                # The store's user may not touch the backend's key (an ACL): nothing was run.
-                # Record alone, now and from now on; the backend writes its result itself.
-                self._fold_refused = True
-                reply = None
+        args = _record_args(token, state, content_type, data, ttl, claim_id)
+        reply = None
+        if not self._fold_refused:
+            args += [also.value, max(0, also.expires)]
+            with _translate_errors(self, key):
+                try:
+                    reply = self._run("record", key, args, other=also.key)
+                except redis.exceptions.NoPermissionError:
+                    # An ACL keeps the store's user off the backend's key: nothing was run.
+                    # Record alone, now and from now on; the backend writes its result itself.
+                    self._fold_refused = True
         if reply is None:
             self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
                         claim_id=claim_id)
@@ -411,8 +389,7 @@ class RedisStore(Store):
         args: list[Any] = [task_id, fingerprint or "", max(_ms(lease), 1)]
         with _translate_errors(self, key):
             if self.wait_replicas:
-                # Not through _run's WAIT: a reservation needs no replica's confirmation
-                # (losing one only lets a copy be published, which the claim sorts out).
+                # No WAIT: losing a reservation only lets a copy be published (the claim decides).
                 reply = self._scripts.run("reserve", (name, name + RESERVED), args)
             else:
                 reply = self._run("reserve", key, args, other=name + RESERVED)
@@ -551,6 +528,14 @@ def store_options(options: dict[str, Any]) -> dict[str, Any]:
     """Take the store's own settings out of ``options`` (the rest go to the client)."""
     return {name: options.pop(name) for name in ("wait_replicas", "wait_timeout", "accelerate")
             if name in options}
+
+
+def _record_args(token: int, state: State, content_type: str, data: bytes, ttl: float,
+                 claim_id: str | None) -> list[Any]:
+    code = STATE_CODE.get(state)
+    if code is None:
+        raise ValueError(f"record() takes DONE or FAILED, not {state}")
+    return [token, code, content_code(content_type), data, _ms(ttl), claim_id or ""]
 
 
 def _ms(seconds: float) -> int:

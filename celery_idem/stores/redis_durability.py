@@ -22,10 +22,7 @@ DURABILITY_SETTINGS = ("appendonly", "appendfsync", "maxmemory-policy", "maxmemo
 
 
 def config_get(client: Any, names: tuple[str, ...]) -> dict[str, str]:
-    """``CONFIG GET`` of each name, one call each (Redis before 7 takes one pattern per call).
-
-    At worker start only, never on the hot path.
-    """
+    """``CONFIG GET`` of each name, one call each (Redis before 7 takes one pattern per call)."""
     found: dict[str, str] = {}
     for name in names:
         reply = client.config_get(name)

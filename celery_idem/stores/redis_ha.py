@@ -3,19 +3,14 @@
 Both are :class:`~celery_idem.stores.redis.RedisStore` with another client: the same Lua
 scripts, record layout and fencing. What differs is how a key finds its server:
 
-* **Cluster**: every record is named ``<prefix>{<key>}``. Each script touches only that one key,
-  so it runs on one slot by construction; the hash tag (the idempotency key between braces)
-  additionally pins any key a future script derives from the same idempotency key (a companion
-  list, a lock) to the same slot, while records still spread evenly over the masters (the key
-  ends in a SHA-256). ``scan`` walks every master.
+* **Cluster**: every record is named ``<prefix>{<key>}``: the hash tag puts the record and any
+  key derived from it (its reservation) on one slot, while records spread over the masters.
 * **Sentinel**: the client asks the sentinels for the current master of ``master_name`` on
   every new connection, so after a failover the next call reaches the promoted replica.
 
-Redis replicates asynchronously: a write acknowledged by a master that dies before its replica
-got it is lost on failover. Both stores therefore wait for one replica by default
-(``wait_replicas=1``, see docs/redis-cluster.md): a write is acknowledged once a replica has it.
-A deployment with no replica must say so (``wait_replicas=0``), and accepts that a failover, or
-the loss of its only master, can lose records; the worker warns at start about both.
+Redis replicates asynchronously, so a failover can lose a write the old master acknowledged:
+both stores wait for one replica by default (``wait_replicas=1``, see docs/redis-cluster.md).
+``wait_replicas=0`` accepts that loss; the worker warns at start.
 """
 
 from __future__ import annotations
@@ -36,13 +31,12 @@ from redis.sentinel import Sentinel
 from ..config import DEFAULT_PREFIX
 from ..exceptions import ImproperlyConfigured, StoreUnavailable
 from .base import DurabilityFinding, Store
-from .redis import CLIENT_DEFAULTS, RedisStore, store_options, text
+from .redis import CLIENT_DEFAULTS, REDIS_ERRORS, RedisStore, store_options, text
 from .redis_durability import DURABILITY_SETTINGS, config_get, durability_findings
 
 __all__ = ["RedisClusterStore", "RedisSentinelStore"]
 
-#: Replicas each write waits for unless the store is told otherwise: one, so a write acknowledged
-#: to a task survives the failover that promotes that replica.
+#: Replicas each write waits for unless the store is told otherwise (see the module doc).
 DEFAULT_WAIT_REPLICAS = 1
 
 def _split_hosts(url: str, scheme_hint: str) -> tuple[str, str, list[tuple[str, int]], str, str]:
@@ -85,9 +79,8 @@ class RedisClusterStore(RedisStore):
         client: A ``redis.cluster.RedisCluster`` (``decode_responses`` must be False).
         prefix: Prepended to every key (keep braces out of it: a ``{tag}`` in the prefix would
             put every record in one slot, on one master).
-        wait_replicas: Replicas each write waits for (``WAIT``); 1 by default, so no write
-            acknowledged to a task is lost when a replica is promoted. 0 for a cluster without
-            replicas (the worker warns at start). See :class:`~celery_idem.stores.redis.RedisStore`.
+        wait_replicas: Replicas each write waits for (``WAIT``); 1 by default, 0 for a cluster
+            without replicas. See :class:`~celery_idem.stores.redis.RedisStore`.
         wait_timeout: See :class:`~celery_idem.stores.redis.RedisStore`.
 
     ``now()`` reads one node's clock, while each script reads the clock of the master that owns
@@ -124,14 +117,13 @@ class RedisClusterStore(RedisStore):
             )
         store_opts = store_options(options)
         opts = {**CLIENT_DEFAULTS, **kwargs, **options}
-        # No blind retries, as for one Redis (see CLIENT_DEFAULTS); MOVED/ASK redirections
-        # after a failover or resharding are still followed inside the client.
+        # No blind retries (see CLIENT_DEFAULTS); the client still follows MOVED/ASK.
         opts.setdefault("retry", Retry(NoBackoff(), 0))
         seeds = [ClusterNode(h, p) for h, p in hosts]  # type: ignore[no-untyped-call, unused-ignore]
         try:
             # Unlike redis.Redis, RedisCluster connects at once: it needs the slot map.
             client = RedisCluster(startup_nodes=seeds, **opts)
-        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+        except REDIS_ERRORS as exc:
             raise StoreUnavailable(
                 f"could not reach the Redis Cluster store at {','.join(f'{h}:{p}' for h, p in hosts)}"
                 f": {exc}"
@@ -156,9 +148,8 @@ class RedisClusterStore(RedisStore):
         ]
 
     def _replica_clients(self) -> list[tuple[Any, str]]:
-        # A failover promotes a replica: its settings decide what survives the next restart.
-        # redis-py's slot map lists replicas only when it reads from them, so ask the cluster
-        # (CLUSTER NODES) and reach each with the masters' connection settings (auth, TLS).
+        # A failover promotes a replica, so its settings count too. redis-py's slot map lists
+        # replicas only when it reads from them: ask CLUSTER NODES, connect as to the masters.
         primary = self.cluster.get_primaries()[0]  # type: ignore[no-untyped-call, unused-ignore]
         pool = self.cluster.get_redis_connection(primary).connection_pool
         raw = self.cluster.get_redis_connection(primary).execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call, unused-ignore]
@@ -192,33 +183,31 @@ class RedisClusterStore(RedisStore):
             try:
                 return super()._run(name, key, args, other)
             except redis.exceptions.AskError as exc:  # MovedError is one too
-                # The WAIT path talks to the key's master directly, bypassing the cluster
-                # client's redirections, so during a failover or a resharding the old master
-                # answers MOVED/ASK: it did not run the script. Learn the new topology and try
-                # once more on the node that owns the slot now; a second redirection is an
-                # unfinished failover, for the gate to retry later (not a refusal).
-                with contextlib.suppress(redis.RedisError):
-                    self.cluster.nodes_manager.initialize()
+                # The WAIT path talks to the key's master directly, past the client's
+                # redirections: during a failover or resharding the old master answers
+                # MOVED/ASK without running the script. Learn the topology and try once more; a
+                # second redirection is an unfinished failover (an outage, not a refusal).
+                self._learn_topology()
                 if attempt:
                     raise StoreUnavailable(
                         f"the Redis Cluster store at {self.location} is moving the slot of "
                         f"{key!r} (failover or resharding in progress; redirected: {exc})"
                     ) from exc
             except (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError) as exc:
-                # The cluster says it is between two topologies: an outage, not a refusal.
-                with contextlib.suppress(redis.RedisError):
-                    self.cluster.nodes_manager.initialize()
+                self._learn_topology()  # between two topologies: an outage, not a refusal
                 raise StoreUnavailable(
                     f"the Redis Cluster store at {self.location} is failing over or resharding "
                     f"({exc})"
                 ) from exc
             except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-                if self.wait_replicas:
-                    # Same path: learn the new topology before the gate's next try.
-                    with contextlib.suppress(redis.RedisError):
-                        self.cluster.nodes_manager.initialize()
+                if self.wait_replicas:  # the WAIT path: learn it before the gate's next try
+                    self._learn_topology()
                 raise
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _learn_topology(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.cluster.nodes_manager.initialize()
 
     def close(self) -> None:
         self.cluster.close()
@@ -231,9 +220,8 @@ class RedisSentinelStore(RedisStore):
         sentinel: A ``redis.sentinel.Sentinel``.
         master_name: The monitored master's name.
         prefix: Prepended to every key.
-        wait_replicas: Replicas each write waits for (``WAIT``); 1 by default, so no write
-            acknowledged to a task is lost when the sentinels promote a replica. 0 for a master
-            without replicas (the worker warns at start).
+        wait_replicas: Replicas each write waits for (``WAIT``); 1 by default, 0 for a master
+            without replicas.
         wait_timeout: See :class:`~celery_idem.stores.redis.RedisStore`.
         client_options: Keyword arguments for ``Sentinel.master_for`` (``db``, ``password``,
             socket timeouts, ...).
@@ -264,14 +252,11 @@ class RedisSentinelStore(RedisStore):
                  **options: Any) -> RedisSentinelStore:
         """Build a store from Celery's sentinel URL.
 
-        ``sentinel://[:password@]host:26379[/db];sentinel://host2:26379[/db][?master_name=m]``:
-        one ``sentinel://`` per sentinel, separated by ``;`` (Celery's spelling; a single
-        ``host1:26379,host2:26379`` list is accepted too). The password and database of the first
-        part apply to the master. The master's name comes, first found, from ``options``
-        (``idempotency_store_options``), the URL's ``?master_name=``, or
+        ``sentinel://[:password@]host:26379[/db];sentinel://host2:26379[/db][?master_name=m]``
+        (or one ``host1:26379,host2:26379`` list). The first part's password and database apply
+        to the master. ``master_name`` comes, first found, from ``options``, the URL, or
         ``backend_transport_options`` (the app's ``result_backend_transport_options``), as do
-        ``sentinel_kwargs`` (settings for the connections to the sentinels themselves, e.g. their
-        password) and ``min_other_sentinels``.
+        ``sentinel_kwargs`` (for the connections to the sentinels) and ``min_other_sentinels``.
 
         Raises:
             ImproperlyConfigured: A malformed URL, or no master name anywhere.
@@ -376,7 +361,7 @@ def _with_replicas(store: RedisClusterStore | RedisSentinelStore, findings: list
     """The masters' ``findings``, every replica's and ``wait_replicas``'s (a note if unlisted)."""
     try:
         replicas = store._replica_clients()
-    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+    except REDIS_ERRORS as exc:
         return [*findings, DurabilityFinding(
             "replicas", None, f"{unlisted} ({exc}), so their settings were not checked",
             logging.INFO), *_wait_findings(store)]
@@ -393,7 +378,7 @@ def _replica_findings(clients: list[tuple[Any, str]]) -> list[DurabilityFinding]
     for client, where in clients:
         try:
             settings = config_get(client, DURABILITY_SETTINGS)
-        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+        except REDIS_ERRORS as exc:
             findings.append(DurabilityFinding(
                 "CONFIG", None, f"{where} could not be checked ({exc}); a failover may promote "
                 f"it", logging.INFO))
@@ -423,7 +408,7 @@ def _short_of_replicas(store: RedisStore, masters: list[tuple[Any, str]]) -> lis
     for client, where in masters:
         try:
             connected = int(client.info("replication").get("connected_slaves", 0))
-        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+        except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"could not read the replication of {where}: {exc}") from exc
         if connected < store.wait_replicas:
             lines.append(

@@ -220,7 +220,7 @@ def test_no_module_is_over_600_lines() -> None:
 
 #: The core's lines (celery_idem/ without contrib/ and accel/, as ``wc -l`` counts them). Issue
 #: 27's target is 6,500: lower this as the core shrinks, never raise it.
-CORE_LIMIT = 8_412
+CORE_LIMIT = 7_556
 
 
 def test_the_core_is_not_over_its_limit() -> None:

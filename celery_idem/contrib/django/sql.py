@@ -47,7 +47,7 @@ def status_sql(q: Any, row: str, now: str, now_params: Sequence[Any], *, payload
     """The claim's decision as a CASE over ``row`` (may be an outer-joined NULL row) at ``now``.
 
     The order and meaning of :meth:`celery_idem.stores.base.Store.claim` (and of the SQL
-    store's ``ClaimPredicates.status``). ``now`` is SQL (a column, or ``%s`` with its value in
+    store's ``ClaimArgs.status``). ``now`` is SQL (a column, or ``%s`` with its value in
     ``now_params``). Returns the SQL and its parameters in placeholder order.
     """
     def c(name: str) -> str:

@@ -8,12 +8,9 @@ The verbs are the contract of :mod:`celery_idem.stores.base`, with the semantics
   needs it (:class:`db_now`), so workers with skewed clocks agree on who holds a key;
 * a row whose ``expires`` has passed counts as absent everywhere, but it keeps its token until
   :meth:`SQLStore.purge_expired` deletes it, so a claim on it still gets a higher token;
-* a taking claim's token is ``max(previous + 1, database clock in µs)`` (:func:`token_for`,
-  the scheme of :func:`celery_idem.stores.base.next_token`), so even a claim on a deleted or
-  purged row gets a token above the lost one; each taking claim also stores a random
-  ``claim_id``, which ``record``, ``release`` and ``renew`` check with the token;
-* engines run in autocommit: each verb is one self-contained statement, except where a dialect
-  cannot say what it needs in one (see :meth:`SQLStore.claim` and :meth:`SQLStore.renew`).
+* a taking claim's token is :func:`token_for` (:func:`celery_idem.stores.base.next_token` in
+  SQL), and its random ``claim_id`` is checked with the token by the fenced verbs;
+* engines run in autocommit: each verb is one statement, except as the table below says.
 
 Statements per verb (each is one round trip; the engine runs without pre-ping)::
 
@@ -24,29 +21,14 @@ Statements per verb (each is one round trip; the engine runs without pre-ping)::
     renew     1 (RETURNING)           1 (RETURNING)                  2 (UPDATE, SELECT)
     get       1                       1                              1
 
-A claim that loses a race against a concurrent first claim of the same key runs once more
-(nothing was written the first time); a fenced verb that is refused reads the row once more to
-say why. Neither is on the hot path.
-
-PostgreSQL through psycopg 3 (the default driver when psycopg2 is not installed) takes a fast
-path: each verb's statement is built and compiled once, then run on the pooled psycopg
-connection itself as a server-side prepared statement with plain tuples, skipping SQLAlchemy's
-per-call compile-cache lookup, parameter processing and result objects (they cost more client
-CPU than the round trip). The statement's constants are written into its SQL and its
-placeholders numbered (``$1``) once, so each call sends only its own values, as they are
-(see :class:`~celery_idem.accel.sql_psycopg.RawStatement`; an acceleration, off with
-``CELERY_IDEM_ACCELERATE=0``). Same statements, same single
-round trip, same exceptions. Every other driver and dialect runs the same pre-built
-statements through a SQLAlchemy ``Connection``.
-
-A PostgreSQL claim that finds the key DONE, FAILED or MISMATCH (a duplicate) locks nothing
-and writes nothing, so it costs no WAL flush at commit (see
-:func:`~celery_idem.stores.sql.claims.build_pg_claim`).
+A fenced verb that is refused reads the row once more to say why (not the hot path).
+PostgreSQL through psycopg 3 may run the same statements on psycopg's own connection: an
+acceleration (:mod:`celery_idem.accel.sql_psycopg`, off with ``CELERY_IDEM_ACCELERATE=0``).
 
 The package, one module per job (imports run down this list, never up)::
 
     schema      the records table, column types, the database clock (public helpers)
-    predicates  the claim's decision as named SQL conditions; a claim's arguments
+    predicates  a claim's arguments, and its decision as one SQL CASE
     engine      URL -> engine: driver fallbacks, pool settings, fork safety
     session     running statements: SQLAlchemy's Connection (psycopg's directly: accel)
     statements  the fenced writes' and the read's statements, built once per table

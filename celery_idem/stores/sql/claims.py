@@ -1,8 +1,7 @@
 """The claim strategies: one statement on PostgreSQL, decide-then-write elsewhere.
 
-Both decide with :meth:`~celery_idem.stores.sql.predicates.ClaimPredicates.status`; the store
-(:meth:`celery_idem.stores.sql.SQLStore.claim`) picks one by dialect and turns the decided row
-into a :class:`~celery_idem.records.Claim`. Internal to the SQL store package.
+Both decide with :meth:`~celery_idem.stores.sql.predicates.ClaimArgs.status`; the store picks
+one by dialect. Internal to the SQL store package.
 """
 
 from __future__ import annotations
@@ -49,37 +48,28 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
           where <must lock> = EXISTS (SELECT FROM peek WHERE status IN ('claimed', 'takeover', 'busy'))
 
     "peek" reads the row without a lock. When it decides DONE, FAILED or MISMATCH (the
-    duplicate of a finished task, the hot path of a redelivery), that is the answer: the
-    locking branch is skipped by a one-time filter, nothing is locked or written, and the
-    transaction gets no xid, so its commit does not wait for a WAL flush (a row lock is
-    a logged write). The answer is about the row as of the statement's snapshot, and it
-    was true then (a row still live at the clock read after the snapshot was live at
-    it): a claim that writes nothing takes effect at its snapshot, like any read. A
-    write committed after the snapshot (a release of a MISMATCH row, a claim of a row
-    that expired meanwhile) comes after it, as if the claim had arrived a little earlier.
+    duplicate of a finished task), that is the answer: the locking branch is skipped by a
+    one-time filter and nothing is locked or written, so the transaction gets no xid and its
+    commit waits for no WAL flush. The answer is true as of the statement's snapshot, like any
+    read's.
 
-    Otherwise (the key may be taken, or is held: BUSY may turn into a takeover) the claim
-    decides on the locked row, as it always did. FOR UPDATE makes the row we decide on
-    the row the upsert meets: a concurrent claim waits for us and then decides on our
-    row (in READ COMMITTED the lock returns the row's latest version, not the snapshot's).
-    It cannot lock a row that is not there yet: when two claims of an absent key run at
-    once, the loser's snapshot shows no row, its INSERT meets the winner's row, and the
-    token guard (expected old token 0, found >= 1) turns the update into a no-op. The
-    statement then returns a holding decision without an "up" row: nothing was written,
-    and the claim runs again to decide on the winner's row. The upsert reads "decide",
-    so "old" is always evaluated (and locked) first.
+    Otherwise the claim decides on the row locked ``FOR UPDATE``: a concurrent claim waits and
+    then decides on our row (READ COMMITTED returns the row's latest version). When two claims
+    of an absent key run at once, the loser's INSERT meets the winner's row and the token guard
+    (expected 0, found >= 1) makes the update a no-op: the statement returns a holding
+    decision without an "up" row, and the claim runs again (``ClaimRaced``). The upsert reads
+    "decide", so "old" is always locked first.
     """
     t = table
     # The unlocked look at the row, and the decision on it.
     clock = sa.select(db_now().label("now")).subquery("clock")
     peek = (
-        sa.select(clock.c.now, *t.c, args.predicates(t, clock.c.now).status().label("status"))
+        sa.select(clock.c.now, *t.c, args.status(t, clock.c.now).label("status"))
         .select_from(clock.outerjoin(t, t.c.key == args.stored_key))
         .cte("peek")
         .prefix_with("MATERIALIZED")
     )
-    # Uncorrelated, so PostgreSQL evaluates it once (an InitPlan) and skips the locking
-    # scans entirely (a one-time filter) when it is false.
+    # Uncorrelated: evaluated once (an InitPlan), it skips the locking scans when false.
     must_lock = sa.exists().where(sa.or_(*(peek.c.status == s for s in LOCKED)))
     old = (
         sa.select(t)
@@ -88,9 +78,8 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
         .cte("old")
         .prefix_with("MATERIALIZED")
     )
-    # The clock is read in the same row as the lock is taken (a target list is computed
-    # after the join below it), so a claim that waited for the lock decides on the time it
-    # got it; its own CTE because the decision reads it several times.
+    # The clock is read in the row that takes the lock, so a claim that waited for the lock
+    # decides on the time it got it.
     one = sa.select(sa.literal(1).label("one")).subquery("one")
     locked = (
         sa.select(db_now().label("now"), *old.c)
@@ -104,7 +93,7 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
             sa.select(
                 locked.c.now,
                 *(locked.c[c.name] for c in t.c),
-                args.predicates(locked, locked.c.now).status().label("status"),
+                args.status(locked, locked.c.now).label("status"),
             ),
             # NULL (a state we do not know) is answered unlocked too: CorruptRecord.
             sa.select(*peek.c).where(
@@ -149,16 +138,13 @@ def select_then_write(
     Raises:
         ClaimRaced: The row changed between the decision and the write; nothing was written.
     """
-    # SQLite and MySQL cannot return the row an upsert replaced, so the decision is read
-    # first and the write is conditional on it. SQLite has no row locks: BEGIN IMMEDIATE
-    # takes the database's write lock up front and serializes the read-decide-write.
-    # MySQL runs in autocommit without locks (SELECT ... FOR UPDATE would need a
-    # transaction: two more round trips, with the row locked across them); instead the
-    # write re-checks in SQL that the row still yields the same decision, and a claim that
-    # finds it changed (or finds the absent key inserted) writes nothing and runs again.
+    # Neither can return the row an upsert replaced. SQLite serializes the read-decide-write
+    # with BEGIN IMMEDIATE (its write lock). MySQL stays in autocommit (FOR UPDATE would cost a
+    # transaction's two round trips): the write re-checks in SQL that the row still yields the
+    # same decision, and one that finds it changed writes nothing and runs again.
     t = table
     clock = sa.select(db_now().label("now")).subquery("clock")
-    status = args.predicates(t, clock.c.now).status()
+    status = args.status(t, clock.c.now)
     decide = sa.select(clock.c.now, *t.c, status.label("status")).select_from(
         clock.outerjoin(t, t.c.key == args.stored_key)
     )
@@ -180,7 +166,7 @@ def select_then_write(
                 t.c.key == args.stored_key,
                 t.c.token == row["token"],
                 t.c.state == row["state"],
-                args.predicates(t, sa.literal(now, sa.Double)).status() == row["status"],
+                args.status(t, sa.literal(now, sa.Double)) == row["status"],
             )
             update = (
                 sa.update(t)

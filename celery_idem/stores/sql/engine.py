@@ -1,7 +1,4 @@
-"""Building the store's SQLAlchemy engine: URLs, driver fallbacks, pool settings, forks.
-
-Internal to the SQL store package.
-"""
+"""Building the store's SQLAlchemy engine: URLs, driver fallbacks, pool settings, forks."""
 
 from __future__ import annotations
 
@@ -69,10 +66,8 @@ def importable(module: str) -> bool:
 def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
     backend = sa_url.get_backend_name()
     options: dict[str, Any] = {
-        # No pre-ping: it would double the round trips of every verb. A connection the server
-        # closed while the worker idled fails its statement as a disconnect, SQLAlchemy drops
-        # it from the pool, and the gate already handles that failure (a claim re-queues the
-        # message, a record is retried), so the next attempt gets a fresh connection.
+        # No pre-ping: it would double every verb's round trips. A connection the server closed
+        # fails its statement as a disconnect (StoreUnavailable), which the gate retries anyway.
         "pool_pre_ping": False,
         # Recycle before the usual server/proxy idle limits (MySQL wait_timeout, PgBouncer).
         "pool_recycle": 1800,
@@ -99,13 +94,11 @@ def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
 
 
 def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
-    # WAL lets readers run while one process writes; it is a property of the file, so setting
-    # it on every new connection is cheap once it is on.
+    # WAL lets readers run while one process writes (a property of the file: cheap once on).
     cursor = dbapi_connection.cursor()
     try:
-        # Switching the mode needs the file to itself: connections opening a new file at the same
-        # moment get "database is locked" at once (the busy timeout does not cover it). Retry
-        # for up to 5 s; after that the error is real and surfaces.
+        # Switching needs the file to itself: connections opening a new file at once get
+        # "database is locked" at once (no busy timeout). Retry for up to 5 s.
         deadline = time.monotonic() + 5.0
         delay = 0.005
         while True:

@@ -1,9 +1,7 @@
 """Which database errors mean "the store cannot be reached": the SQL store's error seam.
 
-An outage becomes :class:`~celery_idem.exceptions.StoreUnavailable` (the gate re-queues a claim
-and retries a record); every other database error is a bug or bad data and propagates
-unchanged. tests/stores/test_sql_errors.py checks that every SQLAlchemy error class is decided.
-Internal to the SQL store package.
+An outage becomes :class:`~celery_idem.exceptions.StoreUnavailable`; every other database error
+is a bug or bad data and propagates unchanged (tests/stores/test_sql_errors.py decides each class).
 """
 
 from __future__ import annotations

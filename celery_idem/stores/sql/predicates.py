@@ -1,7 +1,6 @@
-"""The claim's decision as SQL: named predicates over one row, and a claim's arguments.
+"""The claim's decision as SQL: a claim's arguments, and the CASE every dialect decides with.
 
-Every dialect's claim (see :mod:`celery_idem.stores.sql.claims`) decides with
-:meth:`ClaimPredicates.status`, the single SQL definition of the order in
+:meth:`ClaimArgs.status` is the single SQL definition of the order in
 :meth:`celery_idem.stores.base.Store.claim`. Internal to the SQL store package.
 """
 
@@ -16,82 +15,13 @@ from sqlalchemy.sql.selectable import FromClause
 
 from ...records import ClaimStatus, State
 
-__all__ = ["HOLDS", "LOCKED", "ClaimArgs", "ClaimPredicates", "ClaimRaced", "claim_params",
-           "claim_template", "literal_or_bind"]
+__all__ = ["HOLDS", "LOCKED", "ClaimArgs", "ClaimRaced", "claim_params", "claim_template",
+           "literal_or_bind"]
 
 #: The claim statuses under which the caller holds the key (the claim wrote its row).
 HOLDS: Final = (ClaimStatus.CLAIMED.value, ClaimStatus.TAKEOVER.value)
-# The PostgreSQL claim decides on the row it locked only when an unlocked look at it may lead
-# to a write or may be about to change (see SQLStore._claim_postgresql); DONE, FAILED and
-# MISMATCH are answered from the unlocked look.
+# The statuses the PostgreSQL claim decides again on the locked row (see build_pg_claim).
 LOCKED: Final = (*HOLDS, ClaimStatus.BUSY.value)
-
-
-@dataclass(frozen=True)
-class ClaimPredicates:
-    """The named conditions ``claim`` decides on, over one candidate row and one clock value.
-
-    The row may be missing (an outer join gives NULL columns). ``status`` combines them in the
-    order of :meth:`Store.claim`; it is the single definition every dialect's claim uses.
-    """
-
-    is_absent_or_expired: ColumnElement[bool]
-    is_released: ColumnElement[bool]
-    is_payload_mismatch: ColumnElement[bool]
-    is_done: ColumnElement[bool]
-    is_failed: ColumnElement[bool]
-    is_in_progress: ColumnElement[bool]
-    lease_expired: ColumnElement[bool]
-    is_earlier_attempt_of_same_task: ColumnElement[bool]
-
-    @classmethod
-    def over(
-        cls,
-        row: FromClause,
-        now: ColumnElement[float],
-        *,
-        task_id: str,
-        attempt: int,
-        payload_hash: str | None,
-    ) -> ClaimPredicates:
-        c = row.c
-        return cls(
-            is_absent_or_expired=sa.or_(c.key.is_(None), c.expires <= now),
-            is_released=c.state == State.RELEASED.value,
-            # Like the memory store: a validating caller (a hash given) refuses a record with
-            # another hash or with none (it cannot show it is the same action).
-            is_payload_mismatch=(
-                sa.or_(
-                    c.payload_hash.is_(None),
-                    c.payload_hash != payload_hash,
-                )
-                if isinstance(payload_hash, sa.BindParameter) or payload_hash
-                else sa.false()
-            ),
-            is_done=c.state == State.DONE.value,
-            is_failed=c.state == State.FAILED.value,
-            is_in_progress=c.state == State.IN_PROGRESS.value,
-            lease_expired=sa.and_(c.lease_expires.is_not(None), c.lease_expires <= now),
-            is_earlier_attempt_of_same_task=sa.and_(c.task_id == task_id, c.attempt < attempt),
-        )
-
-    def status(self) -> ColumnElement[str | None]:
-        """A CASE giving the :class:`ClaimStatus` value, or NULL for a state we do not know."""
-        return sa.case(
-            (sa.or_(self.is_absent_or_expired, self.is_released), ClaimStatus.CLAIMED.value),
-            (self.is_payload_mismatch, ClaimStatus.MISMATCH.value),
-            (self.is_done, ClaimStatus.DONE.value),
-            (self.is_failed, ClaimStatus.FAILED.value),
-            (
-                sa.and_(
-                    self.is_in_progress,
-                    sa.or_(self.lease_expired, self.is_earlier_attempt_of_same_task),
-                ),
-                ClaimStatus.TAKEOVER.value,
-            ),
-            (self.is_in_progress, ClaimStatus.BUSY.value),
-            else_=sa.null(),
-        )
 
 
 @dataclass(frozen=True)
@@ -107,9 +37,29 @@ class ClaimArgs:
     payload_hash: str | None
     claim_id: str
 
-    def predicates(self, row: FromClause, now: ColumnElement[float]) -> ClaimPredicates:
-        return ClaimPredicates.over(
-            row, now, task_id=self.task_id, attempt=self.attempt, payload_hash=self.payload_hash
+    def status(self, row: FromClause, now: ColumnElement[float]) -> ColumnElement[str | None]:
+        """The decision on ``row`` at ``now`` in the order of :meth:`Store.claim`, as a CASE.
+
+        ``row`` may be an outer join's NULL row (absent); the CASE is NULL for an unknown state.
+        """
+        c = row.c
+        in_progress = c.state == State.IN_PROGRESS.value
+        lease_expired = sa.and_(c.lease_expires.is_not(None), c.lease_expires <= now)
+        earlier_attempt_of_same_task = sa.and_(c.task_id == self.task_id, c.attempt < self.attempt)
+        # A validating caller (a hash given) refuses a record with another hash or with none.
+        validating = isinstance(self.payload_hash, sa.BindParameter) or self.payload_hash
+        payload_mismatch = (sa.or_(c.payload_hash.is_(None), c.payload_hash != self.payload_hash)
+                            if validating else sa.false())
+        return sa.case(
+            (sa.or_(c.key.is_(None), c.expires <= now, c.state == State.RELEASED.value),
+             ClaimStatus.CLAIMED.value),
+            (payload_mismatch, ClaimStatus.MISMATCH.value),
+            (c.state == State.DONE.value, ClaimStatus.DONE.value),
+            (c.state == State.FAILED.value, ClaimStatus.FAILED.value),
+            (sa.and_(in_progress, sa.or_(lease_expired, earlier_attempt_of_same_task)),
+             ClaimStatus.TAKEOVER.value),
+            (in_progress, ClaimStatus.BUSY.value),
+            else_=sa.null(),
         )
 
     def values(self, *, now: ColumnElement[float], token: Any) -> dict[str, Any]:
@@ -137,11 +87,7 @@ def literal_or_bind(value: Any, type_: Any) -> Any:
 
 
 def claim_template(validate: bool) -> ClaimArgs:
-    """Claim arguments as named bind parameters, to build a claim statement once and reuse it.
-
-    Building the PostgreSQL claim (CTEs, predicates, upsert) costs about a millisecond of
-    client CPU; reusing the built statement leaves only binding the values to each call.
-    """
+    """Claim arguments as named bind parameters, to build a claim statement once and reuse it."""
     return ClaimArgs(
         stored_key=sa.bindparam("idem_key", type_=sa.String),  # type: ignore[arg-type, unused-ignore]
         owner=sa.bindparam("idem_owner", type_=sa.String),  # type: ignore[arg-type, unused-ignore]

@@ -1,10 +1,7 @@
 """The SQL store's schema: the records table, its column types and the database clock.
 
-Public so other tables celery_idem keeps in a SQL database (the receipts of
-:mod:`celery_idem.contrib.receipts`) are built from the same types, not copies: :func:`text_type` (a
-string that compares byte for byte on MySQL too), :func:`data_type` (a result, however large),
-:func:`new_metadata` (the index naming convention) and :class:`db_now` (the server's clock
-inside a statement).
+Public so other tables celery_idem keeps in SQL (:mod:`celery_idem.contrib.receipts`) use the
+same types, not copies.
 """
 
 from __future__ import annotations
@@ -90,10 +87,9 @@ def token_for(previous: ColumnElement[Any], now: ColumnElement[float]) -> Column
 def text_type(length: int) -> sa.types.TypeEngine[str]:
     """A ``VARCHAR(length)`` that compares byte for byte on every database.
 
-    MySQL's default collations are case- and accent-insensitive: ``Refund:ab`` and
-    ``refund:ab`` would be one primary key. The binary collation compares like every other
-    store. (It still ignores trailing spaces, MySQL's PAD SPACE rule; celery_idem's keys,
-    ``operation:hash``, never end in one.)
+    MySQL's default collations are case- and accent-insensitive (``Refund:ab`` and ``refund:ab``
+    would be one key); the binary one compares like every other store (but for trailing spaces,
+    which celery_idem's keys never end in).
 
     Args:
         length: The column's length in characters.
@@ -135,8 +131,7 @@ def records_table(name: str = DEFAULT_TABLE_NAME) -> sa.Table:
         sa.Column("updated", sa.Double, nullable=False),
         # The TTL: after this (database clock) the row counts as absent.
         sa.Column("expires", sa.Double, nullable=False, index=True),
-        # The random id of the claim that wrote the row (see Record.claim_id); NULL in a released
-        # tombstone and in rows of versions before claim ids (added to such a table on first use).
+        # See Record.claim_id; NULL in a released tombstone and in rows older than claim ids.
         sa.Column("claim_id", text_type(64), nullable=True),
     )
 
@@ -145,7 +140,6 @@ def add_missing_columns(engine: Engine, table: sa.Table) -> None:
     """Add the columns a table made by an earlier version lacks (``claim_id``), once.
 
     Each is nullable without a default: an instant change on PostgreSQL, MySQL 8 and SQLite.
-    Rows written before it have no claim id and are fenced by the token alone.
 
     Args:
         engine: The engine of the table's database.

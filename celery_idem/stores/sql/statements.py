@@ -1,4 +1,4 @@
-"""The statements of the fenced writes and the read, built once per table.
+"""The statements of the fenced writes and the reads, built once per table.
 
 Internal to the SQL store package; the claim's statements are in
 :mod:`celery_idem.stores.sql.claims`.
@@ -19,7 +19,7 @@ __all__ = ["VerbStatements"]
 
 @dataclass(frozen=True)
 class VerbStatements:
-    """The fenced writes' and the read's statements, built once per table.
+    """The fenced writes' and the reads' statements, built once per table.
 
     Each call's values are ``idem_*`` bind parameters; the key and token ones take the type of
     the column they are compared with, as the literal values they replace did.
@@ -31,6 +31,7 @@ class VerbStatements:
     renew_returning: sa.Update  # renew handing back the new lease, where UPDATE can RETURNING
     renew_read: sa.Select[Any]  # where it cannot: the new lease read back, still fenced
     get: sa.Select[Any]
+    forget: sa.Update  # an operator's verb: a DONE or FAILED row, fenced by the token alone
 
     @classmethod
     def build(cls, t: sa.Table) -> VerbStatements:
@@ -52,6 +53,10 @@ class VerbStatements:
             lease_expires=db_now() + lease,
             expires=sa.case((t.c.expires < db_now() + lease, db_now() + lease), else_=t.c.expires),
         )
+        # A RELEASED tombstone keeps the token and the TTL, and nothing of the holder.
+        tombstone = {"state": State.RELEASED.value, "owner": "", "task_id": "", "attempt": 0,
+                     "lease_expires": None, "payload_hash": None, "content_type": None,
+                     "data": None, "updated": db_now()}
         return cls(
             record=sa.update(t).where(fenced).values(
                 state=sa.bindparam("idem_state"),
@@ -61,21 +66,15 @@ class VerbStatements:
                 updated=db_now(),
                 expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
             ),
-            # The RELEASED tombstone keeps the token and the TTL, and nothing of the holder.
-            release=sa.update(t).where(fenced).values(
-                state=State.RELEASED.value,
-                owner="",
-                task_id="",
-                attempt=0,
-                lease_expires=None,
-                payload_hash=None,
-                content_type=None,
-                data=None,
-                updated=db_now(),
-                claim_id=None,
-            ),
+            release=sa.update(t).where(fenced).values(**tombstone, claim_id=None),
             renew=renew,
             renew_returning=renew.returning(t.c.lease_expires),
             renew_read=sa.select(t.c.lease_expires).where(fenced),
             get=sa.select(t).where(t.c.key == key, t.c.expires > db_now()),
+            forget=sa.update(t).where(
+                t.c.key == key,
+                t.c.token == sa.bindparam("idem_token"),
+                sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
+                t.c.expires > db_now(),
+            ).values(**tombstone),
         )

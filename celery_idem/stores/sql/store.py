@@ -35,9 +35,8 @@ __all__ = ["SQLStore"]
 
 logger = logging.getLogger("celery_idem")
 
-# A claim that raced a concurrent first claim of the same key wrote nothing and is run again;
-# the second run sees the winner's committed row. More than a few runs means something else
-# keeps deleting and re-inserting the row, which we report instead of spinning.
+# A claim that raced a concurrent first claim wrote nothing and runs again on the winner's row;
+# more runs than this means something keeps deleting and re-inserting the row: reported.
 _CLAIM_RUNS: Final = 3
 
 
@@ -78,13 +77,11 @@ class SQLStore(Store):
         self._table = records_table(table_name)
         self._table_ready = False
         self._table_lock = threading.Lock()
-        # Every hot-path statement is built once with ``idem_*`` bind parameters: building one
-        # costs more client CPU than its round trip (see docs/benchmarks.md). The claim is
-        # built once per shape (with/without payload validation), see claim_template.
+        # Hot-path statements are built once with ``idem_*`` bind parameters (building one costs
+        # more client CPU than its round trip); the claim once per shape, see claim_template.
         self._pg_claims: dict[bool, sa.Select[Any]] = {}
         self._verbs = VerbStatements.build(self._table)
-        # The seam: PostgreSQL through psycopg 3 runs them on the DBAPI connection (an
-        # acceleration, see the module doc); None: through SQLAlchemy, the plain path.
+        # The seam: psycopg 3's connection (an acceleration), or None: SQLAlchemy's, the plain path.
         self._psycopg: PsycopgPath | None = (
             psycopg_path(self._engine) if accel.enabled(accelerate) else None)
         # record_with's statements, per Celery result table and column set (accel.sql_taskmeta).
@@ -103,16 +100,13 @@ class SQLStore(Store):
         Raises:
             TypeError: An option the store does not know.
         """
-        table_name = options.pop("table_name", DEFAULT_TABLE_NAME)
-        engine_options = options.pop("engine_options", None)
-        accelerate = options.pop("accelerate", None)
-        if options:
+        unknown = set(options) - {"table_name", "engine_options", "accelerate"}
+        if unknown:
             raise TypeError(
-                f"SQLStore got unknown option(s) {', '.join(sorted(options))}; it takes "
+                f"SQLStore got unknown option(s) {', '.join(sorted(unknown))}; it takes "
                 f"table_name, engine_options (keyword arguments for create_engine) and accelerate"
             )
-        return cls(url, prefix=prefix, table_name=table_name, engine_options=engine_options,
-                   accelerate=accelerate)
+        return cls(url, prefix=prefix, **options)
 
     @property
     def url(self) -> URL:
@@ -128,22 +122,14 @@ class SQLStore(Store):
 
     @contextlib.contextmanager
     def _translate_errors(self) -> Iterator[None]:
-        """Turn "the database cannot be reached" into :class:`StoreUnavailable`.
-
-        Other database errors (a constraint, a syntax error) are bugs and propagate unchanged;
-        :class:`CorruptRecord` is raised where rows are mapped.
-        """
+        """Turn "the database cannot be reached" into :class:`StoreUnavailable` (see ``errors``)."""
         try:
             yield
         except sa_exc.SQLAlchemyError as exc:
-            unavailable = self._translated(exc)
+            unavailable = outage(exc, self._shown_url)
             if unavailable is None:
                 raise
             raise unavailable from exc
-
-    def _translated(self, exc: sa_exc.SQLAlchemyError) -> StoreUnavailable | None:
-        """The :class:`StoreUnavailable` an error means, or None when it is not an outage."""
-        return outage(exc, self._shown_url)
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[Connection]:
@@ -155,10 +141,7 @@ class SQLStore(Store):
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[SASession | RawSession]:
-        """A pooled connection to run the verbs' statements on, with errors translated.
-
-        SQLAlchemy's ``Connection``, or the psycopg acceleration's session when it applies.
-        """
+        """A pooled session for the verbs' statements (SQLAlchemy's, or accel's), errors translated."""
         if self._psycopg is None:
             with self._connect() as conn:
                 yield SASession(conn)
@@ -182,8 +165,7 @@ class SQLStore(Store):
             try:
                 self._table.metadata.create_all(self._engine, checkfirst=True)
             except sa_exc.DBAPIError:
-                # Several workers start at once: another one created the table between our
-                # check and our CREATE. Its table is as good as ours.
+                # Another worker created it between our check and our CREATE: as good as ours.
                 if not sa.inspect(self._engine).has_table(self._table.name):
                     raise
             add_missing_columns(self._engine, self._table)
@@ -210,38 +192,10 @@ class SQLStore(Store):
         ttl: float,
         payload_hash: str | None = None,
     ) -> Claim:
-        """Atomically claim ``key`` for one attempt, or say why not (see :meth:`Store.claim`).
+        """Claim ``key`` (see :meth:`Store.claim`), deciding on the database clock.
 
-        One key's life, and what a claim decides at each point (``now`` = database clock)::
-
-                   claim                       record(t)
-          absent -------> IN_PROGRESS(t=1) -------------> DONE / FAILED   claims: DONE / FAILED
-            ^               |  |  |
-            |               |  |  +- lease live, not a retry of the holder: claims: BUSY
-            |               |  +- lease_expired, or same task_id with a higher attempt:
-            |               |     claim -> TAKEOVER, IN_PROGRESS(t+1)
-            |               +- release(t) -> RELEASED(t) -- claim -> CLAIMED, IN_PROGRESS(t+1)
-            +- expires <= now (TTL): counts as absent -- claim -> CLAIMED, IN_PROGRESS(t+1)
-
-          A live row that is not RELEASED and stores another payload_hash -> MISMATCH (checked
-          right after absent/RELEASED, before DONE, FAILED, TAKEOVER and BUSY).
-
-        PostgreSQL: one statement. A CTE reads the current row without a lock and decides;
-        DONE, FAILED and MISMATCH are answered from that read, writing nothing (not even a row
-        lock). Otherwise a CTE locks the row (``FOR UPDATE``), decides again on it with the
-        same named predicates and feeds an ``INSERT ... ON CONFLICT DO UPDATE`` that only runs
-        when the decision holds. SQLite: the same decision as a SELECT and then
-        an INSERT or UPDATE, serialized by ``BEGIN IMMEDIATE``. MySQL/MariaDB have no
-        ``RETURNING`` for upserts and cannot hand back the replaced row: the decision is a
-        SELECT (the whole claim when the key is not taken) and a taking claim adds one
-        conditional INSERT or UPDATE, so it costs 2 statements.
-
-        Returns:
-            The decision, the token and the live record found before the claim.
-
-        Raises:
-            StoreUnavailable: The database could not be reached; nothing was written.
-            CorruptRecord: The stored row cannot be read; nothing was written.
+        PostgreSQL: one statement (:func:`~celery_idem.stores.sql.claims.build_pg_claim`);
+        elsewhere a deciding SELECT, then a conditional INSERT or UPDATE.
         """
         args = ClaimArgs(self._stored(key), owner, task_id, attempt, lease, ttl, payload_hash,
                           new_claim_id())
@@ -250,7 +204,8 @@ class SQLStore(Store):
                 if self._dialect == "postgresql":
                     return self._claim_postgresql(args, self._execute)
                 with self._connect() as conn:
-                    return self._claim_select_then_write(conn, args)
+                    row, token = select_then_write(conn, self._table, self._dialect, args)
+                return self._claim_result(row, taken_token=token, claim_id=args.claim_id)
             except ClaimRaced:
                 continue  # the winner's row is committed now; the next run sees it
         raise StoreUnavailable(
@@ -261,10 +216,8 @@ class SQLStore(Store):
     def _claim_postgresql(
         self, args: ClaimArgs, execute: Callable[[Statement, Mapping[str, Any]], Outcome]
     ) -> Claim:
-        # One statement (see claims.build_pg_claim). A duplicate of a finished task (DONE,
-        # FAILED, MISMATCH) is answered from an unlocked read: no lock, no write, no WAL flush.
-        # A holding decision without a taken token lost the race for an absent key to a
-        # concurrent first claim, wrote nothing, and runs again on the winner's row.
+        # A holding decision without a taken token lost the race for an absent key (see
+        # build_pg_claim): nothing was written.
         validate = bool(args.payload_hash)
         query = self._pg_claims.get(validate)
         if query is None:
@@ -274,10 +227,6 @@ class SQLStore(Store):
         if row["status"] in HOLDS and row["taken_token"] is None:
             raise ClaimRaced
         return self._claim_result(row, taken_token=row["taken_token"], claim_id=args.claim_id)
-
-    def _claim_select_then_write(self, conn: Connection, args: ClaimArgs) -> Claim:
-        row, token = select_then_write(conn, self._table, self._dialect, args)
-        return self._claim_result(row, taken_token=token, claim_id=args.claim_id)
 
     def _claim_result(self, row: Row, *, taken_token: int | None, claim_id: str = "") -> Claim:
         now = float(row["now"])
@@ -304,17 +253,7 @@ class SQLStore(Store):
         ttl: float,
         claim_id: str | None = None,
     ) -> None:
-        """Turn the caller's IN_PROGRESS row into DONE or FAILED: one fenced UPDATE.
-
-        Recording again with the same token and state (a retry after a lost reply) succeeds
-        and changes nothing.
-
-        Raises:
-            LeaseLost: The row has another token, is not in progress, or is gone.
-            StoreUnavailable: The database could not be reached (the write may or may not
-                have happened; retrying is safe).
-            ValueError: ``state`` is not DONE or FAILED.
-        """
+        """One fenced UPDATE (see :meth:`Store.record`)."""
         params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
         if self._execute(self._verbs.record, params)[0] != 1:
             self._unmatched_record(key, token, state, claim_id)
@@ -333,20 +272,12 @@ class SQLStore(Store):
     ) -> bool:
         """:meth:`record`, and Celery's database result row in the same statement (PostgreSQL).
 
-        The result fold's seam (an acceleration, :mod:`celery_idem.accel.db_results`): ``also``
-        is folded when it is a :class:`~celery_idem.accel.sql_taskmeta.TaskMetaWrite` (built
-        for a ``db+postgresql://`` result backend on this store's database): the record's
-        fenced UPDATE and Celery's upsert of the row are one statement, so the row is written
-        exactly when the record is. Otherwise, or on another dialect, only the record is
-        written.
+        The result fold's seam (:mod:`celery_idem.accel.db_results`): a
+        :class:`~celery_idem.accel.sql_taskmeta.TaskMetaWrite` ``also`` is written exactly when
+        the record is; otherwise, or on another dialect, only the record is written.
 
         Returns:
             True when Celery's row was written in the record's statement, else False.
-
-        Raises:
-            LeaseLost: As :meth:`record`; nothing is written.
-            StoreUnavailable: As :meth:`record`.
-            ValueError: ``state`` is not DONE or FAILED.
         """
         if not isinstance(also, TaskMetaWrite) or also.table is None or self._dialect != "postgresql" \
                 or self._fold_refused:
@@ -362,9 +293,8 @@ class SQLStore(Store):
         try:
             _, row = self._execute(fold, {**params, **fold_params(also)})
         except sa_exc.DBAPIError as exc:
-            # Not an outage (those are StoreUnavailable by now): Celery's table is not what
-            # the fold expects (no unique task_id, a column of another type). The statement
-            # wrote nothing; record alone from now on and leave results to Celery.
+            # Not an outage (StoreUnavailable by now): Celery's table is not what the fold
+            # expects. Nothing was written; record alone from now on.
             self._fold_refused = True
             logger.warning("celery_idem cannot write Celery's result row %s in the record's "
                            "statement, leaving it to Celery from now on: %s",
@@ -382,15 +312,16 @@ class SQLStore(Store):
                        ttl: float, claim_id: str | None) -> dict[str, Any]:
         if state not in (State.DONE, State.FAILED):
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
-        return {
-            "idem_key": self._stored(key), "idem_token": token, "idem_state": state.value,
-            "idem_content_type": content_type, "idem_data": data, "idem_ttl": ttl,
-            "idem_claim_id": claim_id or "",
-        }
+        return self._fenced(key, token, claim_id, idem_state=state.value,
+                            idem_content_type=content_type, idem_data=data, idem_ttl=ttl)
+
+    def _fenced(self, key: str, token: int, claim_id: str | None, **more: Any) -> dict[str, Any]:
+        """The parameters of a fenced statement (see VerbStatements), and ``more``."""
+        return {"idem_key": self._stored(key), "idem_token": token, "idem_claim_id": claim_id or "",
+                **more}
 
     def _unmatched_record(self, key: str, token: int, state: State, claim_id: str | None) -> None:
         """A record whose fenced UPDATE matched no row: a retry of ours, or LeaseLost."""
-        # Not the hot path: read the row once more to tell a retry from a lost lease.
         current = self.get(key)
         if (current is not None and current.token == token and current.state is state
                 and (not claim_id or current.claim_id == claim_id)):
@@ -398,34 +329,13 @@ class SQLStore(Store):
         raise lease_lost("record", key, token, current, claim_id)
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
-        """Give the claim back: one fenced UPDATE to a RELEASED tombstone that keeps the token.
-
-        The tombstone keeps the row's TTL and clears everything that described the holder.
-
-        Raises:
-            LeaseLost: The row has another token, is not in progress, or is gone.
-            StoreUnavailable: The database could not be reached.
-        """
-        params = {"idem_key": self._stored(key), "idem_token": token,
-                  "idem_claim_id": claim_id or ""}
-        if self._execute(self._verbs.release, params)[0] != 1:
+        """One fenced UPDATE to a RELEASED tombstone that keeps the token and the TTL."""
+        if self._execute(self._verbs.release, self._fenced(key, token, claim_id))[0] != 1:
             raise lease_lost("release", key, token, self.get(key), claim_id)
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
-        """Extend the caller's lease to database-now + ``lease``: one fenced UPDATE.
-
-        MySQL/MariaDB have no ``UPDATE ... RETURNING``: the new expiry is read back by a second
-        statement, which raises :class:`LeaseLost` if the key was taken over in between.
-
-        Returns:
-            The new lease expiry (database clock, epoch seconds).
-
-        Raises:
-            LeaseLost: The row has another token, is not in progress, or is gone.
-            StoreUnavailable: The database could not be reached.
-        """
-        params = {"idem_key": self._stored(key), "idem_token": token, "idem_lease": lease,
-                  "idem_claim_id": claim_id or ""}
+        """One fenced UPDATE (MySQL/MariaDB: and a fenced read of the new lease)."""
+        params = self._fenced(key, token, claim_id, idem_lease=lease)
         row: Row | None = None
         if self._engine.dialect.update_returning:
             _, row = self._execute(self._verbs.renew_returning, params)
@@ -440,29 +350,8 @@ class SQLStore(Store):
     # -- reads --------------------------------------------------------------------------------
 
     def forget(self, key: str, token: int) -> None:
-        """Forget a done or failed outcome: one fenced UPDATE to a RELEASED tombstone.
-
-        Built here rather than with the verbs: an operator's command, never a task's path.
-
-        Raises:
-            LeaseLost: The row has another token, is not done or failed, or is gone.
-            StoreUnavailable: The database could not be reached.
-        """
-        t = self._table
-        # Built once per store: compiled statements are cached by identity.
-        stmt = self.__dict__.get("_forget_statement")
-        if stmt is None:
-            stmt = self.__dict__["_forget_statement"] = sa.update(t).where(
-                t.c.key == sa.bindparam("idem_key"),
-                t.c.token == sa.bindparam("idem_token"),
-                sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
-                t.c.expires > db_now(),
-            ).values(state=State.RELEASED.value, owner="", task_id="", attempt=0,
-                     lease_expires=None, payload_hash=None, content_type=None, data=None,
-                     updated=db_now())
-        with self._session() as session:
-            forgotten = session.execute(stmt, {"idem_key": self._stored(key), "idem_token": token})[0]
-        if forgotten != 1:
+        """One UPDATE, fenced by the token, of a DONE or FAILED row to a RELEASED tombstone."""
+        if self._execute(self._verbs.forget, {"idem_key": self._stored(key), "idem_token": token})[0] != 1:
             raise lease_lost("forget", key, token, self.get(key))
 
     def expires_at(self, key: str) -> float | None:
@@ -474,12 +363,7 @@ class SQLStore(Store):
         return None if row is None else float(row["expires"])
 
     def get(self, key: str) -> Record | None:
-        """Read one record, or None when the key is absent or its TTL has passed.
-
-        Raises:
-            StoreUnavailable: The database could not be reached.
-            CorruptRecord: The stored row cannot be read.
-        """
+        """Read one record, or None when the key is absent or its TTL has passed."""
         _, row = self._execute(self._verbs.get, {"idem_key": self._stored(key)})
         return None if row is None else self._record(row)
 
@@ -493,13 +377,8 @@ class SQLStore(Store):
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
         """Iterate over this prefix's live records in key order, ``count`` rows per query.
 
-        Keyset pagination (``key > last ORDER BY key LIMIT count``): every page is one query
-        along the primary key, however deep the scan, and rows written meanwhile never shift a
-        page. Not a snapshot: each page sees the rows as they are when it is read.
-
-        Raises:
-            StoreUnavailable: The database could not be reached.
-            CorruptRecord: A stored row cannot be read.
+        Keyset pagination (``key > last ORDER BY key LIMIT count``): one query along the primary
+        key per page. Not a snapshot: each page sees the rows as they are when it is read.
         """
         t = self._table
         page_size = max(1, count)
@@ -520,11 +399,7 @@ class SQLStore(Store):
             last = rows[-1]["key"]
 
     def now(self) -> float:
-        """The database server's clock (epoch seconds).
-
-        Raises:
-            StoreUnavailable: The database could not be reached.
-        """
+        """The database server's clock (epoch seconds)."""
         with self._connect() as conn:
             return float(conn.execute(sa.select(db_now())).scalar_one())
 
@@ -544,21 +419,16 @@ class SQLStore(Store):
             StoreUnavailable: The database could not be reached.
         """
         t = self._table
-        with self._connect() as conn:
-            now = float(conn.execute(sa.select(db_now())).scalar_one())
-        # The clock is read first and bound as a value: PostgreSQL cannot use an index for a
-        # comparison with clock_timestamp() (a volatile function), so `expires <= db_now()`
-        # scans the whole table; `expires <= :now` is a range scan of the expires index
-        # (EXPLAIN in docs/scaling.md). A row a claim brings back to life meanwhile gets
-        # expires = a later clock + ttl, so it never matches.
+        now = self.now()
+        # Bound as a value: PostgreSQL uses no index against clock_timestamp() (volatile), but
+        # `expires <= :now` is a range scan (docs/scaling.md). A row revived meanwhile expires later.
         expired = sa.and_(self._own_rows(), t.c.expires <= sa.literal(now, sa.Double))
         if self._dialect in ("mysql", "mariadb"):
             # MySQL has DELETE ... LIMIT, but no LIMIT in an IN (subquery).
             delete = sa.delete(t).where(expired).with_dialect_options(mysql_limit=limit)
         else:
             batch = sa.select(t.c.key).where(expired).limit(limit).scalar_subquery()
-            # The outer condition is checked again on the row being deleted: a claim may have
-            # brought it back to life since the subquery read it.
+            # Checked again on the row deleted: a claim may have revived it since the subquery.
             delete = sa.delete(t).where(t.c.key.in_(batch), expired)
         with self._connect() as conn:
             return int(conn.execute(delete).rowcount)

@@ -49,6 +49,9 @@ class Settings:
     redis_url: str
     store_url: str | None = None  # None: the store is derived from result_backend (Redis)
     store_options: dict[str, Any] = field(default_factory=dict)
+    # False: the app setting ``idempotency_accelerate = False`` (producer and worker), so this
+    # system runs the plain paths while the others in the same process keep the accelerations.
+    accelerate: bool = True
 
     def to_env(self) -> dict[str, str]:
         return {ENV: json.dumps(asdict(self))}
@@ -94,6 +97,8 @@ def build_app(s: Settings) -> Celery:
         app.conf.idempotency_store = s.store_url
     if s.store_options:
         app.conf.idempotency_store_options = dict(s.store_options)
+    if not s.accelerate:
+        app.conf.idempotency_accelerate = False
     redis_url = s.redis_url
     # shared=False: a shared task would be added to every app built later in this process.
 

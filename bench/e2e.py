@@ -160,6 +160,9 @@ class System:
 
 #: IdempotentTask on the Redis store with ``idempotency_check_on_enqueue=False``.
 NOCHECK = "idem/redis-nocheck"
+#: Suffix of the systems whose apps set ``idempotency_accelerate = False`` (issue 27: the plain
+#: paths measured beside the accelerated ones, interleaved in the same run).
+ACCEL_OFF = " (accel off)"
 
 
 @dataclass
@@ -261,6 +264,11 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
             prefix, f"{prefix}q-{pool}-pg", redis_url, store_url=pg_url,
             store_options={"table_name": sql_table(prefix)},
         )
+    for store in ("redis", "postgres"):
+        if store in configs:  # the same store, its own queue and worker, accelerations off
+            on = configs[store]
+            configs[store + ACCEL_OFF] = Settings(prefix, on.queue + "-off", redis_url, on.store_url,
+                                                  dict(on.store_options), accelerate=False)
     if "redis" not in configs:
         # The plain baselines run on a Redis-configured worker (they never touch the store).
         configs["base"] = Settings(prefix, f"{prefix}q-{pool}-base", redis_url)
@@ -279,6 +287,9 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
                 unique.append(System(f"idem/{store}", apps[store], "bench.idem", workers[store]))
                 dup.append(System(f"idem/{store}", apps[store], "bench.idem_count", workers[store],
                                   counted=True))
+                off = store + ACCEL_OFF
+                unique.append(System(f"idem/{off}", apps[off], "bench.idem", workers[off]))
+                dup.append(System(f"idem/{off}", apps[off], "bench.idem_count", workers[off], counted=True))
                 if store == "redis":
                     unique.append(System(NOCHECK, apps[store], "bench.idem_nocheck", workers[store]))
                     dup.append(System(NOCHECK, apps[store], "bench.idem_nocheck_count", workers[store],
@@ -317,7 +328,7 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
                     extra = f" bodies={bodies}" if bodies is not None else ""
                     extra += f" failed={failed}" if failed else ""
                     extra += f" rejected={rejected}" if rejected else ""
-                    log(f"  {pool:8} {workload:10} {s.name:16} rep {rep + 1}: {b.rate:8.0f} tasks/s "
+                    log(f"  {pool:8} {workload:10} {s.name:26} rep {rep + 1}: {b.rate:8.0f} tasks/s "
                         f"({secs:.2f} s, enqueue {enq:.2f} s, cached {cached}){extra}")
         return out
     except BaseException:

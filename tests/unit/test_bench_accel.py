@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import cli
 from bench.app import Settings, build_app
 from bench.e2e import ACCEL_OFF, Summary
 from celery_idem import config
 
 
-def test_an_accel_off_system_turns_them_off_through_its_app_setting_only() -> None:
+def test_an_accel_off_system_turns_them_off_through_its_app_setting_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The environment variable wins over the app setting (make test-plain sets it): not here.
+    monkeypatch.delenv("CELERY_IDEM_ACCELERATE", raising=False)
     on = Settings("p:", "q", "redis://127.0.0.1:6379/0")
     off = Settings("p:", "q-off", "redis://127.0.0.1:6379/0", accelerate=False)
     # The worker reads its Settings from the environment: the flag must survive the trip.

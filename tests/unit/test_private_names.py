@@ -149,8 +149,10 @@ def test_no_other_librarys_private_name_outside_accel_but_the_listed_ones() -> N
     assert not unlisted, (
         "private names of celery/kombu/redis/sqlalchemy/psycopg used outside celery_idem/accel/ "
         f"(move them into accel/ and list them in celery_idem.accel.PRIVATE_NAMES): {unlisted}")
-    # The allow-list shrinks as names move: an entry no longer used must go.
-    assert sorted(ALLOWED - found) == []
+    # The allow-list shrinks as names move: an entry no longer used must go (one the installed
+    # libraries do not define, as an older Celery's compat run, cannot be found: not stale).
+    libs = library_private_names()
+    assert sorted(entry for entry in ALLOWED - found if entry[1] in libs) == []
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -162,8 +164,8 @@ def test_no_other_librarys_private_name_outside_accel_but_the_listed_ones() -> N
     ("class A:\n    def f(self):\n        return self._q_for_pri\n", {("m.py", "_q_for_pri")}),  # inherited
     ("from . import stores\nx = stores._q_for_pri\n", set()),  # a module of ours
     ("def f(r):\n    return r.__dict__, r._not_a_library_name_at_all\n", set()),
-    ("def f(t):\n    return getattr(t, '_dump_pydantic_arguments', None)\n",
-     {("m.py", "_dump_pydantic_arguments")}),
+    ("def f(t):\n    return getattr(t, '_q_for_pri', None)\n",  # kombu 5.4-5.7
+     {("m.py", "_q_for_pri")}),
 ])
 def test_the_scan_finds_what_it_must(source: str, expected: set[tuple[str, str]]) -> None:
     tree = ast.parse(source)

@@ -33,8 +33,7 @@ from typing import Any, Final
 from celery.states import SUCCESS
 
 from ..stores.base import BackendWrite, Store
-from .celery_compat import get_actual_ignore_result
-from .redis_results import RedisResultWriter, redis_result_writer
+from .redis_results import RedisResultWriter, celery_writes_itself, redis_result_writer
 
 __all__ = ["DatabaseResultWriter", "database_result_writer", "result_writer"]
 
@@ -85,12 +84,7 @@ class DatabaseResultWriter(RedisResultWriter):
         """
         from .sql_taskmeta import TaskMetaWrite
 
-        # The same cases as the Redis writer: Celery's own path is needed for these.
-        if (
-            request.is_eager or request.called_directly or not request.id
-            or request.callbacks or request.chain or request.chord
-            or get_actual_ignore_result(self._task, request)
-        ):
+        if celery_writes_itself(self._task, request):
             return None
         backend = self._backend
         self._prepare()

@@ -40,7 +40,20 @@ from celery.states import SUCCESS
 from ..stores.base import BackendWrite, Store
 from .celery_compat import get_actual_ignore_result
 
-__all__ = ["RedisResultWriter", "redis_result_writer"]
+__all__ = ["RedisResultWriter", "celery_writes_itself", "redis_result_writer"]
+
+
+def celery_writes_itself(task: Any, request: Any) -> bool:
+    """Whether Celery's own result path is needed for ``request``: no writer folds it.
+
+    A direct or eager call stores nothing; callbacks, a chain or a chord are published by
+    Celery's tracer with the result; an ignored result is not written at all.
+    """
+    return bool(
+        request.is_eager or request.called_directly or not request.id
+        or request.callbacks or request.chain or request.chord
+        or get_actual_ignore_result(task, request)
+    )
 
 logger = logging.getLogger("celery_idem")
 
@@ -74,11 +87,7 @@ class RedisResultWriter:
             result: The value, or for ``FAILURE`` the exception.
             state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
         """
-        if (
-            request.is_eager or request.called_directly or not request.id
-            or request.callbacks or request.chain or request.chord
-            or get_actual_ignore_result(self._task, request)
-        ):
+        if celery_writes_itself(self._task, request):
             return None
         backend = self._backend
         meta = backend._get_result_meta(

@@ -573,17 +573,25 @@ def _growth(out: Out, results: dict[str, Any], args: argparse.Namespace, table_n
 
 
 #: Sections of docs/benchmarks.md that another command writes (``python -m bench.dbbackend e2e``
-#: takes its own half hour): ``--write-docs`` carries them over from the page as they are.
-KEPT_SECTIONS = ("End to end: PostgreSQL store against plain Celery with the database backend",)
+#: takes its own half hour; ``python -m bench.revisions`` compares git revisions) or that record
+#: an issue's measured runs: ``--write-docs`` carries them over from the page as they are. Each
+#: entry is the start of a heading (a dated heading keeps its date).
+KEPT_SECTIONS = (
+    "End to end: PostgreSQL store against plain Celery with the database backend",
+    "In-flight copies (issue 26",
+    "Accelerations on and off (issue 27",
+    "Trust at the edge (issue 25",
+)
 
 
 def kept_sections(page: str) -> dict[str, str]:
-    """The :data:`KEPT_SECTIONS` found in ``page`` (heading -> the section's Markdown)."""
+    """The :data:`KEPT_SECTIONS` found in ``page`` (the entry it starts with -> its Markdown)."""
     found: dict[str, str] = {}
     for part in re.split(r"(?m)^(?=## )", page):
         heading = part[3:].split("\n", 1)[0].strip() if part.startswith("## ") else ""
-        if heading in KEPT_SECTIONS:
-            found[heading] = part.rstrip() + "\n"
+        entry = next((k for k in KEPT_SECTIONS if heading.startswith(k)), None)
+        if entry is not None:
+            found[entry] = part.rstrip() + "\n"
     return found
 
 
@@ -731,7 +739,7 @@ def _targets(out: Out, r: dict[str, Any]) -> None:
                          "within 25%", f"{lo.new.median_us:.0f} -> {hi.new.median_us:.0f} / "
                          f"{lo.duplicate.median_us:.0f} -> {hi.duplicate.median_us:.0f} µs",
                          verdict(_flat(lo, hi))])
-    db_row = _db_backend_row("".join(r.get("kept", {}).values()))
+    db_row = _db_backend_row(r.get("kept", {}).get(KEPT_SECTIONS[0], ""))
     if db_row is not None:
         rows.append(db_row)
     for row in rows:

@@ -23,7 +23,7 @@ PAGE = """# Benchmarks
 
 def test_the_db_backend_section_is_carried_over_whole() -> None:
     kept = cli.kept_sections(PAGE)
-    assert list(kept) == list(cli.KEPT_SECTIONS)
+    assert list(kept) == [cli.KEPT_SECTIONS[0]]
     section = kept[cli.KEPT_SECTIONS[0]]
     assert section.startswith("## End to end: PostgreSQL store")
     assert "**0.97** (0.91-1.04)" in section and "## Targets" not in section
@@ -36,3 +36,11 @@ def test_its_folded_ratio_becomes_a_target_row() -> None:
     assert missed is not None and missed[-1] == "**MISSED**"
     assert cli._db_backend_row("no figures") is None
     assert cli.kept_sections("# nothing kept\n") == {}
+
+
+def test_an_issues_dated_section_is_kept_by_the_start_of_its_heading() -> None:
+    page = PAGE.replace("## Targets", "## Accelerations on and off (issue 27, measured 2026-12-05)\n\n"
+                        "| unique | **0.62** (0.55-0.70) |\n\n## Targets")
+    kept = cli.kept_sections(page)
+    assert list(kept) == [cli.KEPT_SECTIONS[0], "Accelerations on and off (issue 27"]
+    assert kept["Accelerations on and off (issue 27"].startswith("## Accelerations on and off (issue 27, measured")

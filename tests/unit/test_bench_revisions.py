@@ -1,0 +1,18 @@
+"""``python -m bench.revisions``' probe runs on the checkout's own package and cleans up."""
+
+from __future__ import annotations
+
+import redis
+
+from bench import revisions
+
+
+def test_the_probe_times_delay_and_the_gate_and_leaves_no_keys(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    before = set(client.scan_iter("benchrev*", count=1000))
+    timings = revisions.probe(redis_url, 5)
+    assert list(timings) == ["delay() first", "gate first", "gate duplicate"]
+    for cpu_us, wall_us in timings.values():
+        assert cpu_us > 0 and wall_us > 0
+    assert set(client.scan_iter("benchrev*", count=1000)) == before
+    client.close()

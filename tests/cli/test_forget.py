@@ -4,9 +4,11 @@ the SQL driver hint, and ``stats --events``. Real Redis and PostgreSQL, the comm
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
+from datetime import datetime, timezone
 
 import pytest
 
@@ -84,8 +86,15 @@ def test_show_gives_the_expiry_of_the_record(idem: Idem) -> None:
     assert now + LONG - 30 < doc["expires"] <= now + LONG + 30
     text = idem.run("show", "op:exp").stdout
     line = next(ln for ln in text.splitlines() if ln.startswith("expires"))
-    assert "(in 10.0 min; an attempt arriving after that runs the body again)" in line \
-        or "(in 9." in line, line
+    # The whole line, as `idem show` words it: nothing happens at the expiry itself, only an
+    # attempt that arrives after it runs the body (issue 28: "the next attempt runs the body
+    # again" read as if it ran now). The minutes are those left when the command ran.
+    shown = re.fullmatch(r"expires +(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ) \(in (?P<min>\d+\.\d) min; "
+                         r"an attempt arriving after that runs the body again\)", line)
+    assert shown, line
+    at = datetime.strptime(shown["at"], "%Y-%m-%d %H:%M:%SZ").replace(tzinfo=timezone.utc)
+    assert abs(at.timestamp() - doc["expires"]) <= 2, (line, doc["expires"])
+    assert (LONG - 60) / 60 <= float(shown["min"]) <= LONG / 60, line
 
 
 def test_a_missing_sql_driver_gets_the_pip_hint(idem_redis: Idem) -> None:

@@ -10,6 +10,9 @@
   own queue and Redis databases, the worker's log lines in the format and at the levels the
   worker logs them), Flower (a declared extra), the demo; a link to every docs page, Measured
   kept short, contributor material in docs/contributing.md; the Python versions CI runs.
+* What the operator reads (issue 28): no page shows a fencing token as a small number (tokens are
+  clock-derived); ``waited`` and ``duplicate`` side by side in operations.md; configuration.md's
+  re-queue bound is the code's ``REQUEUE_DELAY_CAP``, and its recovery table has the pool column.
 
 The site is built with ``mkdocs`` from the docs toolchain (``make test`` installs it, as ``make
 docs`` does; ``CELERY_IDEM_MKDOCS`` names another binary). Without it the site test is skipped
@@ -408,3 +411,118 @@ def test_the_python_versions_ci_runs_are_the_ones_declared() -> None:
     assert declared == {*pyvers[1].split(), "3.11"}, declared
     assert project["requires-python"] == f">={min(declared, key=lambda v: int(v.split('.')[1]))}"
     assert "make test-pythons" in (ROOT / ".ci" / "run").read_text()
+
+
+# -- operator wording (issue 28) ---------------------------------------------------------------
+
+#: A fencing token written as a small number. Tokens are ``max(previous + 1, store clock in µs)``
+#: (celery_idem/stores/base.py ``next_token``), e.g. 1796461362362268: a page shows a real one,
+#: or ``T1``/``T2`` with a note saying what real ones look like. ``previous token + 1`` (the
+#: formula itself) is allowed.
+SMALL_TOKEN = re.compile(
+    # token 1, token=2, "idempotency_token": 1 (not an LLM's max_tokens=1024)
+    r"(?<![a-z])(?<!max_)tokens?[\s=:\"'`*(]{0,4}(?:is now |was |at )?\d{1,6}\b"
+    r"|(?<!previous )(?<![a-z])token \+ ?1\b"  # token + 1
+    r"|\b(?:record|release|renew|write)\(key, \d{1,6}\b"  # record(key, 2, done, result)
+    r"|\bhighest_seen[\s=:\"'`]{0,4}\d{1,6}\b",  # the example provider's answer
+    re.I)
+
+
+def _small_tokens(path: Path) -> list[str]:
+    found = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        checked = line
+        if path.name == "contract.md" and line.startswith("| "):
+            # The history table: "Contract said" and "Why" quote the old design and old behaviour
+            # (tokens restarting at 1 before issue 13); "celery_idem does" is today's.
+            cells = line.split("|")
+            checked = cells[3] if len(cells) == 6 else line
+        found += [f"{path.relative_to(ROOT)}:{number}: {m[0]!r}" for m in SMALL_TOKEN.finditer(checked)]
+    return found
+
+
+def test_no_page_shows_a_fencing_token_as_a_small_number() -> None:
+    # The pattern finds what it is meant to
+    assert [m[0] for m in SMALL_TOKEN.finditer(
+        "CLAIMED, token 1; takeover, token + 1; record(key, 2, done); \"idempotency_token\": 1; "
+        "the token is now 2; highest_seen: 2; TAKEOVER, token T2; max(previous token + 1, clock); "
+        "token 1796461362362268")] == [
+        "token 1", "token + 1", "record(key, 2", "token\": 1", "token is now 2", "highest_seen: 2"]
+    found = [hit for path in (README, *DOCS) for hit in _small_tokens(path)]
+    assert found == [], "\n".join(found)
+
+
+def _table_after(text: str, marker: str) -> list[list[str]]:
+    """The cells of the first markdown table after ``marker`` (header first, no separator)."""
+    start = text.index(marker)
+    rows = []
+    for line in text[start:].splitlines()[1:]:
+        stripped = line.strip()
+        if not stripped.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in stripped.strip("|").split("|")]
+        if not all(set(c) <= set("-: ") for c in cells):
+            rows.append(cells)
+    return rows
+
+
+def test_operations_explains_waited_and_duplicate_side_by_side() -> None:
+    from celery_idem.events import Outcome
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    waited, duplicate = Outcome.WAITED.value, Outcome.DUPLICATE.value
+    marker = f"**`{waited}` and `{duplicate}`, side by side.**"
+    assert marker in text
+    # The outcomes table lists both (as the names the events and log lines carry)
+    outcomes = {row[0] for row in _table_after(text, "| outcome | meaning |")}
+    assert {f"`{waited}`", f"`{duplicate}`"} <= outcomes
+    # One table, one column each, comparing them row by row
+    header, *rows = _table_after(text, marker)
+    assert header[1:] == [f"`{duplicate}`", f"`{waited}`"], header
+    aspects = [row[0] for row in rows]
+    assert {"the key when the copy arrived", "what the copy did"} <= set(aspects), aspects
+    assert all(len(row) == 3 and row[1] and row[2] and row[1] != row[2] for row in rows), rows
+    when = dict((row[0], row[1:]) for row in rows)["the key when the copy arrived"]
+    assert "`done`" in when[0] and "`in_progress`" in when[1], when
+    # And says what both have in common: neither ran the body
+    start = text.index(marker)
+    end = text.find("\n\n**", start + 1)  # the next bold-led paragraph
+    section = text[start:end if end > start else None]
+    assert "did not run the body" in section and "Neither ran the body" in section
+
+
+def test_configuration_states_the_requeue_bound_of_the_code() -> None:
+    from celery_idem.probe import REQUEUE_DELAY_CAP
+
+    cap = f"{REQUEUE_DELAY_CAP:g}"
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    paragraph = re.search(r"While the worker runs, a message whose store cannot be used is "
+                          r"re-queued.*?\n\n", text, re.S)
+    assert paragraph, "configuration.md: the paragraph on re-queues for an unavailable store"
+    flat = " ".join(paragraph[0].split())
+    # The delay doubles from 1 s up to the cap, then stays there, with no limit on re-queues
+    doubling = [1]
+    while doubling[-1] * 2 < REQUEUE_DELAY_CAP:
+        doubling.append(doubling[-1] * 2)
+    steps = ", ".join(str(d) for d in doubling[1:])
+    assert f"after 1 s, then {steps} and {cap} s, and every {cap} s after that" in flat, flat
+    assert "no limit" in flat
+    # Every page that gives the countdown as a formula gives the same cap
+    for path in DOCS:
+        for bound in re.findall(r"min\(2\^n, (\d+(?:\.\d+)?)\)", path.read_text()):
+            assert float(bound) == REQUEUE_DELAY_CAP, (path.name, bound)
+
+
+def test_the_recovery_table_has_the_pool_column() -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    header, *rows = _table_after(text, "Measured with `python -m bench.recovery`")
+    assert header[0] == "broker" and header[1].startswith("pool"), header
+    redis = [(row[1], row[-1]) for row in rows if row[0] == "Redis"]
+    # Prefork on the Redis broker brings the message back after the visibility timeout...
+    assert any(pool == "prefork" and re.fullmatch(r"[\d.-]+ s after the kill", result)
+               for pool, result in redis), redis
+    # ...gevent and eventlet never do by themselves (issue 28): one row for both, saying so
+    green = [result for pool, result in redis if "gevent" in pool and "eventlet" in pool]
+    assert len(green) == 1 and "never" in green[0], redis

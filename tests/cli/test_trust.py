@@ -21,6 +21,7 @@ import pickle
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +30,8 @@ import pytest
 from celery_idem import TerminalError
 from celery_idem.codec import encode_error
 from celery_idem.records import State
-from tests.cli.conftest import LONG, Idem
+from tests.cli.conftest import LONG, Idem, _idem
+from tests.cli.test_purge import _expired_records
 from tests.integration.harness import free_port, wait_for
 
 # Every command runs as a `celery` subprocess (about 2 s of imports each): the slow group.
@@ -263,6 +265,52 @@ def test_release_sends_an_operator_event_when_events_are_on(idem_redis: Idem) ->
     event = mine[0]
     assert event["type"] == "idem-operator" and event["verb"] == "released"
     assert event["token"] == token and event["task_id"] == "t-evt" and event["reason"] == "INC-77"
+    assert event["by"] == "cli" and event["user"] == getpass.getuser()
+    assert event["host"] == socket.gethostname()
+
+
+def test_forget_sends_an_operator_event_when_events_are_on(idem_redis: Idem) -> None:
+    idem = idem_redis
+    key, reason = f"op:evt-forget-{uuid.uuid4().hex[:8]}", "refund undone by hand, INC-78"
+    token = idem.done(key, {"refund": "re_1"}, task_id="t-refunded")
+    with _operator_events(idem.env["IDEM_BROKER"]) as seen:
+        out = idem.run("forget", key, "--yes", "--reason", reason, app=CLI_APP,
+                       env={"IDEM_EVENTS": "1"})
+        assert out.returncode == 0, out.stderr
+        assert "not sent" not in out.stderr
+        mine = wait_for(lambda: [e for e in seen if e.get("key") == key], timeout=30,
+                        what="the idem-operator event")
+    assert len(mine) == 1, mine
+    event = mine[0]
+    assert event["type"] == "idem-operator" and event["verb"] == "forgotten"
+    assert event["token"] == token and event["original_task_id"] == "t-refunded"
+    assert event["state"] == "done" and event["reason"] == reason
+    assert event["by"] == "cli" and event["user"] == getpass.getuser()
+    assert event["host"] == socket.gethostname()
+    assert idem.store.get(key).state is State.RELEASED  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def idem_sql(pg_url: str, redis_url: str) -> Iterator[Idem]:
+    """The command on a fresh prefix of the SQL store (only SQL stores have rows to purge)."""
+    yield from _idem("db+" + pg_url, redis_url)
+
+
+def test_purge_sends_an_operator_event_when_events_are_on(idem_sql: Idem) -> None:
+    idem = idem_sql
+    _expired_records(idem, [f"op:evt-old{i}" for i in range(3)])
+    # The event names no key: the reason (unique) tells this purge from any other
+    reason = f"nightly cleanup, INC-{uuid.uuid4().hex[:8]}"
+    with _operator_events(idem.env["IDEM_BROKER"]) as seen:
+        out = idem.run("purge", "--reason", reason, app=CLI_APP, env={"IDEM_EVENTS": "1"})
+        assert out.returncode == 0, out.stderr
+        assert "not sent" not in out.stderr
+        mine = wait_for(lambda: [e for e in seen if e.get("reason") == reason], timeout=30,
+                        what="the idem-operator event")
+    assert len(mine) == 1, mine
+    event = mine[0]
+    assert event["type"] == "idem-operator" and event["verb"] == "purged"
+    assert event["deleted"] == 3 and event["batches"] == 1 and event["complete"] is True
     assert event["by"] == "cli" and event["user"] == getpass.getuser()
     assert event["host"] == socket.gethostname()
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from celery_idem import LeaseLost
+from celery_idem.keys import KeyParts, parse_key
 from tests.flower.conftest import Stack, decisions
 from tests.integration import app as tasks
-from tests.integration.harness import wait_for
+from tests.integration.harness import ROOT, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -54,6 +59,29 @@ def test_a_duplicate_shows_that_it_was_a_duplicate_its_key_and_the_original_task
     assert info["original_task_id"] == first.id
     assert info["idempotency_record_state"] == "done"
     assert info["idempotency_token"] == first.get()["token"]  # the recorded claim's
+
+
+def test_a_per_call_key_with_a_scope_is_shown_as_the_cli_shows_it(stack: Stack) -> None:
+    caller = f"k-{uuid.uuid4().hex[:8]}"
+    # Given a per-call key in a scope
+    r = tasks.charge.apply_async(("fl_scoped", 250), idempotency_key=caller,
+                                 idempotency_scope="t")
+    # The stored key: the task's namespace, the scope, the caller's key
+    stored = f"{CHARGE}@t:key={caller}"
+    assert r.get(timeout=30)["key"] == stored
+    assert parse_key(stored, CHARGE) == KeyParts(CHARGE, "t", caller, per_call=True)
+    assert stack.cluster.store.get(stored) is not None
+    # What `idem key --key --scope` prints for that call
+    cli = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.integration.app", "idem", "key", CHARGE,
+         '"fl_scoped"', "250", "--key", caller, "--scope", "t"],
+        cwd=ROOT, env={**os.environ, **stack.cluster.env}, capture_output=True, text=True,
+        timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.strip() == stored
+    # Then Flower shows the task's key as the CLI does
+    info = stack.flower.wait_task(r.id, _finished(["claimed", "recorded"]), what="scoped run")
+    assert info["idempotency_key"] == stored
 
 
 def test_a_takeover_shows_every_attempt_the_new_token_and_the_previous_holder(

@@ -16,6 +16,8 @@ import pytest
 from celery import Celery
 
 from celery_idem import IdempotentTask
+from celery_idem.contrib.ops import shown
+from celery_idem.keys import KeyParts, parse_key
 from tests.conftest import IN_CI
 
 try:
@@ -117,3 +119,32 @@ def test_each_task_span_carries_the_decision_and_a_counter_counts_them(
     for outcome in ("claimed", "recorded", "duplicate", "answered"):
         assert counts.get(("otel.charge", outcome)) == 1, counts
 
+
+def test_a_per_call_key_with_a_scope_is_the_span_key_as_the_cli_shows_it(
+    telemetry: Telemetry, redis_url: str, prefix: str, redis_cleanup: None,
+) -> None:
+    from celery.contrib.testing.worker import start_worker
+
+    app = Celery("otel_scope_test", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(task_default_queue=f"otel-{uuid.uuid4().hex[:10]}", idempotency_key_prefix=prefix,
+                    broker_connection_retry_on_startup=False)
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name="otel.scoped")
+    def charge(self: Any, order_id: str) -> str:
+        return self.idempotency_key  # type: ignore[no-any-return]
+
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=20):
+        r = charge.apply_async(("ord_scoped",), idempotency_key="k", idempotency_scope="t")
+        stored = r.get(timeout=30)
+    # The stored key: the task's namespace, the scope, the caller's key
+    assert stored == "otel.scoped@t:key=k"
+    assert parse_key(stored, "otel.scoped") == KeyParts("otel.scoped", "t", "k", per_call=True)
+    assert charge._gate.store.get(stored) is not None
+    # What `idem key otel.scoped '"ord_scoped"' --key k --scope t` prints (its code path)
+    cli = shown(charge.idempotency_key_for(("ord_scoped",), idempotency_key="k",
+                                           idempotency_scope="t"))
+    assert cli == stored
+    # The span carries that key, as the CLI shows it
+    span = telemetry.run_span(r.id)
+    assert span.attributes["celery_idem.outcome"] == "recorded"
+    assert span.attributes["celery_idem.key"] == cli

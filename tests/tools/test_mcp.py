@@ -260,6 +260,43 @@ def test_an_explicit_key_argument_is_the_callers_key_of_this_tool_only(live: Env
     assert len(live.effects(f"keyed:{oid}")) == 1
 
 
+def test_another_tools_key_as_a_key_argument_runs_this_tools_own_action(live: Env) -> None:
+    oid = order()
+    charge_args = {"order_id": oid, "amount_cents": 777}
+
+    async def main() -> list[Any]:
+        async with Client(server(toolbox)) as client:
+            charge = await client.call_tool("charge_card", charge_args)
+            # The agent passes charge_card's key, as the outcome showed it, to another tool
+            stolen = charge.structured_content["idempotency_key"]
+            keyed = await client.call_tool("charge_with_key", {
+                "order_id": oid, "amount_cents": 1, "request_key": stolen})
+            again = await client.call_tool("charge_card", charge_args)
+            return [charge, keyed, again]
+
+    charge, keyed, again = anyio.run(main)
+    first = charge.structured_content
+    assert first["status"] == "ok", first
+    stolen = first["idempotency_key"]
+    assert stolen == charge_card.idempotency_key_for(kwargs=charge_args)
+    # The second tool ran its own action, under its own key (the stolen one in its namespace)
+    out = keyed.structured_content
+    assert out["status"] == "ok" and keyed.is_error is False, out
+    own = charge_with_key.idempotency_key_for(kwargs={"order_id": oid, "amount_cents": 1},
+                                              idempotency_key=stolen)
+    assert own == f"{charge_with_key.name}:key={stolen}" and out["idempotency_key"] == own
+    assert out["task_id"] != first["task_id"]
+    assert out["result"] == {"order_id": oid, "amount_cents": 1, "key": own, "effects": 1}
+    # And nothing of the charge's result reached the model
+    text = keyed.content[0].text  # type: ignore[union-attr]
+    assert f"ch_{oid}_777" not in json.dumps(out) and f"ch_{oid}_777" not in text
+    assert live.effects(f"keyed:{oid}") == [own]
+    # The charge's record is untouched: still its one charge
+    assert again.structured_content["status"] == "duplicate", again.structured_content
+    assert again.structured_content["result"] == first["result"]
+    assert live.effects(f"charge:{oid}") == [first["task_id"]]
+
+
 def test_the_text_content_carries_the_message_and_the_result() -> None:
     out = {"status": "ok", "message": "charge_card succeeded.", "result": {"id": "ch_1"}}
     assert text_of(out) == 'charge_card succeeded.\nResult: {"id": "ch_1"}'

@@ -150,7 +150,7 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         _raise_if_done(store, pending.key, attach=pending.reserve is not None)
         return put(self, queue, message, **kwargs)  # type: ignore[no-any-return]
     name = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
-    record = store._k(pending.key)
+    record = store.name_of(pending.key)
     payload = dumps(message)  # type: ignore[no-untyped-call]
     # EVALSHA names the queue first: kombu's global_keyprefix client prefixes exactly that
     # key, as it does for LPUSH; the record's and the reservation's names are the store's own.

@@ -1,10 +1,9 @@
 """Redis store (``redis://``, ``rediss://``, ``unix://``): one Lua script per verb.
 
-Each record is ONE string at ``<prefix><key>`` (see :mod:`celery_idem.stores.redis_format`).
-Each script parses the header with one anchored ``string.match`` and reads the server clock
-(``TIME``), so lease expiry never depends on worker clocks. Redis needs persistence (AOF
-``appendfsync everysec`` or better) for records to survive a restart; see docs/stores.md.
-:meth:`RedisStore.check_durability` reads those settings at worker start.
+Each record is one string at ``<prefix><key>`` (:mod:`celery_idem.stores.redis_format`). Each
+script reads the server clock (``TIME``), so lease expiry never depends on worker clocks. Redis
+needs persistence (AOF, ``appendfsync everysec`` or better) for records to survive a restart;
+:meth:`RedisStore.check_durability` reads those settings at worker start (docs/stores.md).
 """
 
 from __future__ import annotations
@@ -15,19 +14,19 @@ import logging
 import re
 from collections.abc import Iterator
 from importlib import resources
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .. import accel
-from ..accel.redis_wire import wire_scripts
+from ..accel.redis_wire import WireScripts, wire_scripts
 from ..config import DEFAULT_PREFIX
 from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
 from ..records import Claim, ClaimStatus, Record, Reservation, State
 from .base import BackendWrite, DurabilityFinding, Store, new_claim_id
-from .redis_durability import DURABILITY_SETTINGS, config_get, durability_findings, text
+from .redis_durability import config_get, durability_findings, text
 from .redis_format import (
     MARK,
     STATE_CODE,
@@ -39,8 +38,7 @@ from .redis_format import (
     unreadable,
 )
 
-__all__ = ["CLIENT_DEFAULTS", "REDIS_ERRORS", "RedisStore", "Scripts", "durability_findings",
-           "same_server", "store_options", "text"]
+__all__ = ["CLIENT_DEFAULTS", "REDIS_ERRORS", "RedisStore", "Scripts", "same_server", "store_options"]
 
 #: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
 #: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
@@ -64,8 +62,6 @@ REPLY_OK_NOMETA = b"ok:nometa"
 REPLY_CORRUPT = b"corrupt"
 REPLY_MISSING = "missing"
 REPLY_REISSUED = "reissued"
-#: The claim statuses that took the key (the claim is to be given back if not replicated).
-_TAKEN = (ClaimStatus.CLAIMED.value.encode(), ClaimStatus.TAKEOVER.value.encode())
 
 
 #: Connection settings that must be equal for two clients to reach one server, one database,
@@ -126,7 +122,7 @@ class _translate_errors:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
         if exc is None or not isinstance(exc, REDIS_ERRORS):
-            return  # not redis-py's (StoreUnavailable from _run, say)
+            return  # not redis-py's (StoreUnavailable from run_script, say)
         store, key = self.store, self.key
         if isinstance(exc, redis.ResponseError):
             if str(exc).startswith("WRONGTYPE"):
@@ -144,19 +140,6 @@ class _translate_errors:
 #: The scripts (celery_idem/stores/lua/<name>.lua): the verbs' parse records, the reservations' not.
 _RECORD_SCRIPTS = ("claim", "record", "release", "renew", "forget")
 _PLAIN_SCRIPTS = ("reserve", "unreserve")
-
-
-class ScriptRunner(Protocol):
-    """The seam where the store's commands go to the server (:class:`Scripts`, or an
-    acceleration's: ``celery_idem.accel.redis_wire.WireScripts``)."""
-
-    registered: dict[str, Any]
-
-    def run(self, name: str, keys: tuple[str, ...], args: list[Any]) -> Any: ...
-
-    def get(self, name: str) -> bytes | None: ...
-
-    def close(self) -> None: ...
 
 
 class Scripts:
@@ -191,6 +174,10 @@ class RedisStore(Store):
         location: Where the store is, for messages (default: host:port/db of ``client``).
         accelerate: Send the verbs through :mod:`celery_idem.accel.redis_wire` when the client
             allows it (see :func:`celery_idem.accel.enabled`; None: on unless switched off).
+
+    A store for another Redis deployment (:mod:`celery_idem.contrib.redis_ha`: Cluster,
+    Sentinel) subclasses this one and overrides where a record lives and how a script reaches
+    it: :meth:`name_of`, :meth:`key_of`, :meth:`client_for`, :meth:`servers`, :meth:`run_script`.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix")
@@ -219,9 +206,10 @@ class RedisStore(Store):
         self.location = location
         self.accelerated = accel.enabled(accelerate)
         plain = Scripts(client)
-        # The seam: redis-py's Script objects, or the same commands over accel's wire (a plain
-        # client only; None for Sentinel, Cluster, retries, RESP3).
-        self._scripts: ScriptRunner = (wire_scripts(plain) if self.accelerated else None) or plain
+        # The seam where commands go to the server: redis-py's Script objects, or the same
+        # commands over accel's wire (a plain client only: not Sentinel, Cluster, retries, RESP3).
+        self._scripts: Scripts | WireScripts = (
+            wire_scripts(plain) if self.accelerated else None) or plain
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> RedisStore:
@@ -236,30 +224,45 @@ class RedisStore(Store):
         client = redis.Redis.from_url(url, **opts)
         return cls(client, prefix=prefix, **store_opts)
 
-    def _k(self, key: str) -> str:
+    # -- where a record lives and how a script reaches it (overridden for Cluster, Sentinel) ----
+
+    def name_of(self, key: str) -> str:
+        """The Redis key that holds the record of ``key``: ``<prefix><key>``."""
         return self.prefix + key
 
-    def _key_of(self, name: bytes | str) -> str:
-        """The idempotency key of a Redis key name (the inverse of ``_k``)."""
+    def key_of(self, name: bytes | str) -> str:
+        """The idempotency key whose record is at the Redis key ``name`` (see :meth:`name_of`)."""
         return text(name)[len(self.prefix):]
 
-    def _node(self, name: str) -> redis.Redis:
-        """The client that talks to the server holding ``name`` (cluster: that key's master)."""
+    def client_for(self, name: str) -> redis.Redis:
+        """The client of the server that holds the Redis key ``name``."""
         return self.client
 
-    def _run(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
-        """Run the script ``name`` on ``key``: one round trip, or two with ``wait_replicas``.
+    def servers(self) -> list[tuple[Any, str]]:
+        """The servers that hold records, as (client, name for messages); read by check_durability."""
+        return [(self.client, self.location)]
 
-        ``other``: a second key the script writes (the result backend's, see ``record_with``).
+    def run_script(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
+        """Run the Lua script ``name`` (``stores/lua/<name>.lua``) on the record of ``key``.
+
+        Every fenced verb's one call. ``other`` is a second Redis key the script writes (the
+        result backend's, see :meth:`record_with`; the reservation's). redis-py's errors are
+        raised as they are: the verb maps them to the contract's.
+
+        Returns:
+            The script's reply, once ``wait_replicas`` replicas confirmed what it wrote.
+
+        Raises:
+            StoreUnavailable: Too few replicas confirmed the write within ``wait_timeout``.
         """
-        record = self._k(key)
+        record = self.name_of(key)
         keys = (record,) if other is None else (record, other)
         if not self.wait_replicas:
             return self._scripts.run(name, keys, args)
         script = self._scripts.registered[name]
         # WAIT counts the replicas that have every write made *on this connection*, so the
         # script and the WAIT go down one connection, pipelined (still one network exchange).
-        node = self._node(record)
+        node = self.client_for(record)
         for _ in range(2):
             pipe = node.pipeline(transaction=False)
             pipe.evalsha(script.sha, len(keys), *keys, *args)
@@ -306,18 +309,19 @@ class RedisStore(Store):
                                  payload_hash or "", claim_id]
         try:
             with _translate_errors(self, key):
-                reply = self._run("claim", key, args)
+                reply = self.run_script("claim", key, args)
         except _NotReplicated as short:
             # The claim is on the master only. Give it back (best effort, no WAIT) so the
             # re-queued message can claim again at once instead of finding it busy for a lease.
-            if short.reply[0] in _TAKEN:
+            status = _STATUSES.get(short.reply[0])
+            if status is not None and status.holds:
                 with contextlib.suppress(redis.RedisError):
-                    self._scripts.run("release", (self._k(key),), [int(short.reply[1]), claim_id])
+                    self._scripts.run("release", (self.name_of(key),), [int(short.reply[1]), claim_id])
             raise
         raw, token, now, value = reply
         if raw == REPLY_CORRUPT:
             self._decode(key, value)  # raises CorruptRecord saying what is wrong with it
-            raise unreadable(self._k(key), key, value)  # pragma: no cover - the script and _decode agree
+            raise unreadable(self.name_of(key), key, value)  # pragma: no cover - the script and _decode agree
         status = _STATUSES.get(raw) or ClaimStatus(raw.decode())
         record = self._decode(key, value) if value is not None else None
         return Claim(status, int(token), record, int(now) / 1000,
@@ -329,9 +333,9 @@ class RedisStore(Store):
     ) -> None:
         args = _record_args(token, state, content_type, data, ttl, claim_id)
         with _translate_errors(self, key):
-            reply = self._run("record", key, args)
+            reply = self.run_script("record", key, args)
         if reply != REPLY_OK:
-            self._check_fence(reply, key, token, "record")
+            raise self._refused(reply, key, token, "record")
 
     def record_with(
         self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
@@ -348,7 +352,7 @@ class RedisStore(Store):
             args += [also.value, max(0, also.expires)]
             with _translate_errors(self, key):
                 try:
-                    reply = self._run("record", key, args, other=also.key)
+                    reply = self.run_script("record", key, args, other=also.key)
                 except redis.exceptions.NoPermissionError:
                     # An ACL keeps the store's user off the backend's key: nothing was run.
                     # Record alone, now and from now on; the backend writes its result itself.
@@ -360,21 +364,21 @@ class RedisStore(Store):
         if reply == REPLY_OK:
             return True
         if reply != REPLY_OK_NOMETA:  # recorded; the backend writes its meta itself
-            self._check_fence(reply, key, token, "record")
+            raise self._refused(reply, key, token, "record")
         return False
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
         with _translate_errors(self, key):
-            reply = self._run("release", key, [token, claim_id or ""])
-        self._check_fence(reply, key, token, "release")
+            reply = self.run_script("release", key, [token, claim_id or ""])
+        if reply != REPLY_OK:
+            raise self._refused(reply, key, token, "release")
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         with _translate_errors(self, key):
-            reply = self._run("renew", key, [token, _ms(lease), claim_id or ""])
+            reply = self.run_script("renew", key, [token, _ms(lease), claim_id or ""])
         if isinstance(reply, int):
             return float(reply) / 1000
-        self._check_fence(reply, key, token, "renew")
-        raise AssertionError("unreachable")  # pragma: no cover - _check_fence raised
+        raise self._refused(reply, key, token, "renew")
 
     # -- reservations --------------------------------------------------------------------------
 
@@ -385,14 +389,14 @@ class RedisStore(Store):
     ) -> Record | Reservation | None:
         if "\0" in task_id or (fingerprint and "\0" in fingerprint):
             refuse_nul(task_id=task_id, fingerprint=fingerprint or "")
-        name = self._k(key)
+        name = self.name_of(key)
         args: list[Any] = [task_id, fingerprint or "", max(_ms(lease), 1)]
         with _translate_errors(self, key):
             if self.wait_replicas:
                 # No WAIT: losing a reservation only lets a copy be published (the claim decides).
                 reply = self._scripts.run("reserve", (name, name + RESERVED), args)
             else:
-                reply = self._run("reserve", key, args, other=name + RESERVED)
+                reply = self.run_script("reserve", key, args, other=name + RESERVED)
         if reply is None:
             return None
         if isinstance(reply, list):
@@ -401,17 +405,17 @@ class RedisStore(Store):
 
     def reservation(self, key: str) -> Reservation | None:
         with _translate_errors(self, key):
-            value = self.client.get(self._k(key) + RESERVED)
+            value = self.client.get(self.name_of(key) + RESERVED)
         return _reservation(value) if value else None  # b"": dropped (unreserve.lua)
 
     def unreserve(self, key: str, task_id: str) -> None:
         with _translate_errors(self, key):
-            self._scripts.run("unreserve", (self._k(key) + RESERVED,), [task_id])
+            self._scripts.run("unreserve", (self.name_of(key) + RESERVED,), [task_id])
 
     def get(self, key: str) -> Record | None:
         # The producer's read (the enqueue check): through the scripts' seam, as the verbs.
         with _translate_errors(self, key):
-            value = self._scripts.get(self._k(key))
+            value = self._scripts.get(self.name_of(key))
         return None if value is None else self._decode(key, value)
 
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
@@ -432,20 +436,21 @@ class RedisStore(Store):
                     # A foreign key under our prefix (another type: WRONGTYPE; a string without
                     # the marker), or one that expired between the calls.
                     continue
-                rec = self._decode(self._key_of(name), value)
+                rec = self._decode(self.key_of(name), value)
                 if state is None or rec.state is state:
                     yield rec
 
     def forget(self, key: str, token: int) -> None:
         with _translate_errors(self, key):
-            reply = self._run("forget", key, [token])
-        self._check_fence(reply, key, token, "forget")
+            reply = self.run_script("forget", key, [token])
+        if reply != REPLY_OK:
+            raise self._refused(reply, key, token, "forget")
 
     def expires_at(self, key: str) -> float | None:
         # PTTL and TIME from the server that holds the key, so the expiry is on its clock.
         with _translate_errors(self, key):
-            pipe = self._node(self._k(key)).pipeline(transaction=False)
-            pipe.pttl(self._k(key))
+            pipe = self.client_for(self.name_of(key)).pipeline(transaction=False)
+            pipe.pttl(self.name_of(key))
             pipe.time()
             ttl_ms, (seconds, micros) = pipe.execute()
         if ttl_ms < 0:  # -2: no key; -1: no TTL (not written by celery_idem)
@@ -469,10 +474,10 @@ class RedisStore(Store):
             StoreUnavailable: The server could not be reached.
         """
         findings: list[DurabilityFinding] = []
-        for client, where in self._config_clients():
+        for client, where in self.servers():
             with _translate_errors(self):
                 try:
-                    settings = config_get(client, DURABILITY_SETTINGS)
+                    settings = config_get(client)
                 except redis.ResponseError as exc:  # NoPermissionError is one too
                     return [DurabilityFinding(
                         "CONFIG", None,
@@ -485,21 +490,16 @@ class RedisStore(Store):
             findings.extend(durability_findings(settings, where))
         return findings
 
-    def _config_clients(self) -> list[tuple[Any, str]]:
-        """The servers whose settings decide durability, with their names for messages."""
-        return [(self.client, self.location)]
-
     def close(self) -> None:
         self._scripts.close()
         self.client.close()
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _check_fence(self, reply: Any, key: str, token: int, verb: str) -> None:
-        if reply == REPLY_OK:
-            return
+    def _refused(self, reply: Any, key: str, token: int, verb: str) -> CorruptRecord | LeaseLost:
+        """The error for a fenced verb's refusal ``reply``."""
         if reply == REPLY_CORRUPT:
-            raise unreadable(self._k(key), key, None)
+            return unreadable(self.name_of(key), key, None)
         detail = reply.decode() if isinstance(reply, bytes) else repr(reply)
         if detail == REPLY_MISSING:
             why = "the record is gone (expired, removed by an operator, or lost by the server)"
@@ -509,11 +509,11 @@ class RedisStore(Store):
             why = f"the record is {state.value if state else code} with token {current}"
             if verdict == REPLY_REISSUED:
                 why += " of another claim (the token was issued again after the store lost data)"
-        raise LeaseLost(f"{verb} of {key!r} with token {token} refused: {why}", key=key, token=token)
+        return LeaseLost(f"{verb} of {key!r} with token {token} refused: {why}", key=key, token=token)
 
     def _decode(self, key: str, value: bytes) -> Record:
         """A stored record (see :mod:`celery_idem.stores.redis_format`) -> Record."""
-        return decode(self._k(key), key, value)
+        return decode(self.name_of(key), key, value)
 
 
 class _NotReplicated(StoreUnavailable):

@@ -21,14 +21,11 @@ def text(value: bytes | str) -> str:
 DURABILITY_SETTINGS = ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory")
 
 
-def config_get(client: Any, names: tuple[str, ...]) -> dict[str, str]:
-    """``CONFIG GET`` of each name, one call each (Redis before 7 takes one pattern per call)."""
-    found: dict[str, str] = {}
-    for name in names:
-        reply = client.config_get(name)
-        for k, v in dict(reply).items():
-            found[text(k)] = text(v)
-    return found
+def config_get(client: Any) -> dict[str, str]:
+    """The server's :data:`DURABILITY_SETTINGS`, one ``CONFIG GET`` each (Redis before 7 takes
+    one pattern per call)."""
+    return {text(k): text(v) for name in DURABILITY_SETTINGS
+            for k, v in dict(client.config_get(name)).items()}
 
 
 def durability_findings(settings: dict[str, str], where: str) -> list[DurabilityFinding]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import re
+from typing import Any
 
 from ..exceptions import CorruptRecord
 from ..records import Record, State
@@ -131,28 +132,21 @@ def decode(name: str, key: str, value: bytes) -> Record:
         state = STATE_OF.get(value[1])
         if state is None:
             raise ValueError(f"unknown state {value[1:2]!r}")
-        if state is State.DONE or state is State.FAILED:
-            head, u, i, h, c, d = value.split(b"\0", 5)
-            token, _, claim_id = head[2:].partition(b".")
-            return Record(
-                key=key, state=state, token=int(token), task_id=unpack_task_id(i),
-                payload_hash=h.decode() or None,
-                content_type=CONTENT_TYPE_OF.get(c) or c.decode() or None,
-                data=d, updated=int(u) / 1000, claim_id=claim_id.decode(),
-            )
-        if state is State.IN_PROGRESS:
-            head, u, i, h, o, a, lease = value.split(b"\0")
-            token, _, claim_id = head[2:].partition(b".")
-            return Record(
-                key=key, state=state, token=int(token), owner=o.decode(),
-                task_id=unpack_task_id(i), attempt=int(a), lease_expires=int(lease) / 1000,
-                payload_hash=h.decode() or None, updated=int(u) / 1000,
-                claim_id=claim_id.decode(),
-            )
         if state is State.RELEASED:
             head, u, _, _, tail = value.split(b"\0")
             if tail:
                 raise ValueError("a released record has no tail")
             return Record(key=key, state=state, token=int(head[2:]), updated=int(u) / 1000)
+        fields: dict[str, Any]
+        if state is State.IN_PROGRESS:
+            head, u, i, h, o, a, lease = value.split(b"\0")
+            fields = {"owner": o.decode(), "attempt": int(a), "lease_expires": int(lease) / 1000}
+        else:  # done, failed: the data is the rest of the value, NULs included
+            head, u, i, h, c, d = value.split(b"\0", 5)
+            fields = {"content_type": CONTENT_TYPE_OF.get(c) or c.decode() or None, "data": d}
+        token, _, claim_id = head[2:].partition(b".")
+        return Record(key=key, state=state, token=int(token), task_id=unpack_task_id(i),
+                      payload_hash=h.decode() or None, updated=int(u) / 1000,
+                      claim_id=claim_id.decode(), **fields)
     except (ValueError, IndexError, UnicodeDecodeError) as exc:
         raise unreadable(name, key, value, str(exc) or type(exc).__name__) from exc

@@ -181,14 +181,14 @@ def test_cluster_master_killed_mid_run_zero_duplicate_effects(
     stack, cluster = cluster_stack
     store = stack.store
     # Given the records spread over all three masters (the hash tag is the idempotency key)
-    homes = {cluster.master_of(store._k(f"probe{i}")) for i in range(30)}
+    homes = {cluster.master_of(store.name_of(f"probe{i}")) for i in range(30)}
     assert len(homes) == 3
 
     def kill() -> tuple[float, Callable[[], None]]:
         # When the master holding the most keys of this run is SIGKILLed mid-run
         victim = max(cluster.masters(),
                      key=lambda p: sum(1 for r in store.scan() if
-                                       cluster.master_of(store._k(r.key)) == p))
+                                       cluster.master_of(store.name_of(r.key)) == p))
         t = time.monotonic()
         cluster.kill_master(victim)
         cluster.wait_promoted(victim)

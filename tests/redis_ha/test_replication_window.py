@@ -110,7 +110,7 @@ def check_window(d: Deployment) -> None:
 def keys_on(master_of: Callable[[str], int], store: Store, master: int) -> dict[str, str]:
     """Three keys whose records live on ``master``."""
     found = [k for k in (f"w{i}" for i in range(2000))
-             if master_of(store._k(k)) == master][:3]
+             if master_of(store.name_of(k)) == master][:3]
     return dict(zip(("before", "lost", "unconfirmed"), found, strict=True))
 
 

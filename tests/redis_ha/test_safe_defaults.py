@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_idem.stores.redis_ha import RedisClusterStore, RedisSentinelStore
+from celery_idem.contrib.redis_ha import RedisClusterStore, RedisSentinelStore
 from tests.integration.harness import wait_for
 from tests.redis_ha.support import LocalCluster, SentinelGroup
 

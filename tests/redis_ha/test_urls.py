@@ -7,9 +7,9 @@ import pytest
 from celery import Celery
 
 import celery_idem.app as idem_app
+from celery_idem.contrib.redis_ha import RedisSentinelStore
 from celery_idem.exceptions import ImproperlyConfigured
 from celery_idem.stores import SUPPORTED_SCHEMES, store_from_url
-from celery_idem.stores.redis_ha import RedisSentinelStore
 
 CELERY_URL = "sentinel://:s3cret@10.0.0.1:26379/3;sentinel://10.0.0.2:26380/3"
 

@@ -31,7 +31,7 @@ def test_the_cluster_wait_path_talks_to_the_master_that_owns_the_key(
     try:
         # Keys on every master: each WAIT is answered by that master's own replica
         names = [f"k{i}" for i in range(30)]
-        homes = {local_cluster.master_of(store._k(n)) for n in names}
+        homes = {local_cluster.master_of(store.name_of(n)) for n in names}
         assert len(homes) == 3
         for name in names:
             assert claim(store, name).status is ClaimStatus.CLAIMED

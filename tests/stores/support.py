@@ -86,7 +86,7 @@ def lose(store: Any, key: str) -> None:
         with store._lock:
             store._records.pop(key, None)
     elif isinstance(store, RedisStore):
-        store.client.delete(store._k(key))
+        store.client.delete(store.name_of(key))
     elif hasattr(store, "using"):  # DjangoStore
         _django_sql(store, "DELETE FROM {t} WHERE {key} = %s", [store._stored(key)])
     else:
@@ -113,7 +113,7 @@ def set_token(store: Any, key: str, token: int) -> None:
             rec, expires = store._records[key]
             store._records[key] = (dataclasses.replace(rec, token=token), expires)
     elif isinstance(store, RedisStore):
-        name = store._k(key)
+        name = store.name_of(key)
         value = store.client.get(name)
         assert value is not None
         head, sep, rest = value.partition(b"\0")

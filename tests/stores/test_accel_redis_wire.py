@@ -96,7 +96,7 @@ def test_a_server_that_is_down_raises_store_unavailable_without_retrying() -> No
 
 
 def test_an_error_reply_keeps_the_connection(store: RedisStore) -> None:
-    store.client.hset(store._k("h"), "a", "1")  # a foreign key of another type: WRONGTYPE
+    store.client.hset(store.name_of("h"), "a", "1")  # a foreign key of another type: WRONGTYPE
     claim(store, "warm")
     assert _wire(store) is not None
     conn = _wire(store).lanes[-1].conn

@@ -226,7 +226,7 @@ def test_a_nul_in_a_header_field_is_a_value_error_naming_it_and_nothing_is_sent(
     sent: list[Any] = []
     claim(store, "k")
     before = redis_client.get(prefix + "k")
-    monkeypatch.setattr(store, "_run", lambda *a, **kw: sent.append(a))
+    monkeypatch.setattr(store, "run_script", lambda *a, **kw: sent.append(a))
     kwargs: dict[str, Any] = {"owner": "host:a", "task_id": "t", "payload_hash": "h"}
     kwargs[field] = "bad\x00value"
     with pytest.raises(ValueError, match=field):

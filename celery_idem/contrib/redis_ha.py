@@ -1,7 +1,10 @@
 """Redis Cluster (``redis+cluster://``) and Redis Sentinel (``sentinel://``) stores.
 
-Both are :class:`~celery_idem.stores.redis.RedisStore` with another client: the same Lua
-scripts, record layout and fencing. What differs is how a key finds its server:
+An add-on: ``store_from_url`` loads it by name for these schemes, so nothing of
+``redis.cluster`` is imported before one is asked for. Both stores are
+:class:`~celery_idem.stores.redis.RedisStore` with another client: the same Lua scripts, record
+layout and fencing. What differs is how a key finds its server (RedisStore's ``name_of``,
+``client_for``, ``servers`` and ``run_script``, overridden here):
 
 * **Cluster**: every record is named ``<prefix>{<key>}``: the hash tag puts the record and any
   key derived from it (its reservation) on one slot, while records spread over the masters.
@@ -30,9 +33,9 @@ from redis.sentinel import Sentinel
 
 from ..config import DEFAULT_PREFIX
 from ..exceptions import ImproperlyConfigured, StoreUnavailable
-from .base import DurabilityFinding, Store
-from .redis import CLIENT_DEFAULTS, REDIS_ERRORS, RedisStore, store_options, text
-from .redis_durability import DURABILITY_SETTINGS, config_get, durability_findings
+from ..stores.base import DurabilityFinding, Store
+from ..stores.redis import CLIENT_DEFAULTS, REDIS_ERRORS, RedisStore, store_options
+from ..stores.redis_durability import config_get, durability_findings, text
 
 __all__ = ["RedisClusterStore", "RedisSentinelStore"]
 
@@ -130,18 +133,20 @@ class RedisClusterStore(RedisStore):
             ) from exc
         return cls(client, prefix=prefix, **store_opts)
 
-    def _k(self, key: str) -> str:
+    def name_of(self, key: str) -> str:
+        """``<prefix>{<key>}``: the hash tag keeps the record and its reservation on one slot."""
         return f"{self.prefix}{{{key}}}"
 
-    def _key_of(self, name: bytes | str) -> str:
+    def key_of(self, name: bytes | str) -> str:
         return text(name)[len(self.prefix) + 1:-1]
 
-    def _node(self, name: str) -> redis.Redis:
+    def client_for(self, name: str) -> redis.Redis:
+        """The client of the master that owns the slot of ``name``."""
         node = self.cluster.get_node_from_key(name)  # type: ignore[no-untyped-call, unused-ignore]
         return self.cluster.get_redis_connection(node)
 
-    def _config_clients(self) -> list[tuple[Any, str]]:
-        # Every master holds a share of the records: each one's settings count.
+    def servers(self) -> list[tuple[Any, str]]:
+        """Every master: each holds a share of the records, so each one's settings count."""
         return [
             (self.cluster.get_redis_connection(node), f"cluster master {node.host}:{node.port}")
             for node in self.cluster.get_primaries()  # type: ignore[no-untyped-call, unused-ignore]
@@ -173,15 +178,16 @@ class RedisClusterStore(RedisStore):
 
     def replication_warnings(self) -> list[str]:
         """Masters with fewer connected replicas than ``wait_replicas`` (read at worker start)."""
-        return _short_of_replicas(self, self._config_clients())
+        return _short_of_replicas(self, self.servers())
 
     # A Celery result key hashes to another slot than the record: no script can write both.
     record_with = Store.record_with
 
-    def _run(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
+    def run_script(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
+        """RedisStore's, after a redirection once more; a failover under way is an outage."""
         for attempt in range(2):
             try:
-                return super()._run(name, key, args, other)
+                return super().run_script(name, key, args, other)
             except redis.exceptions.AskError as exc:  # MovedError is one too
                 # The WAIT path talks to the key's master directly, past the client's
                 # redirections: during a failover or resharding the old master answers
@@ -331,7 +337,7 @@ class RedisSentinelStore(RedisStore):
 
     def replication_warnings(self) -> list[str]:
         """The master, when it has fewer connected replicas than ``wait_replicas``."""
-        return _short_of_replicas(self, [(self.client, self.location)])
+        return _short_of_replicas(self, self.servers())
 
     def close(self) -> None:
         super().close()
@@ -377,7 +383,7 @@ def _replica_findings(clients: list[tuple[Any, str]]) -> list[DurabilityFinding]
     findings: list[DurabilityFinding] = []
     for client, where in clients:
         try:
-            settings = config_get(client, DURABILITY_SETTINGS)
+            settings = config_get(client)
         except REDIS_ERRORS as exc:
             findings.append(DurabilityFinding(
                 "CONFIG", None, f"{where} could not be checked ({exc}); a failover may promote "

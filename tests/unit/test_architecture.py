@@ -7,7 +7,7 @@
   that is exactly a celery_idem submodule's dotted name (``importlib.import_module`` by name is
   an import like any other). Imports under ``if TYPE_CHECKING:`` never run and are left out.
 * No import from a lower group of the page's flowchart (core < seam < add-ons) into a higher
-  one, but the four the page names; every module is in a group; each arrow the flowchart
+  one, but the five the page names; every module is in a group; each arrow the flowchart
   draws is backed by an import.
 * The page's tree and sizes are what ``python scripts/architecture.py`` writes: every module
   listed with its line count, none listed that does not exist.

@@ -34,9 +34,9 @@ from kombu.utils.json import dumps
 
 from ..exceptions import StoreUnavailable
 from ..records import Record, Reservation, State
-from ..stores.redis import RESERVED, RedisStore, same_server
+from ..stores.redis import RESERVED, RedisStore
 
-__all__ = ["RecordFound", "RedisStore", "ReservationFound", "begin", "end", "fuse"]
+__all__ = ["RecordFound", "RedisStore", "ReservationFound", "begin", "end", "fuse", "same_server"]
 
 # Beside the store's scripts (celery_idem/stores/lua/), where the store's loader finds Lua.
 _LUA = resources.files("celery_idem.stores").joinpath("lua", "publish.lua").read_text("utf-8")
@@ -44,6 +44,31 @@ _SHA = hashlib.sha1(_LUA.encode()).hexdigest()
 _CHECK = b"check"
 #: On a channel: whether it takes the hook, per store checked against it.
 _ATTR = "_celery_idem_stores"
+
+
+#: Connection settings that must be equal for two clients to reach one server, one database,
+#: as one user (a script runs with its connection's permissions).
+_SAME_SERVER = ("host", "port", "db", "path", "username", "password")
+
+
+def same_server(a: Any, b: Any) -> bool:
+    """Whether redis-py clients ``a`` and ``b`` talk to the same server and database.
+
+    The connection classes are compared by kind (TLS, Unix socket, TCP): kombu's Redis
+    transport connects through a subclass of its own making.
+    """
+    pa, pb = a.connection_pool, b.connection_pool
+    if _connection_kind(pa.connection_class) != _connection_kind(pb.connection_class):
+        return False  # TLS on one side only, say
+    ka, kb = pa.connection_kwargs, pb.connection_kwargs
+    return all(ka.get(name) == kb.get(name) for name in _SAME_SERVER)
+
+
+def _connection_kind(connection_class: type) -> str:
+    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
+        if issubclass(connection_class, kind):
+            return kind.__name__
+    return "tcp"
 
 
 class RecordFound(Exception):

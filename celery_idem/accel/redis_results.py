@@ -137,7 +137,8 @@ def redis_result_writer(task: Any, store: Store) -> RedisResultWriter | None:
     try:
         from celery.backends.redis import RedisBackend
 
-        from ..stores.redis import RedisStore, same_server
+        from ..stores.redis import RedisStore
+        from .redis_enqueue import same_server
     except ImportError:  # no redis-py: the backend is not Redis
         return None
     backend = task.backend

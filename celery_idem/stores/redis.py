@@ -38,7 +38,7 @@ from .redis_format import (
     unreadable,
 )
 
-__all__ = ["CLIENT_DEFAULTS", "REDIS_ERRORS", "RedisStore", "Scripts", "same_server", "store_options"]
+__all__ = ["CLIENT_DEFAULTS", "REDIS_ERRORS", "RedisStore", "Scripts", "store_options"]
 
 #: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
 #: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
@@ -62,31 +62,6 @@ REPLY_OK_NOMETA = b"ok:nometa"
 REPLY_CORRUPT = b"corrupt"
 REPLY_MISSING = "missing"
 REPLY_REISSUED = "reissued"
-
-
-#: Connection settings that must be equal for two clients to reach one server, one database,
-#: as one user (a script runs with its connection's permissions).
-_SAME_SERVER = ("host", "port", "db", "path", "username", "password")
-
-
-def same_server(a: Any, b: Any) -> bool:
-    """Whether redis-py clients ``a`` and ``b`` talk to the same server and database.
-
-    The connection classes are compared by kind (TLS, Unix socket, TCP): kombu's Redis
-    transport connects through a subclass of its own making.
-    """
-    pa, pb = a.connection_pool, b.connection_pool
-    if _connection_kind(pa.connection_class) != _connection_kind(pb.connection_class):
-        return False  # TLS on one side only, say
-    ka, kb = pa.connection_kwargs, pb.connection_kwargs
-    return all(ka.get(name) == kb.get(name) for name in _SAME_SERVER)
-
-
-def _connection_kind(connection_class: type) -> str:
-    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
-        if issubclass(connection_class, kind):
-            return kind.__name__
-    return "tcp"
 
 
 def _load(name: str) -> str:

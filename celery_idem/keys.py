@@ -235,63 +235,9 @@ def bind_arguments(
     Raises:
         TypeError: The call does not match the signature (as calling the function would).
     """
-    binder = _BINDERS.get(id(signature))
-    if binder is None or binder.signature is not signature:
-        if len(_BINDERS) >= _MAX_BINDERS:  # signatures made on the fly: never grow without bound
-            _BINDERS.clear()
-        binder = _BINDERS[id(signature)] = _Binder(signature)
-    bound = binder.bind(args, kwargs)
-    if bound is not None:
-        return bound
-    # Anything the binder does not take: inspect decides, and words the error.
-    full = signature.bind(*args, **kwargs)
-    full.apply_defaults()
-    return dict(full.arguments)
-
-
-class _Binder:
-    """``Signature.bind`` + ``apply_defaults``, prepared once, for signatures of positional-or-
-    keyword and keyword-only parameters; :meth:`bind` returns None for any call it does not bind
-    exactly as inspect would."""
-
-    __slots__ = ("defaults", "n_positional", "names", "signature", "simple")
-
-    def __init__(self, signature: inspect.Signature) -> None:
-        self.signature = signature
-        params = list(signature.parameters.values())
-        kinds = {p.kind for p in params}
-        self.simple = kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                inspect.Parameter.KEYWORD_ONLY}
-        self.names = tuple(p.name for p in params)
-        self.n_positional = sum(1 for p in params
-                                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
-
-    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
-        n = len(args)
-        if not self.simple or n > self.n_positional:
-            return None
-        names, defaults = self.names, self.defaults
-        if kwargs:
-            given = names[:n]
-            for name in kwargs:
-                if name in given or name not in names:  # twice, or no such parameter
-                    return None
-        # In parameter order, as inspect's arguments after apply_defaults.
-        out = dict(zip(names, args, strict=False))  # args may be fewer than names
-        for name in names[n:]:
-            if name in kwargs:
-                out[name] = kwargs[name]
-            elif name in defaults:
-                out[name] = defaults[name]
-            else:
-                return None  # a required argument is missing: inspect raises
-        return out
-
-
-#: Prepared binders by ``id(signature)`` (each keeps its signature, so a reused id is noticed).
-_BINDERS: dict[int, _Binder] = {}
-_MAX_BINDERS = 1024
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def signature_of(run: Any) -> inspect.Signature | None:

@@ -491,7 +491,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if sig is None:
             return
         try:
-            bind_arguments(sig, args, kwargs)  # inspect's bind, prepared once per signature
+            bind_arguments(sig, args, kwargs)
         except TypeError as exc:
             raise TypeError(f"{self.name}(): {exc}") from None
 

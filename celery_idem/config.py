@@ -9,7 +9,6 @@ for shared task defaults, subclass :class:`~celery_idem.IdempotentTask`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import importlib
 import inspect
@@ -148,8 +147,7 @@ _MIN_ABBREVIATION = 4
 
 
 def _distance(a: str, b: str) -> int:
-    """Edit distance between ``a`` and ``b``, a swap of two adjacent letters counting as one
-    (optimal string alignment: the typos a keyboard makes, ``feilds``)."""
+    """Edit distance (optimal string alignment: a swap of adjacent letters, ``feilds``, is one)."""
     previous2: list[int] = []
     previous = list(range(len(b) + 1))
     for i, ca in enumerate(a, 1):
@@ -162,11 +160,12 @@ def _distance(a: str, b: str) -> int:
     return previous[-1]
 
 
-def _close_suffix(tail: str, suffixes: dict[str, str]) -> str | None:
+def _close_suffix(tail: str) -> str | None:
     """The option whose suffix (after ``idempotency_``) ``tail`` is, give or take one typo for a
     suffix of up to four letters (two edits from ``ttl`` reach many ordinary words), two else."""
     best: tuple[int, str] | None = None
-    for suffix, option in suffixes.items():
+    for option in sorted(KNOWN_OPTIONS):
+        suffix = option.removeprefix(f"{_PREFIX}_")
         d = _distance(tail, suffix)
         if d <= (1 if len(suffix) <= 4 else 2) and (best is None or d < best[0]):
             best = (d, option)
@@ -196,7 +195,7 @@ def near_miss(name: str) -> str | None:
     abbreviation = len(head) >= _MIN_ABBREVIATION and _PREFIX.startswith(head)
     if not (abbreviation or _distance(head, _PREFIX) <= 2):
         return None
-    return _close_suffix(tail, {o.removeprefix(f"{_PREFIX}_"): o for o in KNOWN_OPTIONS})
+    return _close_suffix(tail)
 
 
 def check_options(owner: str, namespace: Iterable[str]) -> None:
@@ -214,7 +213,6 @@ def check_options(owner: str, namespace: Iterable[str]) -> None:
         ImproperlyConfigured: A name starts with ``idempotency_`` and is not an option, or is a
             near miss of an option.
     """
-    suffixes = {option.removeprefix("idempotency_"): option for option in KNOWN_OPTIONS}
     for name in namespace:
         if name.startswith("idempotency_") and name not in KNOWN_OPTIONS | _RUNTIME_ATTRIBUTES:
             if name in _APP_SETTINGS:
@@ -223,10 +221,8 @@ def check_options(owner: str, namespace: Iterable[str]) -> None:
                     f"app.conf.{name} instead"
                 )
             # Compare what follows the shared prefix, or every name would look close.
-            close = difflib.get_close_matches(
-                name.removeprefix("idempotency_"), sorted(suffixes), n=1, cutoff=0.75
-            )
-            hint = f" Did you mean {suffixes[close[0]]!r}?" if close else ""
+            close = _close_suffix(name.removeprefix(f"{_PREFIX}_"))
+            hint = f" Did you mean {close!r}?" if close else ""
             raise ImproperlyConfigured(
                 f"{owner}: unknown option {name!r}.{hint} Known options: "
                 f"{', '.join(sorted(KNOWN_OPTIONS))}"

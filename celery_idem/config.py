@@ -23,7 +23,6 @@ from . import accel
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
 
 __all__ = [
-    "ACCELERATE_ENV",
     "DEFAULT_PREFIX",
     "KNOWN_OPTIONS",
     "MIN_LEASE",
@@ -34,29 +33,8 @@ __all__ = [
     "default_release_on",
     "forget_settings",
     "near_miss",
-    "read_settings",
     "settings",
 ]
-
-#: Every ``idempotency_*`` task option. Any other attribute with that prefix is a typo and is
-#: rejected when the task class is created (Celery itself would accept it silently).
-KNOWN_OPTIONS = frozenset(
-    {
-        "idempotency_fields",
-        "idempotency_key_func",
-        "idempotency_operation",
-        "idempotency_ttl",
-        "idempotency_lease",
-        "idempotency_release_on",
-        "idempotency_terminal_on",
-        "idempotency_validate",
-        "idempotency_wait",
-        "idempotency_record_timeout",
-        "idempotency_check_on_enqueue",
-        "idempotency_fingerprint",
-        "idempotency_period",
-    }
-)
 
 #: Attributes with the prefix that are not options (set by the library at run time).
 _RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempotency_config"})
@@ -119,9 +97,14 @@ class IdempotencyConfig:
     record_timeout: float
     check_on_enqueue: bool = True
     fingerprint: bool = True
-    #: Seconds of a schedule slot: a derived key gains the slot its enqueue falls in (None: no
-    #: slot). See :func:`celery_idem.keys.period_slot`.
+    #: Seconds of a schedule slot (None: no slot); see :func:`celery_idem.keys.period_slot`.
     period: float | None = None
+
+
+#: Every ``idempotency_*`` task option: one per :class:`IdempotencyConfig` field. Any other
+#: attribute with that prefix is a typo and is rejected when the task class is created (Celery
+#: itself would accept it silently).
+KNOWN_OPTIONS = frozenset(f"idempotency_{f.name}" for f in dataclasses.fields(IdempotencyConfig))
 
 
 def _exception_tuple(name: str, value: Any) -> tuple[type[BaseException], ...]:
@@ -307,7 +290,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
             f"{owner}: idempotency_ttl ({ttl:g} s) must be at least idempotency_lease "
             f"({lease:g} s), or a record could vanish while its claim is live"
         )
-    period = _period(owner, getattr(attrs, "idempotency_period", None), ttl)
+    period = _period(owner, attrs.idempotency_period, ttl)
     release_on = attrs.idempotency_release_on
     release = default_release_on() if release_on is None else _exception_tuple(
         "idempotency_release_on", release_on
@@ -324,10 +307,8 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         validate=bool(attrs.idempotency_validate),
         wait=_positive("idempotency_wait", attrs.idempotency_wait, zero_ok=True),
         record_timeout=_positive("idempotency_record_timeout", attrs.idempotency_record_timeout),
-        check_on_enqueue=_flag(owner, "idempotency_check_on_enqueue",
-                               getattr(attrs, "idempotency_check_on_enqueue", True)),
-        fingerprint=_flag(owner, "idempotency_fingerprint",
-                          getattr(attrs, "idempotency_fingerprint", True)),
+        check_on_enqueue=_flag(owner, "idempotency_check_on_enqueue", attrs.idempotency_check_on_enqueue),
+        fingerprint=_flag(owner, "idempotency_fingerprint", attrs.idempotency_fingerprint),
         period=period,
     )
 
@@ -367,10 +348,6 @@ def _flag(owner: str, name: str, value: Any) -> bool:
 #: The key prefix when ``idempotency_key_prefix`` is not set: the one place this literal lives.
 DEFAULT_PREFIX = "celery-idem:"
 
-#: The environment variable that turns every acceleration off (:func:`celery_idem.accel.enabled`).
-ACCELERATE_ENV = accel.ENV
-
-
 @dataclass(frozen=True)
 class Settings:
     """The ``idempotency_*`` app settings of one app, read once (see :func:`settings`)."""
@@ -403,31 +380,28 @@ _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary(
 _APP_SETTINGS = frozenset(f"idempotency_{f.name}" for f in dataclasses.fields(Settings))
 
 
-def read_settings(conf: Mapping[str, Any]) -> Settings:
-    """Read a :class:`Settings` from an app's configuration (``app.conf``) and the environment, now."""
-    options = conf.get("idempotency_store_options")
-    return Settings(
-        store=conf.get("idempotency_store"),
-        key_prefix=conf.get("idempotency_key_prefix") or DEFAULT_PREFIX,
-        store_options=MappingProxyType(dict(options)) if options else None,
-        events=bool(conf.get("idempotency_events")),
-        receipts_table=conf.get("idempotency_receipts_table") or None,
-        fold_results=conf.get("idempotency_fold_results") is not False,
-        require_durable_store=bool(conf.get("idempotency_require_durable_store")),
-        log_answers=conf.get("idempotency_log_answers", True) is not False,
-        accelerate=accel.enabled(conf.get("idempotency_accelerate", True) is not False),
-    )
-
-
 def settings(app: Any) -> Settings:
     """The ``idempotency_*`` settings of ``app`` (a Celery app), read at the first call.
 
-    Every ``idempotency_*`` app setting the package uses is read here and nowhere else; a
-    change of ``app.conf`` after the first call is not seen (see :func:`forget_settings`).
+    Every ``idempotency_*`` app setting the package uses is read here (with the environment's
+    ``CELERY_IDEM_ACCELERATE``) and nowhere else; a change of ``app.conf`` after the first call
+    is not seen (see :func:`forget_settings`).
     """
     found = _settings.get(app)
     if found is None:
-        found = _settings[app] = read_settings(app.conf)
+        conf = app.conf
+        options = conf.get("idempotency_store_options")
+        found = _settings[app] = Settings(
+            store=conf.get("idempotency_store"),
+            key_prefix=conf.get("idempotency_key_prefix") or DEFAULT_PREFIX,
+            store_options=MappingProxyType(dict(options)) if options else None,
+            events=bool(conf.get("idempotency_events")),
+            receipts_table=conf.get("idempotency_receipts_table") or None,
+            fold_results=conf.get("idempotency_fold_results") is not False,
+            require_durable_store=bool(conf.get("idempotency_require_durable_store")),
+            log_answers=conf.get("idempotency_log_answers", True) is not False,
+            accelerate=accel.enabled(conf.get("idempotency_accelerate", True) is not False),
+        )
     return found
 
 

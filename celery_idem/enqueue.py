@@ -31,7 +31,7 @@ from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .gate import Gate
 from .identity import HEADER
 from .records import Record, Reservation, State
-from .results import ResultWriter, answer_task_id, recorded_outcome, store_answer
+from .results import ResultWriter, recorded_outcome, store_answer
 
 if TYPE_CHECKING:
     from celery import Task
@@ -151,13 +151,8 @@ def answer_from_record(
     task_id: str | None = None, options: Mapping[str, Any] | None = None, *,
     arguments_hash: Callable[[], str | None], record: Record | None = None,
 ) -> CachedResult | None:
-    """The answer from the record for an enqueue of a done (or failed) key, or None: publish.
-
-    The record is read unless given; the answer is stored under a chosen task id
-    (:func:`celery_idem.results.store_answer`).
-
-    ``arguments_hash`` computes the call's fingerprint (None: the key has none), called only
-    once a done or failed record is found.
+    """The answer from the record (read unless given) for an enqueue of a done (or failed) key,
+    or None: publish. ``arguments_hash`` computes the call's fingerprint (None: it has none).
 
     Raises:
         IdempotencyKeyMismatch: The call has a fingerprint (a per-call key, or
@@ -189,7 +184,10 @@ def answer_from_record(
     app = task.app
     conf = app.conf
     eager = conf.task_always_eager
-    task_id = answer_task_id(task_id, rec.task_id)
+    if not (task_id or rec.task_id):
+        # The body ran in a direct call (task(...), celery.map): no task id, no stored result.
+        # The answer gets a new id, and the outcome is stored under it as under a chosen one.
+        task_id = str(uuid())
     if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
         # Someone may wait on this id (the caller, a chain, a parent): store the outcome under
         # it as Celery would; if that fails, publish, and the worker answers from the record.

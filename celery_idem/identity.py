@@ -35,8 +35,7 @@ from .keys import (
 )
 
 __all__ = ["ERRBACK_FIELD", "HEADER", "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request",
-           "fingerprint_of", "header_key", "identify", "key_arguments", "message_time",
-           "slot_fields"]
+           "fingerprint_of", "header_key", "identify", "message_time", "slot_fields"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
@@ -85,7 +84,13 @@ def identify(
 
         def fingerprint() -> str | None:
             return payload_hash(bound) if cfg.validate else None
-    return _check_key(task.name, scoped(key, cfg.operation, scope)), fingerprint
+    key = scoped(key, cfg.operation, scope)
+    if len(key) > MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
+        raise InvalidKey(
+            f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
+            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
+        )
+    return key, fingerprint
 
 
 def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None) -> dict[str, Any]:
@@ -139,32 +144,23 @@ def header_key(task: Any, header: Any) -> tuple[str, bool]:
     return caller_key(operation, header), True
 
 
-def key_arguments(
-    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> tuple[Sequence[Any], Mapping[str, Any]]:
-    """The arguments as the key sees them: as Celery sends them, whoever calls.
-
-    A new-style errback's request, exception and traceback become the failed task's id, None
-    and None (the id names the failure). A ``pydantic=True`` task's models are dumped as
-    ``apply_async`` dumps them, so ``apply()``, ``delay()`` and a worker agree.
-    """
-    failed = failed_request(args)
-    if failed is not None:
-        args = (failed.id, *(None for _ in args[1:3]), *args[3:])
-    return dump_pydantic_arguments(task, args, kwargs)  # not switched: the key is made of them
-
-
 def bind(
     task: Any, signature: inspect.Signature | None, args: Sequence[Any],
     kwargs: Mapping[str, Any], *, as_sent: bool = True,
 ) -> dict[str, Any]:
-    """The call's arguments by parameter name (``as_sent``: as :func:`key_arguments` sees them).
+    """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls).
 
     Raises:
         TypeError: They do not bind, and the task checks its arguments (``typing``).
     """
     if as_sent:
-        args, kwargs = key_arguments(task, args, kwargs)
+        # A new-style errback's request, exception and traceback become the failed task's id,
+        # None and None (the id names the failure); a pydantic=True task's models are dumped as
+        # apply_async dumps them, so apply(), delay() and a worker agree.
+        failed = failed_request(args)
+        if failed is not None:
+            args = (failed.id, *(None for _ in args[1:3]), *args[3:])
+        args, kwargs = dump_pydantic_arguments(task, args, kwargs)  # not switched: keys use them
     if signature is None:
         return {"args": list(args), "kwargs": dict(kwargs)}
     try:
@@ -219,12 +215,3 @@ def message_time(request: Any) -> float | None:
         return float(stamp)
     return None
 
-
-def _check_key(task: str, key: str) -> str:
-    """A derived key (as long as its operation makes it) must fit the stores' column."""
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidKey(
-            f"{task}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
-            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
-        )
-    return key

@@ -13,7 +13,6 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery.states import FAILURE, SUCCESS
-from kombu.utils.uuid import uuid
 
 from .accel.celery_compat import get_actual_ignore_result
 from .config import settings
@@ -23,7 +22,7 @@ from .stores.base import BackendWrite, Store
 if TYPE_CHECKING:
     from .codec import Codec
 
-__all__ = ["ResultWriter", "answer_task_id", "recorded_outcome", "result_writer", "store_answer"]
+__all__ = ["ResultWriter", "recorded_outcome", "result_writer", "store_answer"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -82,19 +81,6 @@ def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: An
                      request.id, exc)
         return False
     return True
-
-
-def answer_task_id(chosen: str | None, original: str) -> str | None:
-    """The task id an enqueue answered from the record hands back, or None: the original id.
-
-    A chosen id is kept. A body that ran in a direct call (``task(...)``, ``celery.map``) has
-    no task id and no stored result, so the answer gets a new id, and the outcome is stored
-    under it as under a chosen one.
-    """
-    if chosen or original:
-        return chosen
-    return str(uuid())
-
 
 
 def recorded_outcome(codec: Codec, rec: Record) -> tuple[str, Any]:

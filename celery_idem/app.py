@@ -1,10 +1,4 @@
-"""What celery_idem keeps per Celery app and per process: the store, the owner, events, start checks.
-
-:func:`get_store` (built once per app), :func:`owner_id` (``host:pid``), :func:`emit_decision`
-and :func:`emit_answer` (a decision to the log, the observers and, when the process sends
-events, a Celery event), and :func:`check_worker`, the ``worker_init`` hook that refuses a
-misconfigured store or time limit and warns about what only degrades.
-"""
+"""What celery_idem keeps per Celery app and per process: the store, the owner, events, start checks."""
 
 from __future__ import annotations
 
@@ -102,13 +96,8 @@ def _close_quietly(store: Store) -> None:
 
 
 def forget_store(app: Celery) -> Store | None:
-    """Drop ``app``'s cached store (not closed) and settings, so :func:`get_store` builds anew.
-
-    For tests and tools that change an app's settings; a task keeps its gate's store.
-
-    Returns:
-        The store that was cached, or None.
-    """
+    """Drop ``app``'s cached store (not closed; returned, or None) and settings, so
+    :func:`get_store` builds anew (for tests and tools; a task keeps its gate's store)."""
     forget_settings(app)
     return _stores.pop(app, None)
 
@@ -160,11 +149,9 @@ def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: 
 def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_task_id: str,
                 result_id: str, record_state: str) -> None:
     """Report a decision ``apply_async`` made from a record or a queued message's reservation
-    (``record_state="reserved"``, token 0): nothing was published.
-
-    A log line, and a ``task-idempotency`` event under the returned result's id only when this
-    process sends events (``idempotency_events``, ``task_send_sent_event``, a worker's ``-E``).
-    """
+    (``record_state="reserved"``, token 0): a log line, the observers, and a ``task-idempotency``
+    event under the result's id when this process sends events (``idempotency_events``,
+    ``task_send_sent_event``, a worker's ``-E``)."""
     app = task.app
     conf = app.conf
     extra = {"record_state": record_state, "at": "enqueue"}

@@ -1,9 +1,6 @@
-"""Attach at enqueue: a copy of an action under way publishes nothing and follows it.
-
-An enqueue whose key is in progress (a live claim), or reserved by a message still queued
-(:meth:`celery_idem.stores.base.Store.reserve`), does not publish a copy that would only find
-the key busy: it returns an :class:`AttachedResult` of the attempt it attached to.
-"""
+"""Attach at enqueue: an enqueue whose key is in progress (a live claim) or reserved by a message
+still queued (``Store.reserve``) publishes no copy that would only find the key busy: it returns
+an :class:`AttachedResult` of the attempt it attached to."""
 
 from __future__ import annotations
 
@@ -55,12 +52,10 @@ def attach(
     args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
     fingerprint: Callable[[], str | None],
 ) -> AttachedResult | None:
-    """Attach this enqueue to the action ``found`` (a record in progress, or a queued message's
-    reservation) shows under way; None: publish instead.
+    """Attach this enqueue to the action ``found`` shows under way; None: publish instead.
 
     Raises:
-        IdempotencyKeyMismatch: The action under way was enqueued with other identifying
-            arguments (its fingerprint differs, or it has none to compare).
+        IdempotencyKeyMismatch: The action under way has another fingerprint (or none).
     """
     if isinstance(found, Record):
         if found.state is not State.IN_PROGRESS:

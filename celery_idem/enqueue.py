@@ -1,8 +1,6 @@
 """The producer side of the seam: an enqueue answered from the record, and unsendable arguments.
 
-:func:`check_enqueue` is what ``IdempotentTask.apply_async`` asks before publishing: a done (or
-failed) key is answered with a :class:`CachedResult` (:func:`answer_from_record`), a key under
-way is attached to (``attach.py``), else the message is published. The record is read first,
+:func:`check_enqueue` is what ``apply_async`` asks before publishing. The record is read first,
 or within the publish (an acceleration, plugged in at :func:`enqueue_check`).
 """
 
@@ -241,15 +239,13 @@ def check_enqueue(
     producer: Any, options: dict[str, Any],
     fingerprint: Callable[[], str | None], publish: Callable[[Any, str], AsyncResult],
 ) -> AsyncResult | str | None:
-    """The enqueue check: what the key's record (or reservation) says about this enqueue.
-
-    Asked for a call that may be answered (not a retry, a re-queue or a canvas publish);
-    ``publish`` sends the message under the task id it is given.
+    """What the key's record (or reservation) says about an enqueue that may be answered (not a
+    retry, a re-queue or a canvas publish); ``publish`` sends the message under a given task id.
 
     Returns:
-        The answer (a published message's result, a :class:`CachedResult` from the record,
-        an :class:`~celery_idem.attach.AttachedResult` following the action under way); or
-        the task id the key was reserved for (publish it under that id); or None: publish.
+        The answer (a published message's result, a :class:`CachedResult`, an
+        :class:`~celery_idem.attach.AttachedResult`); or the task id the key was reserved for
+        (publish under it); or None: publish.
     """
     store = gate.store
     # A task id chosen beforehand (a frozen signature, a chain's next step) is waited on

@@ -1,10 +1,8 @@
 """A task's result writer (the seam of the result fold), and the producer's answer write.
 
 The plain path is Celery's own: the tracer stores the task's value. The result fold is an
-acceleration (:mod:`celery_idem.accel.redis_results`, :mod:`celery_idem.accel.db_results`):
-the result written in the record's own round trip (``Store.record_with``), or directly without
-the backend's ``GET``. :func:`store_answer` stores an enqueue's answer from the record under a
-task id someone chose, so whoever waits on it hears.
+acceleration (``accel/redis_results.py``, ``accel/db_results.py``): the result written in the
+record's own round trip (``Store.record_with``), or directly without the backend's ``GET``.
 """
 
 from __future__ import annotations
@@ -56,15 +54,9 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
 
 def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: Any,
                  state: str) -> bool:
-    """Store an outcome answered from the record under ``request.id``, as Celery stores results.
-
-    Through the writer when it can (one round trip), else the backend's ``store_result``.
-    Nothing is written when the request ignores its result, as in Celery.
-
-    Returns:
-        True when the outcome is stored (or nothing needs storing); False when the write
-        failed (logged at DEBUG), so the caller should publish the message instead.
-    """
+    """Store an outcome answered from the record under ``request.id``, as Celery stores results
+    (through the writer when it can, else ``store_result``; nothing when the request ignores its
+    result). False when the write failed (logged): the caller publishes the message instead."""
     if get_actual_ignore_result(task, request):
         return True
     try:

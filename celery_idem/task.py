@@ -5,10 +5,8 @@
 * ``__call__`` (worker side, every pool and eager mode): read the key from the header (or derive
   it, for ``send_task`` by name), and run the body through the gate.
 
-The rest of the seam: ``app.py`` (store, owner, events, start checks), ``identity.py`` (the key),
-``enqueue.py`` (the enqueue answer), ``delivery.py`` (re-queue, result write). ``get_store`` and
-``CachedResult`` are re-exported here. Importing this module makes celery_idem's
-``ImproperlyConfigured`` Celery's too (:func:`celery_idem.exceptions.adopt_celery_base`).
+The rest of the seam: ``app.py``, ``identity.py``, ``enqueue.py``, ``delivery.py``. Importing this
+module makes celery_idem's ``ImproperlyConfigured`` Celery's too (``adopt_celery_base``).
 """
 
 from __future__ import annotations
@@ -329,7 +327,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         Raises:
             TypeError: The key cannot be derived from the arguments; nothing was published.
-            ValueError: The per-call key is empty or too long.
+            InvalidKey: The per-call key or the scope is not usable.
         """
         explicit = options.pop(HEADER, None)
         scope = options.pop("idempotency_scope", None)
@@ -478,10 +476,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def on_replace(self, sig: Any) -> Any:
         """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it.
 
-        Celery ends the replaced task with ``Ignore`` after publishing ``sig`` under this
-        task's id; it is raised as :class:`Replaced`, on which the gate releases the claim
-        without recording: the outcome is the replacement's (see ``docs/limits.md``). In eager
-        mode the replacement runs in place and its result is recorded as the body's.
+        Celery's ``Ignore`` is raised as :class:`Replaced`: the gate releases the claim without
+        recording, the outcome is the replacement's (``docs/limits.md``). In eager mode the
+        replacement runs in place and its result is recorded as the body's.
         """
         try:
             return super().on_replace(sig)

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -179,24 +180,18 @@ def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_tas
 # is set up (celeryd_after_setup), or at worker_shutdown if the worker stops before that.
 
 
-class _Hold(logging.Filter):
-    """Keeps the ``celery_idem`` logger's records instead of letting them through."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        self.records.append(record)
-        return False
-
-
-_held: weakref.WeakKeyDictionary[Celery, tuple[_Hold, int]] = weakref.WeakKeyDictionary()
+_Held = tuple[Callable[[logging.LogRecord], bool], list[logging.LogRecord], int]
+_held: weakref.WeakKeyDictionary[Celery, _Held] = weakref.WeakKeyDictionary()
 
 
 def _hold_logs(app: Celery) -> None:
-    hold = _Hold()
-    _held[app] = (hold, logger.level)
+    records: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:  # a filter that keeps what it stops
+        records.append(record)
+        return False
+
+    _held[app] = (hold, records, logger.level)
     # Every level is kept: what is shown is decided on release, at the level Celery sets up.
     logger.setLevel(logging.DEBUG)
     logger.addFilter(hold)
@@ -207,10 +202,10 @@ def release_held_logs(app: Celery) -> None:
     held = _held.pop(app, None)
     if held is None:
         return
-    hold, level = held
+    hold, records, level = held
     logger.removeFilter(hold)
     logger.setLevel(level)
-    for record in hold.records:
+    for record in records:
         if logger.isEnabledFor(record.levelno):
             logger.handle(record)
 

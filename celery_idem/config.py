@@ -182,19 +182,11 @@ def near_miss(name: str) -> str | None:
 
 
 def check_options(owner: str, namespace: Iterable[str]) -> None:
-    """Reject unknown ``idempotency_*`` names and near misses, naming the option meant.
+    """Reject unknown ``idempotency_*`` names and near misses (:func:`near_miss`) of options in
+    ``namespace`` (``vars(cls)``), naming the option meant, with ``ImproperlyConfigured``.
 
-    A near miss (:func:`near_miss`) is refused as firmly as an unknown ``idempotency_*`` name:
     Celery keeps any ``@app.task`` keyword as an attribute without a word, so a misspelt
     ``idempotency_fields`` would silently key on every argument.
-
-    Args:
-        owner: Name of the task (or class), for messages.
-        namespace: The names defined on the task class (``vars(cls)``).
-
-    Raises:
-        ImproperlyConfigured: A name starts with ``idempotency_`` and is not an option, or is a
-            near miss of an option.
     """
     for name in namespace:
         if name.startswith("idempotency_") and name not in KNOWN_OPTIONS | _RUNTIME_ATTRIBUTES:
@@ -221,16 +213,8 @@ def check_options(owner: str, namespace: Iterable[str]) -> None:
 
 
 def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> IdempotencyConfig:
-    """Check every option's value and freeze them into an :class:`IdempotencyConfig`.
-
-    Args:
-        owner: Name of the task, for messages.
-        attrs: The task (class or instance) whose ``idempotency_*`` attributes are read.
-        signature: The body's signature, to check ``idempotency_fields`` names against.
-
-    Raises:
-        ImproperlyConfigured: An option has a wrong type or value; the message names it.
-    """
+    """Check the options of ``attrs`` (a task class or instance; ``idempotency_fields`` against
+    ``signature``) and freeze them, or raise ``ImproperlyConfigured`` naming the option."""
     fields = attrs.idempotency_fields
     if fields is not None:
         if isinstance(fields, str):
@@ -314,8 +298,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
 
 
 def _period(owner: str, value: Any, ttl: float) -> float | None:
-    """``idempotency_period``: None, or a finite number of seconds of at least :data:`MIN_PERIOD`
-    that the record outlives (``idempotency_ttl`` >= the period)."""
+    """``idempotency_period``, checked: None, or finite seconds in [MIN_PERIOD, ttl]."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import math
 import sys
+import unicodedata
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -312,20 +313,16 @@ def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
             f"{what} is {len(value)} characters; the limit is {limit} (hash long identities "
             f"with celery_idem.idempotency_key)"
         )
-    if not value.isprintable() and not _only_spaces_unprintable(value):
-        at, ch = next((i, c) for i, c in enumerate(value) if not c.isprintable() and c != " ")
-        raise InvalidKey(
-            f"{what} has the control or format character U+{ord(ch):04X} at position {at}; keys "
-            f"are printable text"
-        )
+    if not value.isprintable():
+        # str.isprintable() is False for non-ASCII spaces (Zs) too, which a terminal prints.
+        bad = next(((i, c) for i, c in enumerate(value)
+                    if not c.isprintable() and unicodedata.category(c) != "Zs"), None)
+        if bad is not None:
+            raise InvalidKey(
+                f"{what} has the control or format character U+{ord(bad[1]):04X} at position "
+                f"{bad[0]}; keys are printable text"
+            )
     return value
-
-
-def _only_spaces_unprintable(value: str) -> bool:
-    # str.isprintable() is False for non-ASCII spaces (Zs) too, which a terminal prints.
-    import unicodedata
-
-    return all(c.isprintable() or unicodedata.category(c) == "Zs" for c in value)
 
 
 def check_scope(scope: Any) -> str:

@@ -58,10 +58,8 @@ def attach(
         IdempotencyKeyMismatch: The action under way has another fingerprint (or none).
     """
     if isinstance(found, Record):
-        if found.state is not State.IN_PROGRESS:
-            return None
-        if not _live(found):
-            return None  # its holder is gone: this message takes over
+        if found.state is not State.IN_PROGRESS or not _live(found):
+            return None  # not under way, or its holder is gone: this message takes over
         stored, holder, token, state = found.payload_hash, found.task_id, found.token, "in_progress"
     else:
         stored, holder, token, state = found.fingerprint, found.task_id, 0, "reserved"

@@ -28,7 +28,6 @@ from .accel.json_encode import make_encode
 from .exceptions import InvalidKey
 
 __all__ = [
-    "InvalidKey",
     "KeyParts",
     "bind_arguments",
     "caller_key",
@@ -195,7 +194,10 @@ def canonical(value: Any, path: str = "value") -> Any:
         return format(value.normalize(exact), "f")
     if isinstance(value, uuid.UUID):
         return str(value)
-    if _is_pydantic_model(value):
+    # pydantic is looked up, not imported: it is optional, and a program that never imported it
+    # cannot pass a model.
+    model = getattr(sys.modules.get("pydantic"), "BaseModel", None)
+    if model is not None and isinstance(value, model):
         try:
             # mode="json" is Celery's own dump (pydantic=True): the worker, which gets the dict,
             # derives the same key as the producer, which had the model.
@@ -217,14 +219,6 @@ def canonical(value: Any, path: str = "value") -> Any:
         f"canonical form (supported: {_SUPPORTED}); pass idempotency_fields to leave it out of "
         f"the key, or idempotency_key_func to build the key yourself"
     )
-
-
-def _is_pydantic_model(value: Any) -> bool:
-    # Look pydantic up instead of importing it: it is optional, and a program that never
-    # imported it cannot pass a model.
-    pydantic = sys.modules.get("pydantic")
-    model = getattr(pydantic, "BaseModel", None)
-    return model is not None and isinstance(value, model)
 
 
 def bind_arguments(
@@ -266,9 +260,7 @@ def signature_of(run: Any) -> inspect.Signature | None:
     return sig
 
 
-def select_fields(
-    arguments: Mapping[str, Any], fields: Iterable[str] | None
-) -> dict[str, Any]:
+def select_fields(arguments: Mapping[str, Any], fields: Iterable[str] | None) -> dict[str, Any]:
     """Narrow bound arguments to ``fields`` (all of them when ``fields`` is None)."""
     if fields is None:
         return dict(arguments)

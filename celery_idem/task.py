@@ -303,15 +303,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # -- producer side -------------------------------------------------------------------------
 
     def apply_async(
-        self,
-        args: Sequence[Any] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
-        task_id: str | None = None,
-        producer: Any = None,
-        link: Any = None,
-        link_error: Any = None,
-        shadow: str | None = None,
-        **options: Any,
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None, producer: Any = None, link: Any = None, link_error: Any = None,
+        shadow: str | None = None, **options: Any,
     ) -> AsyncResult:
         """Publish the task with its key in the ``idempotency_key`` header.
 

@@ -1,14 +1,13 @@
 """A task's key identity: the key of a call, its fingerprint, and the key a message's header names.
 
 The key derivation of :class:`~celery_idem.task.IdempotentTask` (``idempotency_key_for`` is its
-public face). Each function takes the task and, where arguments are bound, their signature.
+public face). Arguments are bound to the task's business signature (``task._signature``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
-import inspect
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,9 +46,8 @@ ERRBACK_FIELD = "$errback"
 
 
 def identify(
-    task: Any, signature: inspect.Signature | None, args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None, explicit: Any, scope: Any,
-    at: float | dt.datetime | None = None,
+    task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, explicit: Any,
+    scope: Any, at: float | dt.datetime | None = None,
 ) -> tuple[str, Callable[[], str | None]]:
     """The call's key, and a function computing its fingerprint (None: not checked).
 
@@ -63,7 +61,7 @@ def identify(
         check_scope(scope)
     if explicit is not None:
         key = caller_key(cfg.operation, explicit, scope)
-        return key, functools.partial(fingerprint_of, task, signature, args, kwargs, True)
+        return key, functools.partial(fingerprint_of, task, args, kwargs, True)
     if cfg.key_func is not None:
         identity = cfg.key_func(*args, **kwargs)
         if not isinstance(identity, str) or not identity:
@@ -73,9 +71,9 @@ def identify(
             )
         key = key_from_fields(cfg.operation, slot_fields(task, {}, at), identity)
         fingerprint: Callable[[], str | None] = functools.partial(
-            fingerprint_of, task, signature, args, kwargs, False)
+            fingerprint_of, task, args, kwargs, False)
     else:
-        bound = bind(task, signature, args, kwargs)
+        bound = bind(task, args, kwargs)
         fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
         if failed_request(args) is not None:
             # Handling a failure is an action of its own, apart from any ordinary call.
@@ -103,8 +101,7 @@ def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | Non
 
 
 def fingerprint_of(
-    task: Any, signature: inspect.Signature | None, args: Sequence[Any],
-    kwargs: Mapping[str, Any], per_call: bool,
+    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], per_call: bool
 ) -> str | None:
     """The hash stored with the record and compared on every later use of its key.
 
@@ -113,10 +110,10 @@ def fingerprint_of(
     """
     cfg = task.idempotency_config
     if cfg.validate:
-        return payload_hash(bind(task, signature, args, kwargs))
+        return payload_hash(bind(task, args, kwargs))
     if not (per_call and cfg.fingerprint):
         return None
-    bound = bind(task, signature, args, kwargs)
+    bound = bind(task, args, kwargs)
     if UNBOUND_ARGS not in bound:
         bound = select_fields(bound, cfg.fields)
     return payload_hash(bound)
@@ -145,8 +142,7 @@ def header_key(task: Any, header: Any) -> tuple[str, bool]:
 
 
 def bind(
-    task: Any, signature: inspect.Signature | None, args: Sequence[Any],
-    kwargs: Mapping[str, Any], *, as_sent: bool = True,
+    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, as_sent: bool = True
 ) -> dict[str, Any]:
     """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls).
 
@@ -161,6 +157,7 @@ def bind(
         if failed is not None:
             args = (failed.id, *(None for _ in args[1:3]), *args[3:])
         args, kwargs = dump_pydantic_arguments(task, args, kwargs)  # not switched: keys use them
+    signature = task._signature
     if signature is None:
         return {"args": list(args), "kwargs": dict(kwargs)}
     try:

@@ -195,8 +195,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             InvalidKey: The per-call key or the scope is not usable (the message says why).
             ValueError: ``at`` is a naive datetime.
         """
-        return identity.identify(self, self._signature, args, kwargs, idempotency_key,
-                                 idempotency_scope, at)[0]
+        return identity.identify(self, args, kwargs, idempotency_key, idempotency_scope, at)[0]
 
     @property
     def idempotency_key(self) -> str | None:
@@ -332,11 +331,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # from a request): it must be a key of this task, as the worker checks.
             key, per_call = identity.header_key(self, header)
             fingerprint: Callable[[], str | None] = functools.partial(
-                identity.fingerprint_of, self, self._signature, tuple(args or ()),
-                dict(kwargs or {}), per_call)
+                identity.fingerprint_of, self, tuple(args or ()), dict(kwargs or {}), per_call)
         else:
-            key, fingerprint = identity.identify(self, self._signature, args, kwargs, explicit,
-                                                 scope)
+            key, fingerprint = identity.identify(self, args, kwargs, explicit, scope)
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.
@@ -372,8 +369,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 serializer = (options.get("serializer") or self.serializer
                               or self.app.conf.task_serializer)
                 try:
-                    bound = identity.bind(self, self._signature, args or (), kwargs or {},
-                                          as_sent=False)
+                    bound = identity.bind(self, args or (), kwargs or {}, as_sent=False)
                 except TypeError:
                     bound = {}
                 raise unsendable(self.name, bound, serializer, exc) from exc
@@ -401,8 +397,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if header is None:
             # send_task by name, another language's producer, Task.apply(): derive it here
             # (a period's slot from the message's time, when it has one, else from now).
-            key, fingerprint = identity.identify(self, self._signature, args, kwargs, None, None,
-                                                 message_time(req))
+            key, fingerprint = identity.identify(self, args, kwargs, None, None, message_time(req))
             digest = fingerprint()
             # A re-queue and Celery's retry publish from the request's headers: they must carry
             # this key, or the copy derives it again from a later clock (another period slot).
@@ -412,7 +407,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 req.headers = {**(req.headers or {}), HEADER: key}
         else:
             key, per_call = identity.header_key(self, header)
-            digest = identity.fingerprint_of(self, self._signature, args, kwargs, per_call)
+            digest = identity.fingerprint_of(self, args, kwargs, per_call)
         attempt = Attempt(
             key=key,
             task_id=req.id or "",

@@ -257,13 +257,10 @@ def check_pool(sender: Any, app: Celery) -> None:
 def check_worker(sender: Any = None, **_: Any) -> None:
     """Celery's ``worker_init`` hook: switch events on, and check the store, pool and time limits.
 
-    Fails the worker at start-up, not at the first message, when the store or a time limit is
-    misconfigured (``celery_idem.probe``, ``idempotency_require_durable_store``); warns once
-    about what only degrades.
-
-    Raises:
-        SystemExit: The store or a time limit is misconfigured (the reason is logged at
-            CRITICAL): Celery logs and swallows other exceptions raised by signal handlers.
+    A misconfigured store or time limit (``celery_idem.probe``,
+    ``idempotency_require_durable_store``) stops the worker at start-up with ``SystemExit``,
+    logged at CRITICAL (Celery swallows other exceptions of signal handlers); what only
+    degrades is warned about once.
     """
     app = getattr(sender, "app", None)
     if app is None:

@@ -156,16 +156,13 @@ def _close_suffix(tail: str) -> str | None:
 
 
 def near_miss(name: str) -> str | None:
-    """The option ``name`` was probably meant to be, for a name without the exact prefix.
+    """The option ``name`` (without the exact prefix) was probably meant to be, or None.
 
-    A name is a near miss when it is within two edits of an option (``idempotencyfields``), or
-    when what precedes its first ``_`` is the prefix misspelt or abbreviated (``idempotancy_``,
-    ``idempotent_``, ``idem_``) and what follows is an option's suffix, give or take a typo
-    (``idem_feilds``). Celery's own task attributes, private names (``_x``) and names merely
-    sharing a word with an option (``fields``, ``idempotent_transaction``) are not.
-
-    Returns:
-        The option meant, or None.
+    A near miss is within two edits of an option (``idempotencyfields``), or is the prefix
+    misspelt or abbreviated (``idempotancy_``, ``idempotent_``, ``idem_``) before its first ``_``
+    and an option's suffix, give or take a typo, after it (``idem_feilds``). Celery's own task
+    attributes, private names and names merely sharing a word with an option (``fields``,
+    ``idempotent_transaction``) are not.
     """
     if name.startswith("_") or name.startswith(f"{_PREFIX}_"):
         return None  # private, or handled as an unknown option by check_options
@@ -333,27 +330,21 @@ DEFAULT_PREFIX = "celery-idem:"
 
 @dataclass(frozen=True)
 class Settings:
-    """The ``idempotency_*`` app settings of one app, read once (see :func:`settings`)."""
+    """The ``idempotency_*`` app settings of one app, read once (see :func:`settings`).
 
-    #: ``idempotency_store``: a store URL or a :class:`~celery_idem.stores.base.Store`; None
-    #: means the ``result_backend`` URL.
+    Each field is the setting ``idempotency_<field>`` (docs/configuration.md, "App settings"):
+    ``store`` None means the ``result_backend`` URL, ``store_options`` is read-only, and
+    ``accelerate`` is also off when ``CELERY_IDEM_ACCELERATE`` says so.
+    """
+
     store: Any = None
-    #: ``idempotency_key_prefix``: what keeps the keys of apps sharing a store apart.
     key_prefix: str = DEFAULT_PREFIX
-    #: ``idempotency_store_options``: extra keyword arguments for the store's client (read-only).
     store_options: Mapping[str, Any] | None = None
-    #: ``idempotency_events``: producers and operators send ``task-idempotency`` events.
     events: bool = False
-    #: ``idempotency_receipts_table``: the receipts table (None: the default table).
     receipts_table: str | None = None
-    #: ``idempotency_fold_results``: off only when the setting is False.
     fold_results: bool = True
-    #: ``idempotency_require_durable_store``: refuse to start on a store that may lose records.
     require_durable_store: bool = False
-    #: ``idempotency_log_answers``: answers log at INFO; off only when the setting is False.
     log_answers: bool = True
-    #: ``idempotency_accelerate`` and ``CELERY_IDEM_ACCELERATE``: the accelerations of
-    #: ``celery_idem/accel/`` are used; off when either says so.
     accelerate: bool = True
 
 

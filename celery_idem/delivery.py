@@ -86,12 +86,8 @@ def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> No
 
 
 def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None) -> NoReturn:
-    """Publish the current message again (same task id, same ``retries``) and end this attempt.
-
-    Raises:
-        Retry: Always, once published (Celery then acknowledges this delivery).
-        Reject: The message could not be published: handed back to the broker (requeue).
-    """
+    """Publish the current message again (same task id, same ``retries``) and raise ``Retry``
+    (Celery then acknowledges this delivery), or ``Reject(requeue=True)`` when it cannot."""
     req = task.request
     headers = dict(req.headers or {})
     headers[REQUEUES_HEADER] = int(headers.get(REQUEUES_HEADER, 0)) + 1

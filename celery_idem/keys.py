@@ -236,15 +236,9 @@ def bind_arguments(
 
 
 def signature_of(run: Any) -> inspect.Signature | None:
-    """The business signature of a task body: what a caller passes (``self`` left out).
-
-    Args:
-        run: A task's ``run`` (a function, a bound method or a ``staticmethod``), or None.
-
-    Returns:
-        The signature without the ``self`` of an unbound ``bind=True`` body, or None when
-        there is no body or its signature cannot be read (a builtin, say).
-    """
+    """The business signature of a task's ``run`` (a function, a bound method or a
+    ``staticmethod``): what a caller passes, without the ``self`` of an unbound ``bind=True``
+    body. None when there is no body or its signature cannot be read (a builtin, say)."""
     if isinstance(run, staticmethod):
         run = run.__func__
     if run is None:

@@ -26,12 +26,9 @@ logger = logging.getLogger("celery_idem")
 
 
 class ResultWriter(Protocol):
-    """What the result fold gives a task (the accelerations' writers are ones).
+    """What the result fold gives a task (the accelerations' writers are ones)."""
 
-    Attributes:
-        folds: True when the store can write the result in the record's round trip.
-    """
-
+    #: True when the store can write the result in the record's round trip.
     folds: bool
 
     def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:

@@ -51,9 +51,6 @@ _events_on: weakref.WeakSet[Celery] = weakref.WeakSet()
 _owner = f"{socket.gethostname()}:{os.getpid()}"
 
 
-# -- the store -----------------------------------------------------------------------------------
-
-
 def get_store(app: Celery) -> Store:
     """The idempotency store of ``app`` (built once per app, from its settings).
 
@@ -103,9 +100,6 @@ def forget_store(app: Celery) -> Store | None:
     return _stores.pop(app, None)
 
 
-# -- the owner -----------------------------------------------------------------------------------
-
-
 def owner_id() -> str:
     """Who runs an attempt, as stored in its claim: ``host:pid`` of the current process.
 
@@ -116,9 +110,6 @@ def owner_id() -> str:
     if not _owner.endswith(f":{pid}"):  # forked worker child
         _owner = f"{socket.gethostname()}:{pid}"
     return _owner
-
-
-# -- events --------------------------------------------------------------------------------------
 
 
 def events_enabled(app: Celery) -> bool:

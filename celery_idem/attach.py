@@ -100,8 +100,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
     follows that message. Revoking it revokes the shared action.
 
     Attributes:
-        id: The task id of the attempt it attached to (the holder's, or the reserved
-            message's).
+        id: The task id of the attempt it attached to (the holder's, or the reserved message's).
         original_task_id: The same task id.
         idempotency_key: The key.
         attached: True (a published call's result has no such attribute).

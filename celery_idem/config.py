@@ -69,13 +69,8 @@ def default_release_on() -> tuple[type[BaseException], ...]:
     return tuple(dict.fromkeys(found))
 
 
-#: The shortest lease: it is renewed every third of it, so a shorter one leaves less than a third
-#: of a second for a store round trip (or a pause of the process) before a duplicate may take
-#: over a holder that is alive.
+#: The shortest lease and the shortest ``idempotency_period`` (:func:`resolve`'s messages say why).
 MIN_LEASE = 0.5
-
-#: The shortest ``idempotency_period``: two senders of one tick (two beat processes) are
-#: usually up to a second or so apart, and a slot collapses only sends within half a period.
 MIN_PERIOD = 1.0
 
 DEFAULT_TERMINAL_ON: tuple[type[BaseException], ...] = (TerminalError, IdempotencyKeyMismatch)
@@ -101,9 +96,7 @@ class IdempotencyConfig:
     period: float | None = None
 
 
-#: Every ``idempotency_*`` task option: one per :class:`IdempotencyConfig` field. Any other
-#: attribute with that prefix is a typo and is rejected when the task class is created (Celery
-#: itself would accept it silently).
+#: Every ``idempotency_*`` task option: one per :class:`IdempotencyConfig` field.
 KNOWN_OPTIONS = frozenset(f"idempotency_{f.name}" for f in dataclasses.fields(IdempotencyConfig))
 
 
@@ -241,9 +234,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
     if key_func is not None and not callable(key_func):
         raise ImproperlyConfigured(f"{owner}: idempotency_key_func must be callable")
     if key_func is not None and fields is not None:
-        raise ImproperlyConfigured(
-            f"{owner}: set idempotency_fields or idempotency_key_func, not both"
-        )
+        raise ImproperlyConfigured(f"{owner}: set idempotency_fields or idempotency_key_func, not both")
     operation = attrs.idempotency_operation or owner
     if not isinstance(operation, str) or not operation or not operation.isprintable():
         raise ImproperlyConfigured(
@@ -273,18 +264,16 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         )
     period = _period(owner, attrs.idempotency_period, ttl)
     release_on = attrs.idempotency_release_on
-    release = default_release_on() if release_on is None else _exception_tuple(
-        "idempotency_release_on", release_on
-    )
-    terminal = _exception_tuple("idempotency_terminal_on", attrs.idempotency_terminal_on)
+    if release_on is not None:
+        release_on = _exception_tuple("idempotency_release_on", release_on)
     return IdempotencyConfig(
         operation=operation,
         fields=fields,
         key_func=key_func,
         ttl=ttl,
         lease=lease,
-        release_on=release,
-        terminal_on=terminal,
+        release_on=default_release_on() if release_on is None else release_on,
+        terminal_on=_exception_tuple("idempotency_terminal_on", attrs.idempotency_terminal_on),
         validate=bool(attrs.idempotency_validate),
         wait=_positive("idempotency_wait", attrs.idempotency_wait, zero_ok=True),
         record_timeout=_positive("idempotency_record_timeout", attrs.idempotency_record_timeout),

@@ -122,7 +122,7 @@ class CachedResult(MetaHook, EagerResult):  # type: ignore[misc]
 
 
 def restore_cached(task_id: str, value: Any, state: str, name: str | None, key: str,
-                    original_task_id: str) -> CachedResult:
+                   original_task_id: str) -> CachedResult:
     """Unpickle (or copy) a :class:`CachedResult`, bound to the current app."""
     rec = Record(key=key, state=State.DONE if state == SUCCESS else State.FAILED, token=0,
                  task_id=original_task_id)

@@ -49,10 +49,9 @@ def identify(
     task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, explicit: Any,
     scope: Any, at: float | dt.datetime | None = None,
 ) -> tuple[str, Callable[[], str | None]]:
-    """The call's key, and a function computing its fingerprint (None: not checked).
+    """The call's key, and a function computing its fingerprint (None: not checked) when asked.
 
-    The arguments are bound once for both; the fingerprint is computed only when asked. With
-    ``idempotency_period`` a derived key gains the slot of ``at`` (default: now; the header
+    With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now; the header
     carries the key, so retries and redeliveries keep the slot).
     """
     cfg = task.idempotency_config
@@ -123,12 +122,9 @@ def header_key(task: Any, header: Any) -> tuple[str, bool]:
     """The stored key of a message's key header, and whether it is a per-call key.
 
     A message can be forged or written by another program, so the header is checked as a
-    caller's key is. A key of this task's operation is used as it is; anything else is a
-    caller's key of this operation, so a header never names another operation's record.
-
-    Raises:
-        InvalidKey: The header is not a str, is empty, too long or has control characters;
-            nothing is claimed or stored under it.
+    caller's key is (``InvalidKey``: nothing is claimed or stored). A key of this task's
+    operation is used as it is; anything else is a caller's key of this operation, so a header
+    never names another operation's record.
     """
     what = f"{task.name}: the message's {HEADER} header"
     check_text(what, header, MAX_KEY_LENGTH)

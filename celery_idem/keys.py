@@ -2,10 +2,9 @@
 
 A key is ``f"{operation}:{sha256(canonical_json)[:32]}"`` where the canonical JSON is
 ``json.dumps({"op": operation, "id": business_id, **fields}, sort_keys=True, separators=(",", ":"))``
-after each value has been put into its canonical form (:func:`canonical`; the table of forms is
-in docs/concepts.md, "Key"). Anything without a form raises ``TypeError`` naming the field, so a
-key is never built from ``repr()`` (which differs between processes). The forms are pinned by
-golden vectors in the test suite.
+after each value has been put into its canonical form (:func:`canonical`; the forms are in
+docs/concepts.md, "Key"). Anything without a form raises ``TypeError`` naming the field, so a
+key is never built from ``repr()`` (which differs between processes).
 """
 
 from __future__ import annotations

@@ -185,14 +185,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             kwargs: The call's keyword arguments.
             idempotency_key: A per-call key, as passed to ``apply_async``.
             idempotency_scope: A scope, as passed to ``apply_async``.
-            at: With ``idempotency_period``, the enqueue time whose slot the key gets (Unix
-                seconds or an aware datetime; default: now). Ignored without a period, and for
-                a per-call key.
+            at: With ``idempotency_period``, the enqueue time whose slot a derived key gets (Unix
+                seconds or an aware datetime; default: now).
 
         Raises:
             TypeError: The arguments do not match the task's signature (and the task checks
                 them: ``typing``), or a value that is part of the key has no canonical form.
-            InvalidKey: The per-call key or the scope is not usable (the message says why).
+            InvalidKey: The per-call key or the scope is not usable.
             ValueError: ``at`` is a naive datetime.
         """
         return identity.identify(self, args, kwargs, idempotency_key, idempotency_scope, at)[0]
@@ -241,8 +240,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to the business
                 database; None on Django (the block is ``transaction.atomic(using=using)``).
             commit: False: the receipt joins a transaction the caller commits.
-            table: The receipts table (default ``idempotency_receipts_table``, else
-                ``celery_idem_receipts``).
+            table: The receipts table (default ``idempotency_receipts_table``, else ``celery_idem_receipts``).
             using: On Django, the ``DATABASES`` alias of the writes (default ``"default"``).
 
         Raises:
@@ -408,13 +406,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         else:
             key, per_call = identity.header_key(self, header)
             digest = identity.fingerprint_of(self, args, kwargs, per_call)
-        attempt = Attempt(
-            key=key,
-            task_id=req.id or "",
-            attempt=req.retries or 0,
-            owner=owner_id(),
-            payload_hash=digest,
-        )
+        attempt = Attempt(key=key, task_id=req.id or "", attempt=req.retries or 0, owner=owner_id(),
+                          payload_hash=digest)
         req.idempotency_key_ = key
         call_body = super().__call__
         if not (req.is_eager or req.called_directly) and \

@@ -1,10 +1,4 @@
-"""What celery_idem keeps per Celery app and per process: the store, the owner, events, start checks.
-
-:func:`get_store` (built once per app), :func:`owner_id` (``host:pid``), :func:`emit_decision`
-and :func:`emit_answer` (a decision to the log, the observers and, when the process sends
-events, a Celery event), and :func:`check_worker`, the ``worker_init`` hook that refuses a
-misconfigured store or time limit and warns about what only degrades.
-"""
+"""What celery_idem keeps per Celery app and per process: the store, the owner, events, start checks."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ import logging
 import os
 import socket
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -54,9 +49,6 @@ for _name in BUNDLED_OBSERVERS:
 _stores: weakref.WeakKeyDictionary[Celery, Store] = weakref.WeakKeyDictionary()
 _events_on: weakref.WeakSet[Celery] = weakref.WeakSet()
 _owner = f"{socket.gethostname()}:{os.getpid()}"
-
-
-# -- the store -----------------------------------------------------------------------------------
 
 
 def get_store(app: Celery) -> Store:
@@ -102,18 +94,10 @@ def _close_quietly(store: Store) -> None:
 
 
 def forget_store(app: Celery) -> Store | None:
-    """Drop ``app``'s cached store (not closed) and settings, so :func:`get_store` builds anew.
-
-    For tests and tools that change an app's settings; a task keeps its gate's store.
-
-    Returns:
-        The store that was cached, or None.
-    """
+    """Drop ``app``'s cached store (not closed; returned, or None) and settings, so
+    :func:`get_store` builds anew (for tests and tools; a task keeps its gate's store)."""
     forget_settings(app)
     return _stores.pop(app, None)
-
-
-# -- the owner -----------------------------------------------------------------------------------
 
 
 def owner_id() -> str:
@@ -126,9 +110,6 @@ def owner_id() -> str:
     if not _owner.endswith(f":{pid}"):  # forked worker child
         _owner = f"{socket.gethostname()}:{pid}"
     return _owner
-
-
-# -- events --------------------------------------------------------------------------------------
 
 
 def events_enabled(app: Celery) -> bool:
@@ -160,11 +141,9 @@ def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: 
 def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_task_id: str,
                 result_id: str, record_state: str) -> None:
     """Report a decision ``apply_async`` made from a record or a queued message's reservation
-    (``record_state="reserved"``, token 0): nothing was published.
-
-    A log line, and a ``task-idempotency`` event under the returned result's id only when this
-    process sends events (``idempotency_events``, ``task_send_sent_event``, a worker's ``-E``).
-    """
+    (``record_state="reserved"``, token 0): a log line, the observers, and a ``task-idempotency``
+    event under the result's id when this process sends events (``idempotency_events``,
+    ``task_send_sent_event``, a worker's ``-E``)."""
     app = task.app
     conf = app.conf
     extra = {"record_state": record_state, "at": "enqueue"}
@@ -192,24 +171,18 @@ def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_tas
 # is set up (celeryd_after_setup), or at worker_shutdown if the worker stops before that.
 
 
-class _Hold(logging.Filter):
-    """Keeps the ``celery_idem`` logger's records instead of letting them through."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        self.records.append(record)
-        return False
-
-
-_held: weakref.WeakKeyDictionary[Celery, tuple[_Hold, int]] = weakref.WeakKeyDictionary()
+_Held = tuple[Callable[[logging.LogRecord], bool], list[logging.LogRecord], int]
+_held: weakref.WeakKeyDictionary[Celery, _Held] = weakref.WeakKeyDictionary()
 
 
 def _hold_logs(app: Celery) -> None:
-    hold = _Hold()
-    _held[app] = (hold, logger.level)
+    records: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:  # a filter that keeps what it stops
+        records.append(record)
+        return False
+
+    _held[app] = (hold, records, logger.level)
     # Every level is kept: what is shown is decided on release, at the level Celery sets up.
     logger.setLevel(logging.DEBUG)
     logger.addFilter(hold)
@@ -220,10 +193,10 @@ def release_held_logs(app: Celery) -> None:
     held = _held.pop(app, None)
     if held is None:
         return
-    hold, level = held
+    hold, records, level = held
     logger.removeFilter(hold)
     logger.setLevel(level)
-    for record in hold.records:
+    for record in records:
         if logger.isEnabledFor(record.levelno):
             logger.handle(record)
 
@@ -275,13 +248,10 @@ def check_pool(sender: Any, app: Celery) -> None:
 def check_worker(sender: Any = None, **_: Any) -> None:
     """Celery's ``worker_init`` hook: switch events on, and check the store, pool and time limits.
 
-    Fails the worker at start-up, not at the first message, when the store or a time limit is
-    misconfigured (``celery_idem.probe``, ``idempotency_require_durable_store``); warns once
-    about what only degrades.
-
-    Raises:
-        SystemExit: The store or a time limit is misconfigured (the reason is logged at
-            CRITICAL): Celery logs and swallows other exceptions raised by signal handlers.
+    A misconfigured store or time limit (``celery_idem.probe``,
+    ``idempotency_require_durable_store``) stops the worker at start-up with ``SystemExit``,
+    logged at CRITICAL (Celery swallows other exceptions of signal handlers); what only
+    degrades is warned about once.
     """
     app = getattr(sender, "app", None)
     if app is None:

@@ -1,9 +1,6 @@
-"""Attach at enqueue: a copy of an action under way publishes nothing and follows it.
-
-An enqueue whose key is in progress (a live claim), or reserved by a message still queued
-(:meth:`celery_idem.stores.base.Store.reserve`), does not publish a copy that would only find
-the key busy: it returns an :class:`AttachedResult` of the attempt it attached to.
-"""
+"""Attach at enqueue: an enqueue whose key is in progress (a live claim) or reserved by a message
+still queued (``Store.reserve``) publishes no copy that would only find the key busy: it returns
+an :class:`AttachedResult` of the attempt it attached to."""
 
 from __future__ import annotations
 
@@ -55,18 +52,14 @@ def attach(
     args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
     fingerprint: Callable[[], str | None],
 ) -> AttachedResult | None:
-    """Attach this enqueue to the action ``found`` (a record in progress, or a queued message's
-    reservation) shows under way; None: publish instead.
+    """Attach this enqueue to the action ``found`` shows under way; None: publish instead.
 
     Raises:
-        IdempotencyKeyMismatch: The action under way was enqueued with other identifying
-            arguments (its fingerprint differs, or it has none to compare).
+        IdempotencyKeyMismatch: The action under way has another fingerprint (or none).
     """
     if isinstance(found, Record):
-        if found.state is not State.IN_PROGRESS:
-            return None
-        if not _live(found):
-            return None  # its holder is gone: this message takes over
+        if found.state is not State.IN_PROGRESS or not _live(found):
+            return None  # not under way, or its holder is gone: this message takes over
         stored, holder, token, state = found.payload_hash, found.task_id, found.token, "in_progress"
     else:
         stored, holder, token, state = found.fingerprint, found.task_id, 0, "reserved"
@@ -107,8 +100,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
     follows that message. Revoking it revokes the shared action.
 
     Attributes:
-        id: The task id of the attempt it attached to (the holder's, or the reserved
-            message's).
+        id: The task id of the attempt it attached to (the holder's, or the reserved message's).
         original_task_id: The same task id.
         idempotency_key: The key.
         attached: True (a published call's result has no such attribute).

@@ -9,7 +9,6 @@ for shared task defaults, subclass :class:`~celery_idem.IdempotentTask`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import importlib
 import inspect
@@ -24,7 +23,6 @@ from . import accel
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
 
 __all__ = [
-    "ACCELERATE_ENV",
     "DEFAULT_PREFIX",
     "KNOWN_OPTIONS",
     "MIN_LEASE",
@@ -35,29 +33,8 @@ __all__ = [
     "default_release_on",
     "forget_settings",
     "near_miss",
-    "read_settings",
     "settings",
 ]
-
-#: Every ``idempotency_*`` task option. Any other attribute with that prefix is a typo and is
-#: rejected when the task class is created (Celery itself would accept it silently).
-KNOWN_OPTIONS = frozenset(
-    {
-        "idempotency_fields",
-        "idempotency_key_func",
-        "idempotency_operation",
-        "idempotency_ttl",
-        "idempotency_lease",
-        "idempotency_release_on",
-        "idempotency_terminal_on",
-        "idempotency_validate",
-        "idempotency_wait",
-        "idempotency_record_timeout",
-        "idempotency_check_on_enqueue",
-        "idempotency_fingerprint",
-        "idempotency_period",
-    }
-)
 
 #: Attributes with the prefix that are not options (set by the library at run time).
 _RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempotency_config"})
@@ -92,13 +69,8 @@ def default_release_on() -> tuple[type[BaseException], ...]:
     return tuple(dict.fromkeys(found))
 
 
-#: The shortest lease: it is renewed every third of it, so a shorter one leaves less than a third
-#: of a second for a store round trip (or a pause of the process) before a duplicate may take
-#: over a holder that is alive.
+#: The shortest lease and the shortest ``idempotency_period`` (:func:`resolve`'s messages say why).
 MIN_LEASE = 0.5
-
-#: The shortest ``idempotency_period``: two senders of one tick (two beat processes) are
-#: usually up to a second or so apart, and a slot collapses only sends within half a period.
 MIN_PERIOD = 1.0
 
 DEFAULT_TERMINAL_ON: tuple[type[BaseException], ...] = (TerminalError, IdempotencyKeyMismatch)
@@ -120,9 +92,12 @@ class IdempotencyConfig:
     record_timeout: float
     check_on_enqueue: bool = True
     fingerprint: bool = True
-    #: Seconds of a schedule slot: a derived key gains the slot its enqueue falls in (None: no
-    #: slot). See :func:`celery_idem.keys.period_slot`.
+    #: Seconds of a schedule slot (None: no slot); see :func:`celery_idem.keys.period_slot`.
     period: float | None = None
+
+
+#: Every ``idempotency_*`` task option: one per :class:`IdempotencyConfig` field.
+KNOWN_OPTIONS = frozenset(f"idempotency_{f.name}" for f in dataclasses.fields(IdempotencyConfig))
 
 
 def _exception_tuple(name: str, value: Any) -> tuple[type[BaseException], ...]:
@@ -148,8 +123,7 @@ _MIN_ABBREVIATION = 4
 
 
 def _distance(a: str, b: str) -> int:
-    """Edit distance between ``a`` and ``b``, a swap of two adjacent letters counting as one
-    (optimal string alignment: the typos a keyboard makes, ``feilds``)."""
+    """Edit distance (optimal string alignment: a swap of adjacent letters, ``feilds``, is one)."""
     previous2: list[int] = []
     previous = list(range(len(b) + 1))
     for i, ca in enumerate(a, 1):
@@ -162,11 +136,12 @@ def _distance(a: str, b: str) -> int:
     return previous[-1]
 
 
-def _close_suffix(tail: str, suffixes: dict[str, str]) -> str | None:
+def _close_suffix(tail: str) -> str | None:
     """The option whose suffix (after ``idempotency_``) ``tail`` is, give or take one typo for a
     suffix of up to four letters (two edits from ``ttl`` reach many ordinary words), two else."""
     best: tuple[int, str] | None = None
-    for suffix, option in suffixes.items():
+    for option in sorted(KNOWN_OPTIONS):
+        suffix = option.removeprefix(f"{_PREFIX}_")
         d = _distance(tail, suffix)
         if d <= (1 if len(suffix) <= 4 else 2) and (best is None or d < best[0]):
             best = (d, option)
@@ -174,16 +149,13 @@ def _close_suffix(tail: str, suffixes: dict[str, str]) -> str | None:
 
 
 def near_miss(name: str) -> str | None:
-    """The option ``name`` was probably meant to be, for a name without the exact prefix.
+    """The option ``name`` (without the exact prefix) was probably meant to be, or None.
 
-    A name is a near miss when it is within two edits of an option (``idempotencyfields``), or
-    when what precedes its first ``_`` is the prefix misspelt or abbreviated (``idempotancy_``,
-    ``idempotent_``, ``idem_``) and what follows is an option's suffix, give or take a typo
-    (``idem_feilds``). Celery's own task attributes, private names (``_x``) and names merely
-    sharing a word with an option (``fields``, ``idempotent_transaction``) are not.
-
-    Returns:
-        The option meant, or None.
+    A near miss is within two edits of an option (``idempotencyfields``), or is the prefix
+    misspelt or abbreviated (``idempotancy_``, ``idempotent_``, ``idem_``) before its first ``_``
+    and an option's suffix, give or take a typo, after it (``idem_feilds``). Celery's own task
+    attributes, private names and names merely sharing a word with an option (``fields``,
+    ``idempotent_transaction``) are not.
     """
     if name.startswith("_") or name.startswith(f"{_PREFIX}_"):
         return None  # private, or handled as an unknown option by check_options
@@ -196,25 +168,16 @@ def near_miss(name: str) -> str | None:
     abbreviation = len(head) >= _MIN_ABBREVIATION and _PREFIX.startswith(head)
     if not (abbreviation or _distance(head, _PREFIX) <= 2):
         return None
-    return _close_suffix(tail, {o.removeprefix(f"{_PREFIX}_"): o for o in KNOWN_OPTIONS})
+    return _close_suffix(tail)
 
 
 def check_options(owner: str, namespace: Iterable[str]) -> None:
-    """Reject unknown ``idempotency_*`` names and near misses, naming the option meant.
+    """Reject unknown ``idempotency_*`` names and near misses (:func:`near_miss`) of options in
+    ``namespace`` (``vars(cls)``), naming the option meant, with ``ImproperlyConfigured``.
 
-    A near miss (:func:`near_miss`) is refused as firmly as an unknown ``idempotency_*`` name:
     Celery keeps any ``@app.task`` keyword as an attribute without a word, so a misspelt
     ``idempotency_fields`` would silently key on every argument.
-
-    Args:
-        owner: Name of the task (or class), for messages.
-        namespace: The names defined on the task class (``vars(cls)``).
-
-    Raises:
-        ImproperlyConfigured: A name starts with ``idempotency_`` and is not an option, or is a
-            near miss of an option.
     """
-    suffixes = {option.removeprefix("idempotency_"): option for option in KNOWN_OPTIONS}
     for name in namespace:
         if name.startswith("idempotency_") and name not in KNOWN_OPTIONS | _RUNTIME_ATTRIBUTES:
             if name in _APP_SETTINGS:
@@ -223,10 +186,8 @@ def check_options(owner: str, namespace: Iterable[str]) -> None:
                     f"app.conf.{name} instead"
                 )
             # Compare what follows the shared prefix, or every name would look close.
-            close = difflib.get_close_matches(
-                name.removeprefix("idempotency_"), sorted(suffixes), n=1, cutoff=0.75
-            )
-            hint = f" Did you mean {suffixes[close[0]]!r}?" if close else ""
+            close = _close_suffix(name.removeprefix(f"{_PREFIX}_"))
+            hint = f" Did you mean {close!r}?" if close else ""
             raise ImproperlyConfigured(
                 f"{owner}: unknown option {name!r}.{hint} Known options: "
                 f"{', '.join(sorted(KNOWN_OPTIONS))}"
@@ -242,16 +203,8 @@ def check_options(owner: str, namespace: Iterable[str]) -> None:
 
 
 def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> IdempotencyConfig:
-    """Check every option's value and freeze them into an :class:`IdempotencyConfig`.
-
-    Args:
-        owner: Name of the task, for messages.
-        attrs: The task (class or instance) whose ``idempotency_*`` attributes are read.
-        signature: The body's signature, to check ``idempotency_fields`` names against.
-
-    Raises:
-        ImproperlyConfigured: An option has a wrong type or value; the message names it.
-    """
+    """Check the options of ``attrs`` (a task class or instance; ``idempotency_fields`` against
+    ``signature``) and freeze them, or raise ``ImproperlyConfigured`` naming the option."""
     fields = attrs.idempotency_fields
     if fields is not None:
         if isinstance(fields, str):
@@ -281,9 +234,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
     if key_func is not None and not callable(key_func):
         raise ImproperlyConfigured(f"{owner}: idempotency_key_func must be callable")
     if key_func is not None and fields is not None:
-        raise ImproperlyConfigured(
-            f"{owner}: set idempotency_fields or idempotency_key_func, not both"
-        )
+        raise ImproperlyConfigured(f"{owner}: set idempotency_fields or idempotency_key_func, not both")
     operation = attrs.idempotency_operation or owner
     if not isinstance(operation, str) or not operation or not operation.isprintable():
         raise ImproperlyConfigured(
@@ -311,34 +262,29 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
             f"{owner}: idempotency_ttl ({ttl:g} s) must be at least idempotency_lease "
             f"({lease:g} s), or a record could vanish while its claim is live"
         )
-    period = _period(owner, getattr(attrs, "idempotency_period", None), ttl)
+    period = _period(owner, attrs.idempotency_period, ttl)
     release_on = attrs.idempotency_release_on
-    release = default_release_on() if release_on is None else _exception_tuple(
-        "idempotency_release_on", release_on
-    )
-    terminal = _exception_tuple("idempotency_terminal_on", attrs.idempotency_terminal_on)
+    if release_on is not None:
+        release_on = _exception_tuple("idempotency_release_on", release_on)
     return IdempotencyConfig(
         operation=operation,
         fields=fields,
         key_func=key_func,
         ttl=ttl,
         lease=lease,
-        release_on=release,
-        terminal_on=terminal,
+        release_on=default_release_on() if release_on is None else release_on,
+        terminal_on=_exception_tuple("idempotency_terminal_on", attrs.idempotency_terminal_on),
         validate=bool(attrs.idempotency_validate),
         wait=_positive("idempotency_wait", attrs.idempotency_wait, zero_ok=True),
         record_timeout=_positive("idempotency_record_timeout", attrs.idempotency_record_timeout),
-        check_on_enqueue=_flag(owner, "idempotency_check_on_enqueue",
-                               getattr(attrs, "idempotency_check_on_enqueue", True)),
-        fingerprint=_flag(owner, "idempotency_fingerprint",
-                          getattr(attrs, "idempotency_fingerprint", True)),
+        check_on_enqueue=_flag(owner, "idempotency_check_on_enqueue", attrs.idempotency_check_on_enqueue),
+        fingerprint=_flag(owner, "idempotency_fingerprint", attrs.idempotency_fingerprint),
         period=period,
     )
 
 
 def _period(owner: str, value: Any, ttl: float) -> float | None:
-    """``idempotency_period``: None, or a finite number of seconds of at least :data:`MIN_PERIOD`
-    that the record outlives (``idempotency_ttl`` >= the period)."""
+    """``idempotency_period``, checked: None, or finite seconds in [MIN_PERIOD, ttl]."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -371,33 +317,23 @@ def _flag(owner: str, name: str, value: Any) -> bool:
 #: The key prefix when ``idempotency_key_prefix`` is not set: the one place this literal lives.
 DEFAULT_PREFIX = "celery-idem:"
 
-#: The environment variable that turns every acceleration off (:func:`celery_idem.accel.enabled`).
-ACCELERATE_ENV = accel.ENV
-
-
 @dataclass(frozen=True)
 class Settings:
-    """The ``idempotency_*`` app settings of one app, read once (see :func:`settings`)."""
+    """The ``idempotency_*`` app settings of one app, read once (see :func:`settings`).
 
-    #: ``idempotency_store``: a store URL or a :class:`~celery_idem.stores.base.Store`; None
-    #: means the ``result_backend`` URL.
+    Each field is the setting ``idempotency_<field>`` (docs/configuration.md, "App settings"):
+    ``store`` None means the ``result_backend`` URL, ``store_options`` is read-only, and
+    ``accelerate`` is also off when ``CELERY_IDEM_ACCELERATE`` says so.
+    """
+
     store: Any = None
-    #: ``idempotency_key_prefix``: what keeps the keys of apps sharing a store apart.
     key_prefix: str = DEFAULT_PREFIX
-    #: ``idempotency_store_options``: extra keyword arguments for the store's client (read-only).
     store_options: Mapping[str, Any] | None = None
-    #: ``idempotency_events``: producers and operators send ``task-idempotency`` events.
     events: bool = False
-    #: ``idempotency_receipts_table``: the receipts table (None: the default table).
     receipts_table: str | None = None
-    #: ``idempotency_fold_results``: off only when the setting is False.
     fold_results: bool = True
-    #: ``idempotency_require_durable_store``: refuse to start on a store that may lose records.
     require_durable_store: bool = False
-    #: ``idempotency_log_answers``: answers log at INFO; off only when the setting is False.
     log_answers: bool = True
-    #: ``idempotency_accelerate`` and ``CELERY_IDEM_ACCELERATE``: the accelerations of
-    #: ``celery_idem/accel/`` are used; off when either says so.
     accelerate: bool = True
 
 
@@ -407,31 +343,28 @@ _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary(
 _APP_SETTINGS = frozenset(f"idempotency_{f.name}" for f in dataclasses.fields(Settings))
 
 
-def read_settings(conf: Mapping[str, Any]) -> Settings:
-    """Read a :class:`Settings` from an app's configuration (``app.conf``) and the environment, now."""
-    options = conf.get("idempotency_store_options")
-    return Settings(
-        store=conf.get("idempotency_store"),
-        key_prefix=conf.get("idempotency_key_prefix") or DEFAULT_PREFIX,
-        store_options=MappingProxyType(dict(options)) if options else None,
-        events=bool(conf.get("idempotency_events")),
-        receipts_table=conf.get("idempotency_receipts_table") or None,
-        fold_results=conf.get("idempotency_fold_results") is not False,
-        require_durable_store=bool(conf.get("idempotency_require_durable_store")),
-        log_answers=conf.get("idempotency_log_answers", True) is not False,
-        accelerate=accel.enabled(conf.get("idempotency_accelerate", True) is not False),
-    )
-
-
 def settings(app: Any) -> Settings:
     """The ``idempotency_*`` settings of ``app`` (a Celery app), read at the first call.
 
-    Every ``idempotency_*`` app setting the package uses is read here and nowhere else; a
-    change of ``app.conf`` after the first call is not seen (see :func:`forget_settings`).
+    Every ``idempotency_*`` app setting the package uses is read here (with the environment's
+    ``CELERY_IDEM_ACCELERATE``) and nowhere else; a change of ``app.conf`` after the first call
+    is not seen (see :func:`forget_settings`).
     """
     found = _settings.get(app)
     if found is None:
-        found = _settings[app] = read_settings(app.conf)
+        conf = app.conf
+        options = conf.get("idempotency_store_options")
+        found = _settings[app] = Settings(
+            store=conf.get("idempotency_store"),
+            key_prefix=conf.get("idempotency_key_prefix") or DEFAULT_PREFIX,
+            store_options=MappingProxyType(dict(options)) if options else None,
+            events=bool(conf.get("idempotency_events")),
+            receipts_table=conf.get("idempotency_receipts_table") or None,
+            fold_results=conf.get("idempotency_fold_results") is not False,
+            require_durable_store=bool(conf.get("idempotency_require_durable_store")),
+            log_answers=conf.get("idempotency_log_answers", True) is not False,
+            accelerate=accel.enabled(conf.get("idempotency_accelerate", True) is not False),
+        )
     return found
 
 

@@ -1,11 +1,4 @@
-"""The worker side of the seam: one delivery through the gate, its re-queue, its result write.
-
-``IdempotentTask.__call__`` hands the :class:`~celery_idem.gate.Attempt` and the body to
-:func:`deliver`, which runs them through the gate under the request's time limit, turns a busy
-key or a store outage into a re-published message (:func:`requeue`; in eager mode or a direct
-call, another round in place or the error), and stores the result with the task's result
-writer when it has one (``celery_idem/results.py``).
-"""
+"""The worker side of the seam: one delivery through the gate, its re-queue, its result write."""
 
 from __future__ import annotations
 
@@ -39,19 +32,11 @@ BUSY_MAX = 5.0
 
 def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attempt,
             body: Callable[[int], Any], started: float) -> Any:
-    """Run ``body`` through ``gate`` for the current request of ``task``, and return its result.
-
-    ``body`` is called with the fencing token when this attempt wins the key; ``started`` is
-    ``time.monotonic()`` when the request started (time limits count from there).
-
-    Returns:
-        The body's result, or the recorded result of the attempt that ran it.
-
-    Raises:
-        Retry: The message was published again (busy key, store down); this attempt ends.
-        Reject: It could not be published again: handed back to the broker.
-        BaseException: What the gate raises otherwise.
-    """
+    """Run ``body`` (given the fencing token) through ``gate`` for ``task``'s current request,
+    under its time limit (counted from ``started``, a ``time.monotonic()``), and return the
+    body's result or the recorded one. A busy key or a store outage re-publishes the message
+    (:func:`requeue` raises ``Retry``, or ``Reject``); in eager mode or a direct call it waits
+    another round in place, or raises."""
     req = task.request
     local = req.is_eager or req.called_directly
     # No pool enforces a limit in the calling process (eager mode, a direct call).
@@ -101,12 +86,8 @@ def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> No
 
 
 def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None) -> NoReturn:
-    """Publish the current message again (same task id, same ``retries``) and end this attempt.
-
-    Raises:
-        Retry: Always, once published (Celery then acknowledges this delivery).
-        Reject: The message could not be published: handed back to the broker (requeue).
-    """
+    """Publish the current message again (same task id, same ``retries``) and raise ``Retry``
+    (Celery then acknowledges this delivery), or ``Reject(requeue=True)`` when it cannot."""
     req = task.request
     headers = dict(req.headers or {})
     headers[REQUEUES_HEADER] = int(headers.get(REQUEUES_HEADER, 0)) + 1

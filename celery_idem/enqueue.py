@@ -1,8 +1,6 @@
 """The producer side of the seam: an enqueue answered from the record, and unsendable arguments.
 
-:func:`check_enqueue` is what ``IdempotentTask.apply_async`` asks before publishing: a done (or
-failed) key is answered with a :class:`CachedResult` (:func:`answer_from_record`), a key under
-way is attached to (``attach.py``), else the message is published. The record is read first,
+:func:`check_enqueue` is what ``apply_async`` asks before publishing. The record is read first,
 or within the publish (an acceleration, plugged in at :func:`enqueue_check`).
 """
 
@@ -31,7 +29,7 @@ from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .gate import Gate
 from .identity import HEADER
 from .records import Record, Reservation, State
-from .results import ResultWriter, answer_task_id, recorded_outcome, store_answer
+from .results import ResultWriter, recorded_outcome, store_answer
 
 if TYPE_CHECKING:
     from celery import Task
@@ -124,7 +122,7 @@ class CachedResult(MetaHook, EagerResult):  # type: ignore[misc]
 
 
 def restore_cached(task_id: str, value: Any, state: str, name: str | None, key: str,
-                    original_task_id: str) -> CachedResult:
+                   original_task_id: str) -> CachedResult:
     """Unpickle (or copy) a :class:`CachedResult`, bound to the current app."""
     rec = Record(key=key, state=State.DONE if state == SUCCESS else State.FAILED, token=0,
                  task_id=original_task_id)
@@ -151,13 +149,8 @@ def answer_from_record(
     task_id: str | None = None, options: Mapping[str, Any] | None = None, *,
     arguments_hash: Callable[[], str | None], record: Record | None = None,
 ) -> CachedResult | None:
-    """The answer from the record for an enqueue of a done (or failed) key, or None: publish.
-
-    The record is read unless given; the answer is stored under a chosen task id
-    (:func:`celery_idem.results.store_answer`).
-
-    ``arguments_hash`` computes the call's fingerprint (None: the key has none), called only
-    once a done or failed record is found.
+    """The answer from the record (read unless given) for an enqueue of a done (or failed) key,
+    or None: publish. ``arguments_hash`` computes the call's fingerprint (None: it has none).
 
     Raises:
         IdempotencyKeyMismatch: The call has a fingerprint (a per-call key, or
@@ -189,7 +182,10 @@ def answer_from_record(
     app = task.app
     conf = app.conf
     eager = conf.task_always_eager
-    task_id = answer_task_id(task_id, rec.task_id)
+    if not (task_id or rec.task_id):
+        # The body ran in a direct call (task(...), celery.map): no task id, no stored result.
+        # The answer gets a new id, and the outcome is stored under it as under a chosen one.
+        task_id = str(uuid())
     if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
         # Someone may wait on this id (the caller, a chain, a parent): store the outcome under
         # it as Celery would; if that fails, publish, and the worker answers from the record.
@@ -243,15 +239,13 @@ def check_enqueue(
     producer: Any, options: dict[str, Any],
     fingerprint: Callable[[], str | None], publish: Callable[[Any, str], AsyncResult],
 ) -> AsyncResult | str | None:
-    """The enqueue check: what the key's record (or reservation) says about this enqueue.
-
-    Asked for a call that may be answered (not a retry, a re-queue or a canvas publish);
-    ``publish`` sends the message under the task id it is given.
+    """What the key's record (or reservation) says about an enqueue that may be answered (not a
+    retry, a re-queue or a canvas publish); ``publish`` sends the message under a given task id.
 
     Returns:
-        The answer (a published message's result, a :class:`CachedResult` from the record,
-        an :class:`~celery_idem.attach.AttachedResult` following the action under way); or
-        the task id the key was reserved for (publish it under that id); or None: publish.
+        The answer (a published message's result, a :class:`CachedResult`, an
+        :class:`~celery_idem.attach.AttachedResult`); or the task id the key was reserved for
+        (publish under it); or None: publish.
     """
     store = gate.store
     # A task id chosen beforehand (a frozen signature, a chain's next step) is waited on

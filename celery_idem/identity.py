@@ -1,14 +1,13 @@
 """A task's key identity: the key of a call, its fingerprint, and the key a message's header names.
 
 The key derivation of :class:`~celery_idem.task.IdempotentTask` (``idempotency_key_for`` is its
-public face). Each function takes the task and, where arguments are bound, their signature.
+public face). Arguments are bound to the task's business signature (``task._signature``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
-import inspect
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,8 +34,7 @@ from .keys import (
 )
 
 __all__ = ["ERRBACK_FIELD", "HEADER", "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request",
-           "fingerprint_of", "header_key", "identify", "key_arguments", "message_time",
-           "slot_fields"]
+           "fingerprint_of", "header_key", "identify", "message_time", "slot_fields"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
@@ -48,14 +46,12 @@ ERRBACK_FIELD = "$errback"
 
 
 def identify(
-    task: Any, signature: inspect.Signature | None, args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None, explicit: Any, scope: Any,
-    at: float | dt.datetime | None = None,
+    task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, explicit: Any,
+    scope: Any, at: float | dt.datetime | None = None,
 ) -> tuple[str, Callable[[], str | None]]:
-    """The call's key, and a function computing its fingerprint (None: not checked).
+    """The call's key, and a function computing its fingerprint (None: not checked) when asked.
 
-    The arguments are bound once for both; the fingerprint is computed only when asked. With
-    ``idempotency_period`` a derived key gains the slot of ``at`` (default: now; the header
+    With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now; the header
     carries the key, so retries and redeliveries keep the slot).
     """
     cfg = task.idempotency_config
@@ -64,7 +60,7 @@ def identify(
         check_scope(scope)
     if explicit is not None:
         key = caller_key(cfg.operation, explicit, scope)
-        return key, functools.partial(fingerprint_of, task, signature, args, kwargs, True)
+        return key, functools.partial(fingerprint_of, task, args, kwargs, True)
     if cfg.key_func is not None:
         identity = cfg.key_func(*args, **kwargs)
         if not isinstance(identity, str) or not identity:
@@ -74,9 +70,9 @@ def identify(
             )
         key = key_from_fields(cfg.operation, slot_fields(task, {}, at), identity)
         fingerprint: Callable[[], str | None] = functools.partial(
-            fingerprint_of, task, signature, args, kwargs, False)
+            fingerprint_of, task, args, kwargs, False)
     else:
-        bound = bind(task, signature, args, kwargs)
+        bound = bind(task, args, kwargs)
         fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
         if failed_request(args) is not None:
             # Handling a failure is an action of its own, apart from any ordinary call.
@@ -85,7 +81,13 @@ def identify(
 
         def fingerprint() -> str | None:
             return payload_hash(bound) if cfg.validate else None
-    return _check_key(task.name, scoped(key, cfg.operation, scope)), fingerprint
+    key = scoped(key, cfg.operation, scope)
+    if len(key) > MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
+        raise InvalidKey(
+            f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
+            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
+        )
+    return key, fingerprint
 
 
 def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None) -> dict[str, Any]:
@@ -98,8 +100,7 @@ def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | Non
 
 
 def fingerprint_of(
-    task: Any, signature: inspect.Signature | None, args: Sequence[Any],
-    kwargs: Mapping[str, Any], per_call: bool,
+    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], per_call: bool
 ) -> str | None:
     """The hash stored with the record and compared on every later use of its key.
 
@@ -108,10 +109,10 @@ def fingerprint_of(
     """
     cfg = task.idempotency_config
     if cfg.validate:
-        return payload_hash(bind(task, signature, args, kwargs))
+        return payload_hash(bind(task, args, kwargs))
     if not (per_call and cfg.fingerprint):
         return None
-    bound = bind(task, signature, args, kwargs)
+    bound = bind(task, args, kwargs)
     if UNBOUND_ARGS not in bound:
         bound = select_fields(bound, cfg.fields)
     return payload_hash(bound)
@@ -121,12 +122,9 @@ def header_key(task: Any, header: Any) -> tuple[str, bool]:
     """The stored key of a message's key header, and whether it is a per-call key.
 
     A message can be forged or written by another program, so the header is checked as a
-    caller's key is. A key of this task's operation is used as it is; anything else is a
-    caller's key of this operation, so a header never names another operation's record.
-
-    Raises:
-        InvalidKey: The header is not a str, is empty, too long or has control characters;
-            nothing is claimed or stored under it.
+    caller's key is (``InvalidKey``: nothing is claimed or stored). A key of this task's
+    operation is used as it is; anything else is a caller's key of this operation, so a header
+    never names another operation's record.
     """
     what = f"{task.name}: the message's {HEADER} header"
     check_text(what, header, MAX_KEY_LENGTH)
@@ -139,32 +137,23 @@ def header_key(task: Any, header: Any) -> tuple[str, bool]:
     return caller_key(operation, header), True
 
 
-def key_arguments(
-    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> tuple[Sequence[Any], Mapping[str, Any]]:
-    """The arguments as the key sees them: as Celery sends them, whoever calls.
-
-    A new-style errback's request, exception and traceback become the failed task's id, None
-    and None (the id names the failure). A ``pydantic=True`` task's models are dumped as
-    ``apply_async`` dumps them, so ``apply()``, ``delay()`` and a worker agree.
-    """
-    failed = failed_request(args)
-    if failed is not None:
-        args = (failed.id, *(None for _ in args[1:3]), *args[3:])
-    return dump_pydantic_arguments(task, args, kwargs)  # not switched: the key is made of them
-
-
 def bind(
-    task: Any, signature: inspect.Signature | None, args: Sequence[Any],
-    kwargs: Mapping[str, Any], *, as_sent: bool = True,
+    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, as_sent: bool = True
 ) -> dict[str, Any]:
-    """The call's arguments by parameter name (``as_sent``: as :func:`key_arguments` sees them).
+    """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls).
 
     Raises:
         TypeError: They do not bind, and the task checks its arguments (``typing``).
     """
     if as_sent:
-        args, kwargs = key_arguments(task, args, kwargs)
+        # A new-style errback's request, exception and traceback become the failed task's id,
+        # None and None (the id names the failure); a pydantic=True task's models are dumped as
+        # apply_async dumps them, so apply(), delay() and a worker agree.
+        failed = failed_request(args)
+        if failed is not None:
+            args = (failed.id, *(None for _ in args[1:3]), *args[3:])
+        args, kwargs = dump_pydantic_arguments(task, args, kwargs)  # not switched: keys use them
+    signature = task._signature
     if signature is None:
         return {"args": list(args), "kwargs": dict(kwargs)}
     try:
@@ -219,12 +208,3 @@ def message_time(request: Any) -> float | None:
         return float(stamp)
     return None
 
-
-def _check_key(task: str, key: str) -> str:
-    """A derived key (as long as its operation makes it) must fit the stores' column."""
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidKey(
-            f"{task}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
-            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
-        )
-    return key

@@ -2,10 +2,9 @@
 
 A key is ``f"{operation}:{sha256(canonical_json)[:32]}"`` where the canonical JSON is
 ``json.dumps({"op": operation, "id": business_id, **fields}, sort_keys=True, separators=(",", ":"))``
-after each value has been put into its canonical form (:func:`canonical`; the table of forms is
-in docs/concepts.md, "Key"). Anything without a form raises ``TypeError`` naming the field, so a
-key is never built from ``repr()`` (which differs between processes). The forms are pinned by
-golden vectors in the test suite.
+after each value has been put into its canonical form (:func:`canonical`; the forms are in
+docs/concepts.md, "Key"). Anything without a form raises ``TypeError`` naming the field, so a
+key is never built from ``repr()`` (which differs between processes).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import hashlib
 import inspect
 import math
 import sys
+import unicodedata
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -27,7 +27,6 @@ from .accel.json_encode import make_encode
 from .exceptions import InvalidKey
 
 __all__ = [
-    "InvalidKey",
     "KeyParts",
     "bind_arguments",
     "caller_key",
@@ -194,7 +193,10 @@ def canonical(value: Any, path: str = "value") -> Any:
         return format(value.normalize(exact), "f")
     if isinstance(value, uuid.UUID):
         return str(value)
-    if _is_pydantic_model(value):
+    # pydantic is looked up, not imported: it is optional, and a program that never imported it
+    # cannot pass a model.
+    model = getattr(sys.modules.get("pydantic"), "BaseModel", None)
+    if model is not None and isinstance(value, model):
         try:
             # mode="json" is Celery's own dump (pydantic=True): the worker, which gets the dict,
             # derives the same key as the producer, which had the model.
@@ -218,14 +220,6 @@ def canonical(value: Any, path: str = "value") -> Any:
     )
 
 
-def _is_pydantic_model(value: Any) -> bool:
-    # Look pydantic up instead of importing it: it is optional, and a program that never
-    # imported it cannot pass a model.
-    pydantic = sys.modules.get("pydantic")
-    model = getattr(pydantic, "BaseModel", None)
-    return model is not None and isinstance(value, model)
-
-
 def bind_arguments(
     signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -235,75 +229,15 @@ def bind_arguments(
     Raises:
         TypeError: The call does not match the signature (as calling the function would).
     """
-    binder = _BINDERS.get(id(signature))
-    if binder is None or binder.signature is not signature:
-        if len(_BINDERS) >= _MAX_BINDERS:  # signatures made on the fly: never grow without bound
-            _BINDERS.clear()
-        binder = _BINDERS[id(signature)] = _Binder(signature)
-    bound = binder.bind(args, kwargs)
-    if bound is not None:
-        return bound
-    # Anything the binder does not take: inspect decides, and words the error.
-    full = signature.bind(*args, **kwargs)
-    full.apply_defaults()
-    return dict(full.arguments)
-
-
-class _Binder:
-    """``Signature.bind`` + ``apply_defaults``, prepared once, for signatures of positional-or-
-    keyword and keyword-only parameters; :meth:`bind` returns None for any call it does not bind
-    exactly as inspect would."""
-
-    __slots__ = ("defaults", "n_positional", "names", "signature", "simple")
-
-    def __init__(self, signature: inspect.Signature) -> None:
-        self.signature = signature
-        params = list(signature.parameters.values())
-        kinds = {p.kind for p in params}
-        self.simple = kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                inspect.Parameter.KEYWORD_ONLY}
-        self.names = tuple(p.name for p in params)
-        self.n_positional = sum(1 for p in params
-                                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
-
-    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
-        n = len(args)
-        if not self.simple or n > self.n_positional:
-            return None
-        names, defaults = self.names, self.defaults
-        if kwargs:
-            given = names[:n]
-            for name in kwargs:
-                if name in given or name not in names:  # twice, or no such parameter
-                    return None
-        # In parameter order, as inspect's arguments after apply_defaults.
-        out = dict(zip(names, args, strict=False))  # args may be fewer than names
-        for name in names[n:]:
-            if name in kwargs:
-                out[name] = kwargs[name]
-            elif name in defaults:
-                out[name] = defaults[name]
-            else:
-                return None  # a required argument is missing: inspect raises
-        return out
-
-
-#: Prepared binders by ``id(signature)`` (each keeps its signature, so a reused id is noticed).
-_BINDERS: dict[int, _Binder] = {}
-_MAX_BINDERS = 1024
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def signature_of(run: Any) -> inspect.Signature | None:
-    """The business signature of a task body: what a caller passes (``self`` left out).
-
-    Args:
-        run: A task's ``run`` (a function, a bound method or a ``staticmethod``), or None.
-
-    Returns:
-        The signature without the ``self`` of an unbound ``bind=True`` body, or None when
-        there is no body or its signature cannot be read (a builtin, say).
-    """
+    """The business signature of a task's ``run`` (a function, a bound method or a
+    ``staticmethod``): what a caller passes, without the ``self`` of an unbound ``bind=True``
+    body. None when there is no body or its signature cannot be read (a builtin, say)."""
     if isinstance(run, staticmethod):
         run = run.__func__
     if run is None:
@@ -319,9 +253,7 @@ def signature_of(run: Any) -> inspect.Signature | None:
     return sig
 
 
-def select_fields(
-    arguments: Mapping[str, Any], fields: Iterable[str] | None
-) -> dict[str, Any]:
+def select_fields(arguments: Mapping[str, Any], fields: Iterable[str] | None) -> dict[str, Any]:
     """Narrow bound arguments to ``fields`` (all of them when ``fields`` is None)."""
     if fields is None:
         return dict(arguments)
@@ -366,20 +298,16 @@ def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
             f"{what} is {len(value)} characters; the limit is {limit} (hash long identities "
             f"with celery_idem.idempotency_key)"
         )
-    if not value.isprintable() and not _only_spaces_unprintable(value):
-        at, ch = next((i, c) for i, c in enumerate(value) if not c.isprintable() and c != " ")
-        raise InvalidKey(
-            f"{what} has the control or format character U+{ord(ch):04X} at position {at}; keys "
-            f"are printable text"
-        )
+    if not value.isprintable():
+        # str.isprintable() is False for non-ASCII spaces (Zs) too, which a terminal prints.
+        bad = next(((i, c) for i, c in enumerate(value)
+                    if not c.isprintable() and unicodedata.category(c) != "Zs"), None)
+        if bad is not None:
+            raise InvalidKey(
+                f"{what} has the control or format character U+{ord(bad[1]):04X} at position "
+                f"{bad[0]}; keys are printable text"
+            )
     return value
-
-
-def _only_spaces_unprintable(value: str) -> bool:
-    # str.isprintable() is False for non-ASCII spaces (Zs) too, which a terminal prints.
-    import unicodedata
-
-    return all(c.isprintable() or unicodedata.category(c) == "Zs" for c in value)
 
 
 def check_scope(scope: Any) -> str:

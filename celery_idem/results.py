@@ -1,10 +1,8 @@
 """A task's result writer (the seam of the result fold), and the producer's answer write.
 
 The plain path is Celery's own: the tracer stores the task's value. The result fold is an
-acceleration (:mod:`celery_idem.accel.redis_results`, :mod:`celery_idem.accel.db_results`):
-the result written in the record's own round trip (``Store.record_with``), or directly without
-the backend's ``GET``. :func:`store_answer` stores an enqueue's answer from the record under a
-task id someone chose, so whoever waits on it hears.
+acceleration (``accel/redis_results.py``, ``accel/db_results.py``): the result written in the
+record's own round trip (``Store.record_with``), or directly without the backend's ``GET``.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery.states import FAILURE, SUCCESS
-from kombu.utils.uuid import uuid
 
 from .accel.celery_compat import get_actual_ignore_result
 from .config import settings
@@ -23,18 +20,15 @@ from .stores.base import BackendWrite, Store
 if TYPE_CHECKING:
     from .codec import Codec
 
-__all__ = ["ResultWriter", "answer_task_id", "recorded_outcome", "result_writer", "store_answer"]
+__all__ = ["ResultWriter", "recorded_outcome", "result_writer", "store_answer"]
 
 logger = logging.getLogger("celery_idem")
 
 
 class ResultWriter(Protocol):
-    """What the result fold gives a task (the accelerations' writers are ones).
+    """What the result fold gives a task (the accelerations' writers are ones)."""
 
-    Attributes:
-        folds: True when the store can write the result in the record's round trip.
-    """
-
+    #: True when the store can write the result in the record's round trip.
     folds: bool
 
     def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
@@ -57,15 +51,9 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
 
 def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: Any,
                  state: str) -> bool:
-    """Store an outcome answered from the record under ``request.id``, as Celery stores results.
-
-    Through the writer when it can (one round trip), else the backend's ``store_result``.
-    Nothing is written when the request ignores its result, as in Celery.
-
-    Returns:
-        True when the outcome is stored (or nothing needs storing); False when the write
-        failed (logged at DEBUG), so the caller should publish the message instead.
-    """
+    """Store an outcome answered from the record under ``request.id``, as Celery stores results
+    (through the writer when it can, else ``store_result``; nothing when the request ignores its
+    result). False when the write failed (logged): the caller publishes the message instead."""
     if get_actual_ignore_result(task, request):
         return True
     try:
@@ -82,19 +70,6 @@ def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: An
                      request.id, exc)
         return False
     return True
-
-
-def answer_task_id(chosen: str | None, original: str) -> str | None:
-    """The task id an enqueue answered from the record hands back, or None: the original id.
-
-    A chosen id is kept. A body that ran in a direct call (``task(...)``, ``celery.map``) has
-    no task id and no stored result, so the answer gets a new id, and the outcome is stored
-    under it as under a chosen one.
-    """
-    if chosen or original:
-        return chosen
-    return str(uuid())
-
 
 
 def recorded_outcome(codec: Codec, rec: Record) -> tuple[str, Any]:

@@ -5,10 +5,8 @@
 * ``__call__`` (worker side, every pool and eager mode): read the key from the header (or derive
   it, for ``send_task`` by name), and run the body through the gate.
 
-The rest of the seam: ``app.py`` (store, owner, events, start checks), ``identity.py`` (the key),
-``enqueue.py`` (the enqueue answer), ``delivery.py`` (re-queue, result write). ``get_store`` and
-``CachedResult`` are re-exported here. Importing this module makes celery_idem's
-``ImproperlyConfigured`` Celery's too (:func:`celery_idem.exceptions.adopt_celery_base`).
+The rest of the seam: ``app.py``, ``identity.py``, ``enqueue.py``, ``delivery.py``. Importing this
+module makes celery_idem's ``ImproperlyConfigured`` Celery's too (``adopt_celery_base``).
 """
 
 from __future__ import annotations
@@ -52,16 +50,9 @@ adopt_celery_base()
 
 logger = logging.getLogger("celery_idem")
 
-#: The ``apply_async`` option that puts the call's key in a scope (a tenant, a principal).
-SCOPE_OPTION = "idempotency_scope"
-
-
 class ReceiptFound(BaseException):
-    """Raised out of ``idempotent_transaction`` when an earlier attempt committed the receipt.
-
-    The task layer returns the receipt's result. A BaseException, so a body's
-    ``except Exception`` cannot swallow it.
-    """
+    """Raised out of ``idempotent_transaction`` when an earlier attempt committed the receipt
+    (a BaseException, so a body's ``except Exception`` cannot swallow it)."""
 
     def __init__(self, receipt: Receipt) -> None:
         super().__init__(f"receipt found: {receipt!r}")
@@ -69,11 +60,8 @@ class ReceiptFound(BaseException):
 
 
 class Replaced(Ignore):  # type: ignore[misc]
-    """Celery's ``Ignore`` as :meth:`IdempotentTask.on_replace` raises it: the task was replaced.
-
-    The worker handles it as ``Ignore``; the gate sees a hand-over (``handover_signals``) and
-    releases the claim without recording.
-    """
+    """Celery's ``Ignore`` as :meth:`IdempotentTask.on_replace` raises it: the gate sees a
+    hand-over (``handover_signals``) and releases the claim without recording."""
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -81,49 +69,35 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     Subclass it, or pass ``base=IdempotentTask`` to ``@app.task``. Every ``idempotency_*``
     attribute below can be set as a class attribute or as a keyword of ``@app.task``; unknown
-    ``idempotency_*`` names are rejected when the task class is created.
+    ``idempotency_*`` names are rejected when the task class is created. Each option below has
+    a one-line summary; its row in docs/configuration.md's table says the rest.
     """
 
-    #: Names of the arguments that identify the business action (None: all arguments, with
-    #: their defaults applied).
+    #: Names of the arguments that identify the business action (None: all arguments).
     idempotency_fields: ClassVar[Sequence[str] | None] = None
-    #: ``callable(*args, **kwargs) -> str``: the action's identity, used instead of the fields
-    #: (the key is ``idempotency_key(operation, identity)``).
+    #: ``callable(*args, **kwargs) -> str``: the action's identity, used instead of the fields.
     idempotency_key_func: ClassVar[Any] = None
     #: Operation part of the key (default: the task name).
     idempotency_operation: ClassVar[str | None] = None
     #: Seconds a done or failed record lives; after that the action may run again.
     idempotency_ttl: ClassVar[float] = 86400
-    #: Seconds a claim lives without a heartbeat; it is renewed every third of it while the body
-    #: runs, so only a dead or frozen holder loses it.
+    #: Seconds a claim lives without a heartbeat (renewed every third of it while the body runs).
     idempotency_lease: ClassVar[float] = 60
-    #: Exceptions that release the claim so a retry can run the body again (None: the
-    #: timeout-class set of :func:`celery_idem.config.default_release_on`).
+    #: Exceptions that release the claim so a retry can run the body again.
     idempotency_release_on: ClassVar[Any] = None
     #: Exceptions recorded as the action's outcome; duplicates re-raise them without running.
     idempotency_terminal_on: ClassVar[Any] = DEFAULT_TERMINAL_ON
     #: Store a hash of the full arguments and refuse the key with other arguments.
     idempotency_validate: ClassVar[bool] = False
-    #: A per-call key's record keeps a hash of the arguments that identify the action (the
-    #: fields, else all of them), and the same key with other identifying arguments is refused
-    #: with ``IdempotencyKeyMismatch``. False answers such a reuse from the first record.
+    #: A per-call key's record keeps a hash of the arguments that identify the action.
     idempotency_fingerprint: ClassVar[bool] = True
-    #: Seconds a delivered duplicate holds its pool process waiting for a key in progress
-    #: before re-queueing itself with a countdown (re-queues do not count against
-    #: ``max_retries``). 0: re-queue at once, so copies never occupy the workers. A time limit
-    #: can cut it shorter: see ``celery_idem.timelimits``.
+    #: Seconds a delivered duplicate holds its pool process waiting for a key in progress.
     idempotency_wait: ClassVar[float] = 0
     #: Seconds the gate keeps retrying the record of a finished body while the store is down.
     idempotency_record_timeout: ClassVar[float] = 10
-    #: Read the record before publishing, so an enqueue of a done key publishes nothing and
-    #: returns a :class:`CachedResult`. False saves that store round trip on every enqueue;
-    #: a done key's enqueue then publishes a message that the worker answers from the record
-    #: (the body still runs at most once, the caller waits for the result as usual).
+    #: Read the record at enqueue, so an enqueue of a done key publishes nothing.
     idempotency_check_on_enqueue: ClassVar[bool] = True
-    #: Seconds of a schedule slot (None: no slot). A key derived from the arguments (or by
-    #: ``idempotency_key_func``) gains the multiple of the period nearest to the enqueue time:
-    #: a periodic task runs at most once per slot however many beat processes send each tick,
-    #: when they send within half a period of it. A per-call key is kept as it is.
+    #: Seconds of a schedule slot (None: no slot).
     idempotency_period: ClassVar[float | None] = None
 
     #: At-least-once delivery: a message is acknowledged only after the body ran, and
@@ -152,8 +126,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @cached_property
     def _call_signature(self) -> inspect.Signature | None:
-        """``self.run``'s signature not followed through ``functools.wraps``, so a decorator
-        that takes ``*args, **kwargs`` (and may supply an argument) binds any call."""
+        # Not followed through functools.wraps: a decorator taking *args, **kwargs binds any call.
         try:
             return inspect.signature(self.run, follow_wrapped=False)
         except (TypeError, ValueError):
@@ -169,11 +142,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def idempotency_gate(self) -> Gate:
-        """The task's gate: its store (``.store``), options (``.config``), codec and ``run``.
-
-        For add-ons built on the task (``celery_idem.contrib.saga`` runs its steps through a
-        gate of its own with this one's store, codec and events).
-        """
+        """The task's gate: its store (``.store``), options (``.config``), codec and ``run``
+        (for add-ons such as ``celery_idem.contrib.saga``)."""
         return self._gate
 
     @cached_property
@@ -215,18 +185,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
             kwargs: The call's keyword arguments.
             idempotency_key: A per-call key, as passed to ``apply_async``.
             idempotency_scope: A scope, as passed to ``apply_async``.
-            at: With ``idempotency_period``, the enqueue time whose slot the key gets (Unix
-                seconds or an aware datetime; default: now). Ignored without a period, and for
-                a per-call key.
+            at: With ``idempotency_period``, the enqueue time whose slot a derived key gets (Unix
+                seconds or an aware datetime; default: now).
 
         Raises:
             TypeError: The arguments do not match the task's signature (and the task checks
                 them: ``typing``), or a value that is part of the key has no canonical form.
-            InvalidKey: The per-call key or the scope is not usable (the message says why).
+            InvalidKey: The per-call key or the scope is not usable.
             ValueError: ``at`` is a naive datetime.
         """
-        return identity.identify(self, self._signature, args, kwargs, idempotency_key,
-                                 idempotency_scope, at)[0]
+        return identity.identify(self, args, kwargs, idempotency_key, idempotency_scope, at)[0]
 
     @property
     def idempotency_key(self) -> str | None:
@@ -272,8 +240,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to the business
                 database; None on Django (the block is ``transaction.atomic(using=using)``).
             commit: False: the receipt joins a transaction the caller commits.
-            table: The receipts table (default ``idempotency_receipts_table``, else
-                ``celery_idem_receipts``).
+            table: The receipts table (default ``idempotency_receipts_table``, else ``celery_idem_receipts``).
             using: On Django, the ``DATABASES`` alias of the writes (default ``"default"``).
 
         Raises:
@@ -333,15 +300,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # -- producer side -------------------------------------------------------------------------
 
     def apply_async(
-        self,
-        args: Sequence[Any] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
-        task_id: str | None = None,
-        producer: Any = None,
-        link: Any = None,
-        link_error: Any = None,
-        shadow: str | None = None,
-        **options: Any,
+        self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None, producer: Any = None, link: Any = None, link_error: Any = None,
+        shadow: str | None = None, **options: Any,
     ) -> AsyncResult:
         """Publish the task with its key in the ``idempotency_key`` header.
 
@@ -357,10 +318,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         Raises:
             TypeError: The key cannot be derived from the arguments; nothing was published.
-            ValueError: The per-call key is empty or too long.
+            InvalidKey: The per-call key or the scope is not usable.
         """
         explicit = options.pop(HEADER, None)
-        scope = options.pop(SCOPE_OPTION, None)
+        scope = options.pop("idempotency_scope", None)
         headers = dict(options.pop("headers", None) or {})
         header = headers.get(HEADER) if explicit is None else None
         if header is not None:
@@ -368,11 +329,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # from a request): it must be a key of this task, as the worker checks.
             key, per_call = identity.header_key(self, header)
             fingerprint: Callable[[], str | None] = functools.partial(
-                identity.fingerprint_of, self, self._signature, tuple(args or ()),
-                dict(kwargs or {}), per_call)
+                identity.fingerprint_of, self, tuple(args or ()), dict(kwargs or {}), per_call)
         else:
-            key, fingerprint = identity.identify(self, self._signature, args, kwargs, explicit,
-                                                 scope)
+            key, fingerprint = identity.identify(self, args, kwargs, explicit, scope)
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.
@@ -408,8 +367,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 serializer = (options.get("serializer") or self.serializer
                               or self.app.conf.task_serializer)
                 try:
-                    bound = identity.bind(self, self._signature, args or (), kwargs or {},
-                                          as_sent=False)
+                    bound = identity.bind(self, args or (), kwargs or {}, as_sent=False)
                 except TypeError:
                     bound = {}
                 raise unsendable(self.name, bound, serializer, exc) from exc
@@ -421,11 +379,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     # -- worker side ---------------------------------------------------------------------------
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
-        """Push a request that inherits the current one (Celery 5.5+'s own behaviour).
-
-        Celery 5.4 pushed a blank one, so a body behind a custom ``__call__`` saw no id,
-        headers, retries or idempotency key.
-        """
+        """Push a request that inherits the current one, as Celery 5.5+ does (5.4 pushed a blank
+        one: a body behind a custom ``__call__`` saw no id, headers, retries or key)."""
         super().push_request(*args, **{**self.request.__dict__, **kwargs})
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -440,8 +395,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if header is None:
             # send_task by name, another language's producer, Task.apply(): derive it here
             # (a period's slot from the message's time, when it has one, else from now).
-            key, fingerprint = identity.identify(self, self._signature, args, kwargs, None, None,
-                                                 message_time(req))
+            key, fingerprint = identity.identify(self, args, kwargs, None, None, message_time(req))
             digest = fingerprint()
             # A re-queue and Celery's retry publish from the request's headers: they must carry
             # this key, or the copy derives it again from a later clock (another period slot).
@@ -451,14 +405,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 req.headers = {**(req.headers or {}), HEADER: key}
         else:
             key, per_call = identity.header_key(self, header)
-            digest = identity.fingerprint_of(self, self._signature, args, kwargs, per_call)
-        attempt = Attempt(
-            key=key,
-            task_id=req.id or "",
-            attempt=req.retries or 0,
-            owner=owner_id(),
-            payload_hash=digest,
-        )
+            digest = identity.fingerprint_of(self, args, kwargs, per_call)
+        attempt = Attempt(key=key, task_id=req.id or "", attempt=req.retries or 0, owner=owner_id(),
+                          payload_hash=digest)
         req.idempotency_key_ = key
         call_body = super().__call__
         if not (req.is_eager or req.called_directly) and \
@@ -481,27 +430,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise TypeError, without entering the gate, when the body cannot take these arguments.
 
-        Such a call fails before the body's first line, so no effect happened: nothing is
-        claimed (a duplicate would wait for a body that never started) and nothing recorded
-        (with ``typing=False`` the call fails only against this worker's code, and a terminal
-        record would fail the action on a worker that accepts it). Each delivery fails as in
-        plain Celery, and the FAILURE reaches the caller at once.
+        No effect happened, so nothing is claimed (a duplicate would wait for a body that never
+        started) or recorded (with ``typing=False`` another worker's code may accept the call).
         """
         sig = self._call_signature
         if sig is None:
             return
         try:
-            bind_arguments(sig, args, kwargs)  # inspect's bind, prepared once per signature
+            bind_arguments(sig, args, kwargs)
         except TypeError as exc:
             raise TypeError(f"{self.name}(): {exc}") from None
 
     def _call_as_errback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run a new-style errback, ``errback(request, exc, traceback)``, that Celery called.
 
-        Celery calls it in-process from the failed task's failure handling, so
-        ``self.request`` is not this errback's (it may be the failed request itself, whose key
-        must stay untouched). It runs under a request of its own, through the gate, keyed by
-        the failed task's id: a failure handled twice runs it once.
+        Celery calls it in-process, so ``self.request`` may be the failed request (whose key must
+        stay untouched): it runs under a request of its own, keyed by the failed task's id.
         """
         key = self.idempotency_key_for(args, kwargs)
         push_fresh_request(self, args=list(args), kwargs=dict(kwargs), headers={HEADER: key},
@@ -514,10 +458,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def on_replace(self, sig: Any) -> Any:
         """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it.
 
-        Celery ends the replaced task with ``Ignore`` after publishing ``sig`` under this
-        task's id; it is raised as :class:`Replaced`, on which the gate releases the claim
-        without recording: the outcome is the replacement's (see ``docs/limits.md``). In eager
-        mode the replacement runs in place and its result is recorded as the body's.
+        Celery's ``Ignore`` is raised as :class:`Replaced`: the gate releases the claim without
+        recording, the outcome is the replacement's (``docs/limits.md``). In eager mode the
+        replacement runs in place and its result is recorded as the body's.
         """
         try:
             return super().on_replace(sig)

@@ -616,15 +616,15 @@ def sql_claim_build(pg_url: str, prefix: str, table: str, n: int) -> Timing | No
     binding the arguments), with a connection that stops there. None if the internals changed."""
     try:
         from celery_idem.stores.sql import SQLStore
-        from celery_idem.stores.sql.predicates import ClaimArgs
+        from celery_idem.stores.sql.claims import ClaimArgs
 
         store = SQLStore.from_url(pg_url, prefix=prefix, table_name=table)
         conn = _NoConn()
 
         def build(i: int) -> None:
-            args = ClaimArgs(f"{prefix}k{i}", OWNER, "t", 0, 60.0, 86400.0, None)
+            args = ClaimArgs(f"{prefix}k{i}", OWNER, "t", 0, 60.0, 86400.0, None, "claim-id")
             try:
-                store._claim_postgresql(conn, args)  # type: ignore[arg-type]
+                store._claim_postgresql(args, conn.execute)
             except _Built:
                 return
             raise RuntimeError("the claim did not execute")

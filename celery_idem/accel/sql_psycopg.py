@@ -1,7 +1,7 @@
 """The SQL store's statements on psycopg's connection itself (PostgreSQL + psycopg 3).
 
 An acceleration (see :mod:`celery_idem.accel`) at ``SQLStore._session``, whose plain path runs
-the statements through a SQLAlchemy ``Connection`` (``celery_idem.stores.sql.session``). Here
+the statements through a SQLAlchemy ``Connection`` (``SASession`` in ``stores.sql.store``). Here
 each statement is compiled once (:class:`RawStatement`) and run on the pooled psycopg
 connection as a server-side prepared statement with plain tuples (:class:`RawSession`),
 raising what SQLAlchemy would raise, so the store translates errors the same way.
@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 __all__ = ["KEPT_CURSOR", "KEPT_RESULT_BYTES", "PsycopgPath", "RawSession", "RawStatement",
            "psycopg_classes", "psycopg_path"]
 
-# As celery_idem.stores.sql.session's (not imported: accel depends on no store module here).
+# As celery_idem.stores.sql.store's (not imported: accel depends on no store module here).
 Row: TypeAlias = Mapping[Any, Any]
 Outcome: TypeAlias = "tuple[int, Row | None]"
 Statement: TypeAlias = "sa.Select[Any] | sa.Update"

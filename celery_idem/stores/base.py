@@ -23,6 +23,7 @@ import abc
 import base64
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,7 +34,7 @@ from ..records import Claim, Record, Reservation, State
 
 __all__ = ["BackendWrite", "DurabilityFinding", "Store", "lease_lost", "new_claim_id", "next_token"]
 
-#: Tokens are the store clock in microseconds (see "Tokens" above).
+#: Tokens are the store clock in microseconds (see :func:`next_token`).
 TOKEN_CLOCK_SCALE = 1_000_000
 
 
@@ -56,20 +57,17 @@ def lease_lost(verb: str, key: str, token: int, current: Record | None,
                claim_id: str | None = None) -> LeaseLost:
     """Why a fenced ``verb`` (``"record"``, ...) of ``key`` was refused, in the words every store
     uses; ``current`` is the key's record as the store holds it now (None: gone)."""
-    if current is not None and current.token == token and claim_id \
-            and current.claim_id != claim_id and current.state is State.IN_PROGRESS:
-        return LeaseLost(
-            f"{verb} of {key!r} with token {token} refused: the record belongs to another "
-            f"claim with the same token (issued again after the store lost the row)",
-            key=key, token=token,
-        )
-    if current is None or current.token != token:
-        return LeaseLost(
-            f"{verb} of {key!r} with token {token} refused: the record "
-            + ("is gone" if current is None else f"now has token {current.token}"),
-            key=key, token=token,
-        )
-    return LeaseLost(f"{verb} of {key!r} refused: it is {current.state.value}", key=key, token=token)
+    refused = f"{verb} of {key!r} with token {token} refused: the record"
+    if current is None:
+        why = f"{refused} is gone"
+    elif current.token != token:
+        why = f"{refused} now has token {current.token}"
+    elif claim_id and current.claim_id != claim_id and current.state is State.IN_PROGRESS:
+        why = (f"{refused} belongs to another claim with the same token (issued again after the "
+               f"store lost the row)")
+    else:
+        why = f"{verb} of {key!r} refused: it is {current.state.value}"
+    return LeaseLost(why, key=key, token=token)
 
 
 @dataclass(frozen=True)
@@ -214,21 +212,18 @@ class Store(abc.ABC):
         also: BackendWrite,
         claim_id: str | None = None,
     ) -> bool:
-        """:meth:`record`, and ``also`` in the same atomic step when the store can do that.
+        """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can.
 
-        The stores' seam for the result fold, an acceleration (:mod:`celery_idem.accel.redis_results`,
-        :mod:`celery_idem.accel.db_results`): with accelerations off no task calls it.
+        The seam of the result fold, an acceleration (:mod:`celery_idem.accel.redis_results`,
+        :mod:`celery_idem.accel.db_results`): with accelerations off no task calls it. Raises
+        what :meth:`record` raises.
 
         Returns:
             True when ``also`` was written with the record; False when only the record was
-            (the default: the caller leaves the result to the backend). Raises what
-            :meth:`record` raises; ``also`` is written only when the record is (the same fence).
+            (the default: the caller leaves the result to the backend).
         """
-        if claim_id is None:  # a store written before claim ids may not take the argument
-            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl)
-        else:
-            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
-                        claim_id=claim_id)
+        self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
+                    claim_id=claim_id)
         return False
 
     @abc.abstractmethod
@@ -256,7 +251,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def get(self, key: str) -> Record | None:
-        """Read one record (one round trip), or None when the key is absent.
+        """Read one record, or None when the key is absent.
 
         Raises:
             StoreUnavailable: The store could not be reached.
@@ -282,15 +277,14 @@ class Store(abc.ABC):
         """Read ``key``'s record and, when no attempt holds or answers it, reserve the key.
 
         The enqueue check (one round trip): later enqueues of the key attach to ``task_id``'s
-        message instead of publishing copies. Not a claim: the worker's claim never reads
-        reservations. It expires after ``lease`` seconds, so a lost message lets the next
-        enqueue publish again.
+        message instead of publishing copies. Not a claim (a claim never reads reservations);
+        it expires after ``lease`` seconds, so a lost message lets the next enqueue publish.
 
         Returns:
-            The record when there is one that is not released (the caller answers a done or
-            failed one and attaches to one in progress); the :class:`Reservation` another
-            message holds; or None: the key is now reserved for ``task_id`` (publish it).
-            The default (a store without reservations) returns :meth:`get`'s record.
+            The record when one is not released (the caller answers a done or failed one and
+            attaches to one in progress); the :class:`Reservation` another message holds; or
+            None: the key is now reserved for ``task_id`` (publish it). The default (no
+            reservations) returns :meth:`get`'s record.
 
         Raises:
             StoreUnavailable: The store could not be reached.
@@ -310,12 +304,11 @@ class Store(abc.ABC):
     def forget(self, key: str, token: int) -> None:
         """Atomically forget a done or failed outcome, so the next attempt runs the body. Fenced.
 
-        The record becomes a RELEASED tombstone that keeps the token, as :meth:`release` leaves
-        it. Not abstract, so a store without it still loads (and refuses the verb).
+        The record becomes a RELEASED tombstone that keeps the token, as :meth:`release` leaves it.
 
         Raises:
             LeaseLost: The record's token is not ``token``, or it is not done or failed.
-            ImproperlyConfigured: This store does not implement it.
+            ImproperlyConfigured: This store does not implement it (the verb is optional).
             StoreUnavailable: The store could not be reached.
         """
         raise ImproperlyConfigured(f"{type(self).__name__} cannot forget records")
@@ -326,8 +319,6 @@ class Store(abc.ABC):
 
     def now(self) -> float:
         """The store's clock (epoch seconds); the in-process clock unless a store overrides."""
-        import time
-
         return time.time()
 
     def check_durability(self) -> list[DurabilityFinding]:

@@ -37,8 +37,8 @@ from celery_idem.exceptions import LeaseLost, StoreUnavailable
 from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores.sql import SQLStore
-from celery_idem.stores.sql.predicates import ClaimArgs
-from celery_idem.stores.sql.session import SASession
+from celery_idem.stores.sql.claims import ClaimArgs
+from celery_idem.stores.sql.store import SASession
 
 from .support import LONG, claim, drop_table, poll
 

@@ -1,32 +1,129 @@
-"""The claim strategies: one statement on PostgreSQL, decide-then-write elsewhere.
+"""The claim: its decision as one SQL CASE, and the strategies that run it.
 
-Both decide with :meth:`~celery_idem.stores.sql.predicates.ClaimArgs.status`; the store picks
-one by dialect. Internal to the SQL store package.
+:meth:`ClaimArgs.status` is the single SQL definition of the order in
+:meth:`celery_idem.stores.base.Store.claim`; PostgreSQL decides and writes in one statement
+(:func:`build_pg_claim`), the other dialects decide, then write (:func:`select_then_write`).
+Internal to the SQL store package.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, RowMapping
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import FromClause
 
+from ...records import ClaimStatus, State
 from ..base import next_token
-from .predicates import HOLDS, LOCKED, ClaimArgs, ClaimRaced
 from .schema import db_now, token_for
-from .session import Row
 
-__all__ = ["build_pg_claim", "select_then_write", "sqlite_write_transaction"]
+__all__ = ["HOLDS", "ClaimArgs", "ClaimRaced", "build_pg_claim", "select_then_write"]
+
+#: The claim statuses under which the caller holds the key (the claim wrote its row).
+HOLDS: Final = (ClaimStatus.CLAIMED.value, ClaimStatus.TAKEOVER.value)
+# The statuses the PostgreSQL claim decides again on the locked row (see build_pg_claim).
+LOCKED: Final = (*HOLDS, ClaimStatus.BUSY.value)
+# The claim arguments' SQL types as bind parameters (the others are strings).
+_BIND_TYPES: Final = {"attempt": sa.Integer, "lease": sa.Double, "ttl": sa.Double}
 
 
-def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
+@dataclass(frozen=True)
+class ClaimArgs:
+    """One claim's arguments (plain values, or a :meth:`template`'s bind parameters) and their SQL."""
+
+    key: str  # the stored key (prefix + key)
+    owner: str
+    task_id: str
+    attempt: int
+    lease: float
+    ttl: float
+    payload_hash: str | None
+    claim_id: str
+
+    def status(self, row: FromClause, now: ColumnElement[float]) -> ColumnElement[str | None]:
+        """The decision on ``row`` at ``now`` in the order of :meth:`Store.claim`, as a CASE.
+
+        ``row`` may be an outer join's NULL row (absent); the CASE is NULL for an unknown state.
+        """
+        c = row.c
+        in_progress = c.state == State.IN_PROGRESS.value
+        lease_expired = sa.and_(c.lease_expires.is_not(None), c.lease_expires <= now)
+        earlier_attempt_of_same_task = sa.and_(c.task_id == self.task_id, c.attempt < self.attempt)
+        # A validating caller (a hash given) refuses a record with another hash or with none.
+        validating = isinstance(self.payload_hash, sa.BindParameter) or self.payload_hash
+        payload_mismatch = (sa.or_(c.payload_hash.is_(None), c.payload_hash != self.payload_hash)
+                            if validating else sa.false())
+        return sa.case(
+            (sa.or_(c.key.is_(None), c.expires <= now, c.state == State.RELEASED.value),
+             ClaimStatus.CLAIMED.value),
+            (payload_mismatch, ClaimStatus.MISMATCH.value),
+            (c.state == State.DONE.value, ClaimStatus.DONE.value),
+            (c.state == State.FAILED.value, ClaimStatus.FAILED.value),
+            (sa.and_(in_progress, sa.or_(lease_expired, earlier_attempt_of_same_task)),
+             ClaimStatus.TAKEOVER.value),
+            (in_progress, ClaimStatus.BUSY.value),
+            else_=sa.null(),
+        )
+
+    @classmethod
+    def template(cls, validate: bool) -> ClaimArgs:
+        """The arguments as ``idem_<name>`` bind parameters, to build a claim statement once."""
+        binds: dict[str, Any] = {
+            f.name: sa.bindparam(f"idem_{f.name}", type_=_BIND_TYPES.get(f.name, sa.String))
+            for f in dataclasses.fields(cls)
+        }
+        if not validate:
+            binds["payload_hash"] = None  # validation changes the predicates' shape (constant false)
+        return cls(**binds)
+
+    def params(self) -> dict[str, Any]:
+        """This claim's values of :meth:`template`'s parameters."""
+        return {f"idem_{name}": value for name, value in vars(self).items()}
+
+    def values(self, *, now: ColumnElement[float], token: Any) -> dict[str, Any]:
+        """The IN_PROGRESS row a taking claim writes, in column order."""
+        return {
+            "key": self.key,
+            "state": sa.literal(State.IN_PROGRESS.value, sa.String),
+            "token": token,
+            "owner": self.owner,
+            "task_id": self.task_id,
+            "attempt": self.attempt,
+            "lease_expires": now + self.lease,
+            "payload_hash": sa.null() if self.payload_hash is None else self.payload_hash,
+            "content_type": sa.null(),
+            "data": sa.null(),
+            "updated": now,
+            "expires": now + self.ttl,
+            "claim_id": self.claim_id,
+        }
+
+
+class ClaimRaced(Exception):
+    """The row a claim decided on changed before its write, which wrote nothing (typically two
+    first claims of an absent key: the loser's INSERT meets the winner's row)."""
+
+
+def _decide(t: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
+    """The unlocked look at the key's row (NULLs when absent) with ``now`` and ``status``."""
+    clock = sa.select(db_now().label("now")).subquery("clock")
+    return sa.select(clock.c.now, *t.c, args.status(t, clock.c.now).label("status")).select_from(
+        clock.outerjoin(t, t.c.key == args.key)
+    )
+
+
+def build_pg_claim(table: sa.Table, validate: bool) -> sa.Select[Any]:
     """The PostgreSQL claim: one statement that decides and, when the claim takes, writes.
 
-    Built once per shape from :func:`~celery_idem.stores.sql.predicates.claim_template`. Its
+    Built once per shape (``validate``: with a payload hash) on :meth:`ClaimArgs.template`. Its
     one row is the decision (``status``, the clock ``now``, the row decided on) and
     ``taken_token``, the token written (NULL when nothing was)::
 
@@ -48,32 +145,24 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
           where <must lock> = EXISTS (SELECT FROM peek WHERE status IN ('claimed', 'takeover', 'busy'))
 
     "peek" reads the row without a lock. When it decides DONE, FAILED or MISMATCH (the
-    duplicate of a finished task), that is the answer: the locking branch is skipped by a
-    one-time filter and nothing is locked or written, so the transaction gets no xid and its
-    commit waits for no WAL flush. The answer is true as of the statement's snapshot, like any
-    read's.
+    duplicate of a finished task), that is the answer (as of the statement's snapshot, like any
+    read's): the locking branch is skipped by a one-time filter and nothing is locked or
+    written, so the transaction gets no xid and its commit waits for no WAL flush.
 
-    Otherwise the claim decides on the row locked ``FOR UPDATE``: a concurrent claim waits and
-    then decides on our row (READ COMMITTED returns the row's latest version). When two claims
-    of an absent key run at once, the loser's INSERT meets the winner's row and the token guard
-    (expected 0, found >= 1) makes the update a no-op: the statement returns a holding
-    decision without an "up" row, and the claim runs again (``ClaimRaced``). The upsert reads
-    "decide", so "old" is always locked first.
+    Otherwise the claim decides on the row locked ``FOR UPDATE``: a concurrent claim waits, then
+    decides on our row (READ COMMITTED returns its latest version). When two claims of an absent
+    key run at once, the loser's INSERT meets the winner's row and the token guard (expected 0,
+    found >= 1) makes the update a no-op: a holding decision without an "up" row, and the claim
+    runs again (``ClaimRaced``). The upsert reads "decide", so "old" is always locked first.
     """
     t = table
-    # The unlocked look at the row, and the decision on it.
-    clock = sa.select(db_now().label("now")).subquery("clock")
-    peek = (
-        sa.select(clock.c.now, *t.c, args.status(t, clock.c.now).label("status"))
-        .select_from(clock.outerjoin(t, t.c.key == args.stored_key))
-        .cte("peek")
-        .prefix_with("MATERIALIZED")
-    )
+    args = ClaimArgs.template(validate)
+    peek = _decide(t, args).cte("peek").prefix_with("MATERIALIZED")
     # Uncorrelated: evaluated once (an InitPlan), it skips the locking scans when false.
     must_lock = sa.exists().where(sa.or_(*(peek.c.status == s for s in LOCKED)))
     old = (
         sa.select(t)
-        .where(t.c.key == args.stored_key, must_lock)
+        .where(t.c.key == args.key, must_lock)
         .with_for_update()
         .cte("old")
         .prefix_with("MATERIALIZED")
@@ -128,28 +217,19 @@ def build_pg_claim(table: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
 
 def select_then_write(
     conn: Connection, table: sa.Table, dialect: str, args: ClaimArgs
-) -> tuple[Row, int | None]:
+) -> tuple[RowMapping, int | None]:
     """The SQLite and MySQL claim: a SELECT that decides, then a conditional INSERT or UPDATE.
 
-    Returns:
-        The decided row (with ``now`` and ``status``) and the token written, None when the
-        claim does not take the key.
-
-    Raises:
-        ClaimRaced: The row changed between the decision and the write; nothing was written.
+    Returns the decided row (with ``now`` and ``status``) and the token written (None when the
+    claim does not take the key); raises :class:`ClaimRaced` when the row changed in between.
     """
     # Neither can return the row an upsert replaced. SQLite serializes the read-decide-write
     # with BEGIN IMMEDIATE (its write lock). MySQL stays in autocommit (FOR UPDATE would cost a
     # transaction's two round trips): the write re-checks in SQL that the row still yields the
     # same decision, and one that finds it changed writes nothing and runs again.
     t = table
-    clock = sa.select(db_now().label("now")).subquery("clock")
-    status = args.status(t, clock.c.now)
-    decide = sa.select(clock.c.now, *t.c, status.label("status")).select_from(
-        clock.outerjoin(t, t.c.key == args.stored_key)
-    )
-    with sqlite_write_transaction(conn, dialect):
-        row = conn.execute(decide).mappings().one()
+    with _immediate_transaction(conn) if dialect == "sqlite" else contextlib.nullcontext():
+        row = conn.execute(_decide(t, args)).mappings().one()
         if row["status"] not in HOLDS:
             return row, None
         now = float(row["now"])
@@ -163,7 +243,7 @@ def select_then_write(
                 raise ClaimRaced from None  # a concurrent first claim inserted the key
         else:
             still_same = sa.and_(
-                t.c.key == args.stored_key,
+                t.c.key == args.key,
                 t.c.token == row["token"],
                 t.c.state == row["state"],
                 args.status(t, sa.literal(now, sa.Double)) == row["status"],
@@ -179,15 +259,12 @@ def select_then_write(
 
 
 @contextlib.contextmanager
-def sqlite_write_transaction(conn: Connection, dialect: str) -> Iterator[None]:
-    """On SQLite, run the block in ``BEGIN IMMEDIATE ... COMMIT``; elsewhere just run it.
+def _immediate_transaction(conn: Connection) -> Iterator[None]:
+    """SQLite's ``BEGIN IMMEDIATE ... COMMIT`` around the block (ROLLBACK if it raises).
 
     The engine is in autocommit (pysqlite's own implicit BEGIN is off), so the transaction
     is ours to open and close, as SQLAlchemy's pysqlite documentation recommends.
     """
-    if dialect != "sqlite":
-        yield
-        return
     conn.exec_driver_sql("BEGIN IMMEDIATE")
     try:
         yield

@@ -74,12 +74,11 @@ def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
         # Each verb is one statement (or opens its own transaction explicitly): autocommit
         # spares the BEGIN/COMMIT round trips.
         "isolation_level": "AUTOCOMMIT",
+        # In autocommit the ROLLBACK on check-in is pointless and costs PyMySQL a round trip
+        # (not on SQLite: there the claim's BEGIN IMMEDIATE must be rolled back if it fails).
+        "skip_autocommit_rollback": backend != "sqlite",
+        **engine_options,
     }
-    if backend != "sqlite":
-        # In autocommit the ROLLBACK on check-in is pointless and costs PyMySQL a round trip.
-        # (Not for SQLite: there the claim's BEGIN IMMEDIATE must be rolled back if it fails.)
-        options["skip_autocommit_rollback"] = True
-    options.update(engine_options)
     if backend == "sqlite":
         # Several worker processes share the file: wait for the write lock instead of failing
         # with "database is locked" at once.
@@ -95,23 +94,19 @@ def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
 
 def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
     # WAL lets readers run while one process writes (a property of the file: cheap once on).
-    cursor = dbapi_connection.cursor()
-    try:
-        # Switching needs the file to itself: connections opening a new file at once get
-        # "database is locked" at once (no busy timeout). Retry for up to 5 s.
-        deadline = time.monotonic() + 5.0
-        delay = 0.005
-        while True:
-            try:
-                cursor.execute("PRAGMA journal_mode=WAL")
-                break
-            except Exception as exc:
-                if "locked" not in str(exc) or time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.1)
-    finally:
-        cursor.close()
+    # Switching needs the file to itself: connections opening a new file at once get "database
+    # is locked" at once (no busy timeout). Retry for up to 5 s.
+    deadline = time.monotonic() + 5.0
+    delay = 0.005
+    while True:
+        try:
+            dbapi_connection.execute("PRAGMA journal_mode=WAL").close()
+            return
+        except Exception as exc:
+            if "locked" not in str(exc) or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
 
 def _mysql_on_connect(dbapi_connection: Any, connection_record: Any) -> None:

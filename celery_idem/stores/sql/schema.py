@@ -6,7 +6,6 @@ same types, not copies.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Final
 
 import sqlalchemy as sa
@@ -18,12 +17,11 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 
-from ...exceptions import CorruptRecord, ImproperlyConfigured
-from ...records import Record, State
+from ...exceptions import ImproperlyConfigured
 from ..base import TOKEN_CLOCK_SCALE
 
 __all__ = ["DEFAULT_TABLE_NAME", "add_missing_columns", "data_type", "db_now", "new_metadata",
-           "record_from_row", "records_table", "text_type", "token_for"]
+           "records_table", "text_type", "token_for"]
 
 #: The table the store uses unless ``table_name`` says otherwise.
 DEFAULT_TABLE_NAME: Final = "celery_idem_records"
@@ -56,32 +54,15 @@ def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return "((julianday('now') - 2440587.5) * 86400.0)"
 
 
-class _greatest(FunctionElement[int]):
-    """The larger of two BIGINTs: ``GREATEST`` (PostgreSQL, MySQL), ``MAX`` (SQLite)."""
-
-    type = sa.BigInteger()
-    inherit_cache = True
-    name = "greatest"
-
-
-@compiles(_greatest)
-def _greatest_default(element: _greatest, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"GREATEST({compiler.process(element.clauses, **kw)})"
-
-
-@compiles(_greatest, "sqlite")
-def _greatest_sqlite(element: _greatest, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"max({compiler.process(element.clauses, **kw)})"
-
-
 def token_for(previous: ColumnElement[Any], now: ColumnElement[float]) -> ColumnElement[int]:
     """A taking claim's token in SQL: ``max(previous + 1, now in µs)``, ``previous`` NULL = 0.
 
     The SQL twin of :func:`celery_idem.stores.base.next_token`, on the database clock ``now``.
     The cast rounds (PostgreSQL, MySQL) or truncates (SQLite): either is a clock reading.
     """
+    after = sa.func.coalesce(previous, 0) + 1
     micros = sa.cast(now * TOKEN_CLOCK_SCALE, sa.BigInteger)
-    return _greatest(sa.func.coalesce(previous, 0) + 1, micros)
+    return sa.case((after > micros, after), else_=micros)
 
 
 def text_type(length: int) -> sa.types.TypeEngine[str]:
@@ -137,23 +118,16 @@ def records_table(name: str = DEFAULT_TABLE_NAME) -> sa.Table:
 
 
 def add_missing_columns(engine: Engine, table: sa.Table) -> None:
-    """Add the columns a table made by an earlier version lacks (``claim_id``), once.
+    """Add to ``table`` on ``engine`` the columns a table made by an earlier version lacks.
 
     Each is nullable without a default: an instant change on PostgreSQL, MySQL 8 and SQLite.
-
-    Args:
-        engine: The engine of the table's database.
-        table: The table as this version defines it.
 
     Raises:
         ImproperlyConfigured: The column is missing and the store's user may not add it.
     """
     existing = {c["name"] for c in sa.inspect(engine).get_columns(table.name)}
-    missing = [c for c in table.c if c.name not in existing]
-    if not missing:
-        return
     preparer = engine.dialect.identifier_preparer
-    for column in missing:
+    for column in [c for c in table.c if c.name not in existing]:
         ddl = (f"ALTER TABLE {preparer.format_table(table)} ADD COLUMN "
                f"{preparer.format_column(column)} "
                f"{column.type.compile(dialect=engine.dialect)}")
@@ -172,38 +146,3 @@ def add_missing_columns(engine: Engine, table: sa.Table) -> None:
                 f"{column.name!r} (made by an earlier celery_idem) and it cannot be added: "
                 f"{exc.orig}; run: {ddl}"
             ) from exc
-
-
-def record_from_row(row: Mapping[Any, Any], prefix: str, table_name: str) -> Record:
-    """The :class:`~celery_idem.records.Record` of one row of the records table.
-
-    Args:
-        row: The row by column name.
-        prefix: The store's key prefix, taken off the stored key.
-        table_name: The table's name, for the error.
-
-    Raises:
-        CorruptRecord: The row cannot be read (a state this version does not know, a NULL).
-    """
-    key = str(row["key"])[len(prefix) :]
-    try:
-        data = row["data"]
-        lease_expires = row["lease_expires"]
-        return Record(
-            key=key,
-            state=State(row["state"]),
-            token=int(row["token"]),
-            owner=str(row["owner"]),
-            task_id=str(row["task_id"]),
-            attempt=int(row["attempt"]),
-            lease_expires=None if lease_expires is None else float(lease_expires),
-            payload_hash=row["payload_hash"],
-            content_type=row["content_type"],
-            data=None if data is None else bytes(data),
-            updated=float(row["updated"]),
-            claim_id=row["claim_id"] or "",
-        )
-    except (ValueError, TypeError) as exc:
-        raise CorruptRecord(
-            f"the record of {key!r} in SQL table {table_name!r} cannot be read: {exc}", key=key,
-        ) from exc

@@ -1,6 +1,6 @@
-"""The SQL store itself: :class:`SQLStore`, the contract's verbs over the package's parts.
+"""The SQL store itself: :class:`SQLStore`, the contract's verbs as statements built once.
 
-The module doc of :mod:`celery_idem.stores.sql` says what each verb costs on each dialect.
+What each verb costs on each dialect: docs/stores.md ("Statements").
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -20,24 +21,114 @@ from ... import accel
 from ...accel.sql_psycopg import PsycopgPath, RawSession, psycopg_path
 from ...accel.sql_taskmeta import TaskMetaWrite, build_fold, fold_params
 from ...config import DEFAULT_PREFIX
-from ...exceptions import StoreUnavailable
+from ...exceptions import CorruptRecord, StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
 from ..base import BackendWrite, Store, lease_lost, new_claim_id
-from .claims import build_pg_claim, select_then_write
+from .claims import HOLDS, ClaimArgs, ClaimRaced, build_pg_claim, select_then_write
 from .engine import build_engine, sqlalchemy_url
-from .errors import outage
-from .predicates import HOLDS, ClaimArgs, ClaimRaced, claim_params, claim_template
-from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, record_from_row, records_table
-from .session import Outcome, Row, SASession, Statement
-from .statements import VerbStatements
+from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, records_table
 
-__all__ = ["SQLStore"]
+__all__ = ["SASession", "SQLStore"]
 
 logger = logging.getLogger("celery_idem")
+
+# A row by column name (a SQLAlchemy RowMapping, or a dict on the psycopg path).
+Row: TypeAlias = Mapping[Any, Any]
+# What a session's execute gives back: the row count, and the first row when there are rows.
+Outcome: TypeAlias = "tuple[int, Row | None]"
+Statement: TypeAlias = "sa.Select[Any] | sa.Update"
 
 # A claim that raced a concurrent first claim wrote nothing and runs again on the winner's row;
 # more runs than this means something keeps deleting and re-inserting the row: reported.
 _CLAIM_RUNS: Final = 3
+
+# The database errors that mean "the store cannot be reached" whatever their message (and any
+# other that SQLAlchemy saw as a disconnect). Every other one is a bug or bad data and propagates
+# unchanged; tests/stores/test_sql_errors.py decides each class.
+_OUTAGES: Final = (
+    sa_exc.TimeoutError,  # the pool had no free connection in time
+    sa_exc.DisconnectionError,
+    sa_exc.OperationalError,  # the server went away, refused the connection, shut down
+    sa_exc.InterfaceError,  # the driver could not talk to it
+)
+
+
+class SASession:
+    """The plain path of ``SQLStore._session``: statements through a SQLAlchemy ``Connection``.
+
+    PostgreSQL through psycopg 3 may run them on psycopg's connection instead: an acceleration
+    (:class:`celery_idem.accel.sql_psycopg.RawSession`) with the same ``execute``.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
+        result = self.conn.execute(statement, params)
+        if not result.returns_rows:
+            return result.rowcount, None
+        return result.rowcount, result.mappings().first()
+
+
+@dataclass(frozen=True)
+class VerbStatements:
+    """The fenced writes' and the reads' statements, built once per table with ``idem_*`` bind
+    parameters (the key and token ones take the type of the column they are compared with)."""
+
+    record: sa.Update
+    release: sa.Update
+    renew: sa.Update
+    renew_returning: sa.Update  # renew handing back the new lease, where UPDATE can RETURNING
+    renew_read: sa.Select[Any]  # where it cannot: the new lease read back, still fenced
+    get: sa.Select[Any]
+    expires: sa.Select[Any]
+    forget: sa.Update  # an operator's verb: a DONE or FAILED row, fenced by the token alone
+
+    @classmethod
+    def build(cls, t: sa.Table) -> VerbStatements:
+        key: sa.BindParameter[str] = sa.bindparam("idem_key")
+        live = (t.c.key == key, t.c.expires > db_now())
+        claim_id: sa.BindParameter[str] = sa.bindparam("idem_claim_id", type_=t.c.claim_id.type)
+        # Only the holder's live IN_PROGRESS row: the fence of record, release and renew. The
+        # claim id names the claim beside the token ('' = a caller that checks the token alone).
+        fenced = sa.and_(
+            *live,
+            t.c.token == sa.bindparam("idem_token"),
+            sa.or_(claim_id == "", t.c.claim_id == claim_id),
+            t.c.state == State.IN_PROGRESS.value,
+        )
+        lease = sa.bindparam("idem_lease", type_=sa.Double)
+        # The record must outlive the lease too: a body running past the TTL keeps its record
+        # (and with it the token that fences every earlier holder).
+        renew = sa.update(t).where(fenced).values(
+            lease_expires=db_now() + lease,
+            expires=sa.case((t.c.expires < db_now() + lease, db_now() + lease), else_=t.c.expires),
+        )
+        # A RELEASED tombstone keeps the token and the TTL, and nothing of the holder.
+        tombstone = {"state": State.RELEASED.value, "owner": "", "task_id": "", "attempt": 0,
+                     "lease_expires": None, "payload_hash": None, "content_type": None,
+                     "data": None, "updated": db_now()}
+        return cls(
+            record=sa.update(t).where(fenced).values(
+                state=sa.bindparam("idem_state"),
+                content_type=sa.bindparam("idem_content_type"),
+                data=sa.bindparam("idem_data", type_=t.c.data.type),
+                lease_expires=None,
+                updated=db_now(),
+                expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
+            ),
+            release=sa.update(t).where(fenced).values(**tombstone, claim_id=None),
+            renew=renew,
+            renew_returning=renew.returning(t.c.lease_expires),
+            renew_read=sa.select(t.c.lease_expires).where(fenced),
+            get=sa.select(t).where(*live),
+            expires=sa.select(t.c.expires).where(*live),
+            forget=sa.update(t).where(
+                *live,
+                t.c.token == sa.bindparam("idem_token"),
+                sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
+            ).values(**tombstone),
+        )
 
 
 class SQLStore(Store):
@@ -53,6 +144,10 @@ class SQLStore(Store):
         accelerate: On PostgreSQL through psycopg 3, run the verbs on psycopg's connection
             (:mod:`celery_idem.accel.sql_psycopg`; see :func:`celery_idem.accel.enabled`;
             None: on unless switched off).
+
+    Attributes:
+        url: The SQLAlchemy URL the store connects to (its ``repr`` hides the password).
+        dialect: The database's SQLAlchemy dialect name: ``postgresql``, ``mysql``, ``sqlite``...
 
     Raises:
         ImproperlyConfigured: The URL names no supported database.
@@ -72,13 +167,14 @@ class SQLStore(Store):
     ) -> None:
         super().__init__(prefix)
         self._engine = build_engine(sqlalchemy_url(url), engine_options or {})
-        self._dialect = self._engine.dialect.name
+        self.url: URL = self._engine.url
+        self.dialect: str = self._engine.dialect.name
         self._shown_url = self._engine.url.render_as_string(hide_password=True)
         self._table = records_table(table_name)
         self._table_ready = False
         self._table_lock = threading.Lock()
         # Hot-path statements are built once with ``idem_*`` bind parameters (building one costs
-        # more client CPU than its round trip); the claim once per shape, see claim_template.
+        # more client CPU than its round trip); the claim once per shape (build_pg_claim).
         self._pg_claims: dict[bool, sa.Select[Any]] = {}
         self._verbs = VerbStatements.build(self._table)
         # The seam: psycopg 3's connection (an acceleration), or None: SQLAlchemy's, the plain path.
@@ -90,12 +186,7 @@ class SQLStore(Store):
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> SQLStore:
-        """Build the store from a ``db+...`` URL.
-
-        Args:
-            url: The store URL (see the class).
-            prefix: Key prefix.
-            **options: ``table_name``, ``engine_options`` and ``accelerate``.
+        """Build the store from a ``db+...`` URL; ``options``: the class's keyword arguments.
 
         Raises:
             TypeError: An option the store does not know.
@@ -108,28 +199,22 @@ class SQLStore(Store):
             )
         return cls(url, prefix=prefix, **options)
 
-    @property
-    def url(self) -> URL:
-        """The SQLAlchemy URL the store connects to (its ``repr`` hides the password)."""
-        return self._engine.url
-
-    @property
-    def dialect(self) -> str:
-        """The database's SQLAlchemy dialect name: ``postgresql``, ``mysql``, ``sqlite``..."""
-        return self._dialect
-
     # -- the seam between SQLAlchemy and the contract's exceptions ----------------------------
 
     @contextlib.contextmanager
     def _translate_errors(self) -> Iterator[None]:
-        """Turn "the database cannot be reached" into :class:`StoreUnavailable` (see ``errors``)."""
+        """Turn "the database cannot be reached" into :class:`StoreUnavailable` (see ``_OUTAGES``)."""
         try:
             yield
         except sa_exc.SQLAlchemyError as exc:
-            unavailable = outage(exc, self._shown_url)
-            if unavailable is None:
+            if not isinstance(exc, _OUTAGES) and not (
+                    isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated):
                 raise
-            raise unavailable from exc
+            reason = getattr(exc, "orig", None) or exc
+            first_line = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+            raise StoreUnavailable(
+                f"celery_idem could not reach the SQL store at {self._shown_url}: {first_line}"
+            ) from exc
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[Connection]:
@@ -177,7 +262,30 @@ class SQLStore(Store):
         return self.prefix + key
 
     def _record(self, row: Row) -> Record:
-        return record_from_row(row, self.prefix, self._table.name)
+        """The record of one row; CorruptRecord when it cannot be read (an unknown state, a NULL)."""
+        key = str(row["key"])[len(self.prefix) :]
+        try:
+            data = row["data"]
+            lease_expires = row["lease_expires"]
+            return Record(
+                key=key,
+                state=State(row["state"]),
+                token=int(row["token"]),
+                owner=str(row["owner"]),
+                task_id=str(row["task_id"]),
+                attempt=int(row["attempt"]),
+                lease_expires=None if lease_expires is None else float(lease_expires),
+                payload_hash=row["payload_hash"],
+                content_type=row["content_type"],
+                data=None if data is None else bytes(data),
+                updated=float(row["updated"]),
+                claim_id=row["claim_id"] or "",
+            )
+        except (ValueError, TypeError) as exc:
+            raise CorruptRecord(
+                f"the record of {key!r} in SQL table {self._table.name!r} cannot be read: {exc}",
+                key=key,
+            ) from exc
 
     # -- claim --------------------------------------------------------------------------------
 
@@ -201,10 +309,10 @@ class SQLStore(Store):
                           new_claim_id())
         for _ in range(_CLAIM_RUNS):
             try:
-                if self._dialect == "postgresql":
+                if self.dialect == "postgresql":
                     return self._claim_postgresql(args, self._execute)
                 with self._connect() as conn:
-                    row, token = select_then_write(conn, self._table, self._dialect, args)
+                    row, token = select_then_write(conn, self._table, self.dialect, args)
                 return self._claim_result(row, taken_token=token, claim_id=args.claim_id)
             except ClaimRaced:
                 continue  # the winner's row is committed now; the next run sees it
@@ -221,8 +329,8 @@ class SQLStore(Store):
         validate = bool(args.payload_hash)
         query = self._pg_claims.get(validate)
         if query is None:
-            query = self._pg_claims[validate] = build_pg_claim(self._table, claim_template(validate))
-        _, row = execute(query, claim_params(args))
+            query = self._pg_claims[validate] = build_pg_claim(self._table, validate)
+        _, row = execute(query, args.params())
         assert row is not None  # the statement always returns its one "decide" row
         if row["status"] in HOLDS and row["taken_token"] is None:
             raise ClaimRaced
@@ -279,34 +387,32 @@ class SQLStore(Store):
         Returns:
             True when Celery's row was written in the record's statement, else False.
         """
-        if not isinstance(also, TaskMetaWrite) or also.table is None or self._dialect != "postgresql" \
-                or self._fold_refused:
-            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
-                        claim_id=claim_id)
-            return False
-        params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
-        columns = tuple(also.row)
-        fold = self._folds.get((also.table, columns))
-        if fold is None:
-            fold = self._folds[(also.table, columns)] = build_fold(
-                self._verbs.record, self._table, also.table, columns)
-        try:
-            _, row = self._execute(fold, {**params, **fold_params(also)})
-        except sa_exc.DBAPIError as exc:
-            # Not an outage (StoreUnavailable by now): Celery's table is not what the fold
-            # expects. Nothing was written; record alone from now on.
-            self._fold_refused = True
-            logger.warning("celery_idem cannot write Celery's result row %s in the record's "
-                           "statement, leaving it to Celery from now on: %s",
-                           also.table.fullname, getattr(exc, "orig", exc))
-            self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
-                        claim_id=claim_id)
-            return False
-        assert row is not None  # the statement always returns its one row
-        if row["recorded"] != 1:
-            # A retry whose first reply was lost committed the row with the record: written.
-            self._unmatched_record(key, token, state, claim_id)
-        return True
+        if isinstance(also, TaskMetaWrite) and also.table is not None \
+                and self.dialect == "postgresql" and not self._fold_refused:
+            params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
+            columns = tuple(also.row)
+            fold = self._folds.get((also.table, columns))
+            if fold is None:
+                fold = self._folds[(also.table, columns)] = build_fold(
+                    self._verbs.record, self._table, also.table, columns)
+            try:
+                _, row = self._execute(fold, {**params, **fold_params(also)})
+            except sa_exc.DBAPIError as exc:
+                # Not an outage (StoreUnavailable by now): Celery's table is not what the fold
+                # expects. Nothing was written; record alone from now on.
+                self._fold_refused = True
+                logger.warning("celery_idem cannot write Celery's result row %s in the record's "
+                               "statement, leaving it to Celery from now on: %s",
+                               also.table.fullname, getattr(exc, "orig", exc))
+            else:
+                assert row is not None  # the statement always returns its one row
+                if row["recorded"] != 1:
+                    # A retry whose first reply was lost committed the row with the record: written.
+                    self._unmatched_record(key, token, state, claim_id)
+                return True
+        self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
+                    claim_id=claim_id)
+        return False
 
     def _record_params(self, key: str, token: int, state: State, content_type: str, data: bytes,
                        ttl: float, claim_id: str | None) -> dict[str, Any]:
@@ -347,19 +453,16 @@ class SQLStore(Store):
             raise lease_lost("renew", key, token, self.get(key), claim_id)
         return float(row["lease_expires"])
 
-    # -- reads --------------------------------------------------------------------------------
-
     def forget(self, key: str, token: int) -> None:
         """One UPDATE, fenced by the token, of a DONE or FAILED row to a RELEASED tombstone."""
         if self._execute(self._verbs.forget, {"idem_key": self._stored(key), "idem_token": token})[0] != 1:
             raise lease_lost("forget", key, token, self.get(key))
 
+    # -- reads --------------------------------------------------------------------------------
+
     def expires_at(self, key: str) -> float | None:
         """When the row of ``key`` expires (database clock), or None when it is absent."""
-        t = self._table
-        stmt = sa.select(t.c.expires).where(t.c.key == sa.bindparam("idem_key"), t.c.expires > db_now())
-        with self._session() as session:
-            _, row = session.execute(stmt, {"idem_key": self._stored(key)})
+        _, row = self._execute(self._verbs.expires, {"idem_key": self._stored(key)})
         return None if row is None else float(row["expires"])
 
     def get(self, key: str) -> Record | None:
@@ -368,11 +471,10 @@ class SQLStore(Store):
         return None if row is None else self._record(row)
 
     def _own_rows(self) -> ColumnElement[bool]:
-        t = self._table
         if not self.prefix:
             return sa.true()
         # An exact comparison: LIKE is case-insensitive on SQLite and needs escaping.
-        return sa.func.substr(t.c.key, 1, len(self.prefix)) == self.prefix
+        return sa.func.substr(self._table.c.key, 1, len(self.prefix)) == self.prefix
 
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
         """Iterate over this prefix's live records in key order, ``count`` rows per query.
@@ -423,7 +525,7 @@ class SQLStore(Store):
         # Bound as a value: PostgreSQL uses no index against clock_timestamp() (volatile), but
         # `expires <= :now` is a range scan (docs/scaling.md). A row revived meanwhile expires later.
         expired = sa.and_(self._own_rows(), t.c.expires <= sa.literal(now, sa.Double))
-        if self._dialect in ("mysql", "mariadb"):
+        if self.dialect in ("mysql", "mariadb"):
             # MySQL has DELETE ... LIMIT, but no LIMIT in an IN (subquery).
             delete = sa.delete(t).where(expired).with_dialect_options(mysql_limit=limit)
         else:

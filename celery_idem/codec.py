@@ -44,6 +44,33 @@ class Codec(Protocol):
         """Return an exception of the same type and message as the recorded one."""
 
 
+def encode_error(exc: BaseException) -> tuple[str, bytes]:
+    """Describe ``exc`` as JSON: its module, qualified type name and message."""
+    cls = type(exc)
+    doc = {"module": cls.__module__, "type": cls.__qualname__, "message": str(exc)}
+    return ERROR_CONTENT_TYPE, json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_error(key: str, content_type: str, data: bytes) -> BaseException:
+    """Rebuild a recorded error (see the module docstring for what is trusted)."""
+    if content_type != ERROR_CONTENT_TYPE:
+        raise CorruptRecord(f"the error recorded for {key!r} has content type {content_type!r}", key=key)
+    try:
+        doc = json.loads(data)
+        module_name, type_name, message = doc["module"], doc["type"], doc["message"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptRecord(f"the error recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
+    found: Any = sys.modules.get(str(module_name))
+    for part in str(type_name).split("."):
+        found = getattr(found, part, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        try:
+            return found(message)
+        except Exception:  # a type whose constructor needs more than a message
+            pass
+    return TerminalError(f"{module_name}.{type_name}: {message}")
+
+
 class KombuCodec:
     """Results through kombu's serializer registry (the same one Celery's backends use).
 
@@ -101,35 +128,5 @@ class KombuCodec:
         except (self._unreadable, ValueError, TypeError) as exc:
             raise CorruptRecord(f"the result recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
 
-    def encode_error(self, exc: BaseException) -> tuple[str, bytes]:
-        return encode_error(exc)
-
-    def decode_error(self, key: str, content_type: str, data: bytes) -> BaseException:
-        return decode_error(key, content_type, data)
-
-
-def encode_error(exc: BaseException) -> tuple[str, bytes]:
-    """Describe ``exc`` as JSON: its module, qualified type name and message."""
-    cls = type(exc)
-    doc = {"module": cls.__module__, "type": cls.__qualname__, "message": str(exc)}
-    return ERROR_CONTENT_TYPE, json.dumps(doc, separators=(",", ":")).encode()
-
-
-def decode_error(key: str, content_type: str, data: bytes) -> BaseException:
-    """Rebuild a recorded error (see the module docstring for what is trusted)."""
-    if content_type != ERROR_CONTENT_TYPE:
-        raise CorruptRecord(f"the error recorded for {key!r} has content type {content_type!r}", key=key)
-    try:
-        doc = json.loads(data)
-        module_name, type_name, message = doc["module"], doc["type"], doc["message"]
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CorruptRecord(f"the error recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
-    found: Any = sys.modules.get(str(module_name))
-    for part in str(type_name).split("."):
-        found = getattr(found, part, None)
-    if isinstance(found, type) and issubclass(found, Exception):
-        try:
-            return found(message)
-        except Exception:  # a type whose constructor needs more than a message
-            pass
-    return TerminalError(f"{module_name}.{type_name}: {message}")
+    encode_error = staticmethod(encode_error)
+    decode_error = staticmethod(decode_error)

@@ -103,17 +103,6 @@ class Requeue(Exception):
 _OUTCOMES = frozenset({State.DONE, State.FAILED})
 
 
-def _build(fold: Callable[[T], BackendWrite | None] | None, key: str, result: T) -> BackendWrite | None:
-    """``fold(result)``, or None if it fails: the record must be written whatever happens here."""
-    if fold is None:
-        return None
-    try:
-        return fold(result)
-    except Exception as exc:
-        logger.debug("celery_idem backend write not folded key=%s: %r", key, exc)
-        return None
-
-
 def _no_emit(outcome: Outcome, key: str, token: int, original: str, extra: dict[str, Any]) -> None:
     return None
 
@@ -216,12 +205,7 @@ class Gate:
         return RunOutcome(self.answer(rec), ran=False)
 
     def _settle(self, attempt: Attempt, deadline: float | None) -> tuple[Claim, bool]:
-        """Claim the key, waiting (bounded) while someone else holds it (raises as :meth:`run`).
-
-        Returns:
-            A claim that holds the key or carries a DONE/FAILED record, and whether this
-            attempt waited for it.
-        """
+        """A claim that holds the key or carries its outcome, and whether this attempt waited."""
         cfg = self.config
         waited = False
         wait_until: float | None = None
@@ -305,7 +289,12 @@ class Gate:
             except BaseException as exc:
                 self._after_error(attempt, token, exc, fence)
                 raise
-            write = _build(fold, attempt.key, result)
+            write = None
+            if fold is not None:
+                try:
+                    write = fold(result)
+                except Exception as exc:  # the record must be written whatever happens here
+                    logger.debug("celery_idem backend write not folded key=%s: %r", key, exc)
             folded = self._record_result(attempt, token, result, write, fence)
         return RunOutcome(result, ran=True, write=write, folded=folded)
 
@@ -406,14 +395,10 @@ class Gate:
         self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes,
         also: BackendWrite | None = None, *, fence: dict[str, Any],
     ) -> tuple[bool, bool]:
-        """Record with retries for ``record_timeout``; the lease keeps being renewed meanwhile.
+        """Record, retrying for ``record_timeout`` (the lease is renewed meanwhile).
 
-        Returns:
-            ``(recorded, folded)``: recorded is True once written, False when the store stayed
-            unreachable (reported loudly); folded is True when ``also`` was written with it.
-
-        Raises:
-            LeaseLost: Another holder took over.
+        Returns ``(recorded, folded)``: False when the store stayed unreachable (reported loudly);
+        folded when ``also`` was written with it. Raises LeaseLost when another holder took over.
         """
         key = attempt.key
         deadline = self.monotonic() + self.config.record_timeout
@@ -455,12 +440,9 @@ class Gate:
     def _wait(
         self, key: str, holder: Record, claim: Claim, seen: float, deadline: float
     ) -> Record | None:
-        """Poll until ``holder``'s record changes, its lease runs out, or ``deadline``.
+        """The record once ``holder``'s changes, its lease runs out, or at ``deadline`` (None: gone).
 
         ``claim`` and ``seen`` translate the store's clock (``claim.now`` at ``seen``).
-
-        Returns:
-            The last record read (None when it is gone).
         """
         delay = self.poll_min
         rec: Record | None = holder

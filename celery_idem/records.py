@@ -4,7 +4,7 @@ and the receipt a later attempt finds."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Claim", "ClaimStatus", "Receipt", "Record", "Reservation", "State"]
@@ -106,6 +106,7 @@ class Claim:
     claim_id: str = ""
 
 
+@dataclass(eq=False)
 class Receipt:
     """A committed receipt found by a later attempt (``idempotent_transaction``, SQLAlchemy or Django).
 
@@ -113,17 +114,13 @@ class Receipt:
         key: The stored key (prefix + idempotency key).
         token: Fencing token of the attempt that committed it.
         task_id: Task id of the attempt that committed it.
-        value: Its result, decoded.
+        value: Its result, decoded (left out of the repr).
     """
 
-    def __init__(self, key: str, token: int, task_id: str, value: Any) -> None:
-        self.key = key
-        self.token = token
-        self.task_id = task_id
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"Receipt(key={self.key!r}, token={self.token}, task_id={self.task_id!r})"
+    key: str
+    token: int
+    task_id: str
+    value: Any = field(repr=False)
 
 
 @dataclass(frozen=True)

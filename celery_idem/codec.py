@@ -8,8 +8,8 @@ Terminal errors are stored as JSON ``{"module", "type", "message"}`` and re-rais
 type with the same message when its module is already imported (the task module is); else as
 :class:`TerminalError` naming the type, so a record can never make a worker import a module.
 
-The gate sees only the :class:`Codec` protocol; kombu is imported when a :class:`KombuCodec` is
-built, so importing this module loads neither kombu nor Celery.
+kombu is imported when a :class:`KombuCodec` is built: importing this module loads neither kombu
+nor Celery.
 """
 
 from __future__ import annotations
@@ -77,10 +77,9 @@ class KombuCodec:
     Args:
         serializer: Serializer name (``json``, ``msgpack``, ``pickle``, ...).
         accept: Content types (or serializer names) that may be decoded; None accepts all.
-        prepare: Applied to a result before it is serialized; the task passes its result
-            backend's ``prepare_value``, so a result is stored as Celery stores it (an
-            ``AsyncResult`` as its ``as_tuple()`` unless the serializer is pickle) and a
-            duplicate gets what Celery's own ``get()`` returns.
+        prepare: Applied to a result before it is serialized: the result backend's
+            ``prepare_value``, so a result is stored as Celery stores it (an ``AsyncResult`` as
+            its ``as_tuple()`` unless pickled) and a duplicate gets what ``get()`` returns.
         accelerate: Encode JSON with :mod:`celery_idem.accel.kombu_json` (see
             :func:`celery_idem.accel.enabled`; None: on unless switched off).
     """

@@ -14,10 +14,9 @@
                                     │    (under a deadline: raise Requeue, freed)
                                     └─ still busy ──────────────> raise Requeue
 
-The task layer (``task.py``) supplies the key, the body and a codec, and turns :class:`Requeue`
-and :class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message; the gate calls
-back into it only through what it is handed (the body, ``fold``, ``emit``). No Celery, no kombu
-here (``tests/unit/test_layering.py``).
+The task layer supplies the key, the body and a codec, and turns :class:`Requeue` and
+:class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message; the gate calls back
+only through the body, ``fold`` and ``emit``. No Celery, no kombu here (tests/unit/test_layering.py).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class Attempt:
     Attributes:
         key: The idempotency key.
         task_id: The attempt's task id.
-        attempt: The attempt's ``retries`` count (a higher one may take over its own claim).
+        attempt: Its ``retries`` count (a higher one may take over its own claim).
         owner: Who runs it (``host:pid``).
         payload_hash: Hash of the full arguments when validating, else None.
     """
@@ -68,11 +67,10 @@ class RunOutcome(Generic[T]):
 
     Attributes:
         value: The body's result, or the recorded result of the attempt that ran it.
-        ran: True when this attempt ran the body (and recorded its result); False when it was
-            answered from the record (a duplicate, or after waiting for the holder).
-        write: The backend write built for the record by ``fold`` (None: none was built).
-        folded: True when ``write`` was made in the record's own store call; the caller then
-            skips the backend's own write. False: the caller stores the result itself.
+        ran: True when this attempt ran the body; False when answered from the record.
+        write: The backend write ``fold`` built for the record (None: none).
+        folded: True when ``write`` went in the record's own store call: the caller then skips
+            the backend's own write.
     """
 
     value: T
@@ -82,13 +80,12 @@ class RunOutcome(Generic[T]):
 
 
 class Requeue(Exception):
-    """Raised by the gate when this attempt should go round again instead of running the body.
+    """Raised when this attempt should go round again instead of running the body.
 
     Attributes:
         key: The idempotency key.
         holder: The record last seen (None when it is gone or unknown).
-        freed: True when the key is free now (the next attempt may claim it at once); False
-            when it is still in progress.
+        freed: True when the key is free now (the next attempt may claim it at once).
     """
 
     def __init__(self, key: str, holder: Record | None, *, freed: bool = False) -> None:
@@ -115,16 +112,15 @@ class Gate:
         config: The task's resolved options.
         codec: Encodes results and errors for the store.
         emit: Called once per decision.
-        retry_signals: Exceptions that mean "the task already re-published itself" (Celery's
-            ``Retry``): the claim is released so the new attempt passes the gate.
-        handover_signals: Exceptions that mean "the body handed its action to another task"
-            (Celery's ``Task.replace`` raises ``Ignore``): nothing is recorded, the claim is
-            released.
-        interrupts: Exceptions (the task's soft time limit) that become :class:`Requeue` when
-            they arrive while claiming or waiting; raised by the body, they are any error.
+        retry_signals: "The task re-published itself" (Celery's ``Retry``): the claim is
+            released so the new attempt passes the gate.
+        handover_signals: "The body handed its action to another task" (``Task.replace``
+            raises ``Ignore``): nothing is recorded, the claim is released.
+        interrupts: The task's soft time limit: a :class:`Requeue` while claiming or waiting;
+            raised by the body, any error.
         sleep: Injectable for tests.
         monotonic: Injectable for tests.
-        lease_keeper: Renews the lease while the body runs.
+        lease_keeper: Renews the lease while the body runs (default: the process's).
     """
 
     #: Poll interval bounds while waiting for a busy key (seconds).
@@ -169,20 +165,18 @@ class Gate:
         Args:
             attempt: Who runs, under which key.
             body: Called with the fencing token; its return value is recorded.
-            fold: Builds the result backend's write from the body's result; a
-                :class:`~celery_idem.stores.base.BackendWrite` it returns goes into the record's
-                store call (:meth:`Store.record_with`). An error it raises only means no fold.
-            deadline: ``monotonic()`` time by which this attempt must stop waiting, because
-                the caller's own time limit fires soon after (None: no limit). An attempt that
-                waited does not claim a key freed meanwhile (its body would start with only what
-                is left of the limit): it raises :class:`Requeue`.
+            fold: Builds the result backend's write from the body's result, written in the
+                record's store call (:meth:`Store.record_with`); an error it raises means no fold.
+            deadline: ``monotonic()`` time to stop waiting by, as the caller's own time limit
+                fires soon after (None: none). A key freed during such a wait is not claimed:
+                the body would start with only the rest of the limit.
 
         Returns:
             A :class:`RunOutcome`.
 
         Raises:
             Requeue: The key is still in progress after ``config.wait`` seconds (or at
-                ``deadline``); it was freed after a wait under a ``deadline``; or one of
+                ``deadline``), was freed during a wait under a ``deadline``, or one of
                 ``interrupts`` arrived while claiming or waiting.
             StoreUnavailable: The store could not be reached at claim time (the body did not run).
             IdempotencyKeyMismatch: Same key, different payload.
@@ -227,8 +221,7 @@ class Gate:
                     f"(task {rec.task_id}); use a new key for a new action",
                     key=attempt.key,
                 )
-            # BUSY: someone else's live lease.
-            if wait_until is None:
+            if wait_until is None:  # BUSY: someone else's live lease
                 wait_until = self.monotonic() + cfg.wait
                 if deadline is not None:
                     wait_until = min(wait_until, deadline)
@@ -254,8 +247,7 @@ class Gate:
                     self.emit(Outcome.REQUEUED, attempt.key, holder.token, holder.task_id,
                               {"reason": "freed"})
                     raise Requeue(attempt.key, found, freed=True)
-                # Another attempt took over meanwhile: wait for it (claiming again has the
-                # same risk).
+                # Another attempt took over meanwhile: wait for it (claiming has the same risk).
                 assert found is not None
                 holder = found
 
@@ -328,7 +320,7 @@ class Gate:
         self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any],
         *, retried: bool = False, reason: str | None = None,
     ) -> None:
-        """Release the claim after ``exc``; a lost or unreachable claim is reported, not raised."""
+        """Release the claim; a lost or unreachable claim is reported, not raised."""
         key = attempt.key
         try:
             self.store.release(key, token, **fence)
@@ -374,8 +366,8 @@ class Gate:
         if recorded:
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
             return folded
-        # Refused for record_timeout. If a small record goes in now, the result itself is what
-        # the store refuses (too large): record that, so a duplicate raises instead of running.
+        # Refused for record_timeout. If a small record goes in now, the store refuses the result
+        # itself (too large): record that, so a duplicate raises instead of running.
         refused = TerminalError(
             f"the body of {attempt.key!r} ran (task {attempt.task_id}) but the store refused to "
             f"record its result of {len(data)} bytes; duplicates get this error"

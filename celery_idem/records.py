@@ -1,5 +1,4 @@
-"""The values that travel between the gate and a store: record states, records, claim results,
-and the receipt a later attempt finds."""
+"""The values that travel between the gate and a store, and the receipt a later attempt finds."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ class State(str, enum.Enum):
     DONE = "done"
     #: The body raised a terminal error; the record holds the encoded error.
     FAILED = "failed"
-    #: The holder gave the key back (timeout-class error). The record is a tombstone that keeps
-    #: the fencing token, so the next claim gets a higher token than any earlier holder.
+    #: The holder gave the key back (timeout-class error): a tombstone keeping the fencing token,
+    #: so the next claim gets a higher token than any earlier holder.
     RELEASED = "released"
 
 
@@ -29,8 +28,8 @@ class ClaimStatus(str, enum.Enum):
 
     #: The key was free (absent or released): the caller now holds it.
     CLAIMED = "claimed"
-    #: The previous holder's lease had expired, or the previous holder was an earlier attempt of
-    #: the same task id (a retry): the caller now holds it with token + 1.
+    #: The previous holder's lease had expired, or it was an earlier attempt of the same task id
+    #: (a retry): the caller now holds it with token + 1.
     TAKEOVER = "takeover"
     #: The key is done; ``record`` carries the result.
     DONE = "done"
@@ -59,14 +58,13 @@ class Record:
         owner: Who holds or held the claim (``host:pid``).
         task_id: The Celery task id of the attempt that claimed it (the original task id).
         attempt: The ``retries`` count of that attempt.
-        lease_expires: Server time (epoch seconds) at which the lease runs out; None unless in
-            progress.
+        lease_expires: Server time (epoch seconds) the lease runs out at; None unless in progress.
         payload_hash: Hash of the full arguments, when ``idempotency_validate`` is on.
         content_type: MIME type of ``data`` (the result serializer's, or the error codec's).
         data: The encoded result (done) or error (failed).
         updated: Server time (epoch seconds) of the last write.
-        claim_id: The random id of the claim that wrote the record (empty for a released
-            tombstone, and from a store without claim ids); see :attr:`Claim.claim_id`.
+        claim_id: The random id of the claim that wrote it (:attr:`Claim.claim_id`; empty for a
+            released tombstone, and from a store without claim ids).
     """
 
     key: str

@@ -64,8 +64,7 @@ def request_deadline(task: Any, request: Any, started: float) -> float | None:
     ``started`` is when ``__call__`` started (Celery's clock starts a moment earlier, which the
     margin covers).
     """
-    # The precedence of ``_limits`` (see why there), without naming the sources: this runs on
-    # every call.
+    # The precedence of ``_limits`` (see why there), unnamed: this runs on every call.
     hard, soft = getattr(request, "timelimit", None) or (None, None)
     conf = task.app.conf
     soft = soft or task.soft_time_limit or _worker["soft"] or conf.get("task_soft_time_limit")
@@ -131,7 +130,7 @@ def check_definition(label: str, task_class: Any) -> None:
     Raises:
         ImproperlyConfigured: A limit leaves a duplicate no time to wait (the message names it).
     """
-    _refuse(label, _limits(task_class, None, worker=False))
+    _refuse(label, _limits(task_class, None))
 
 
 def _refuse(label: str, limits: Limits) -> None:

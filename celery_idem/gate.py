@@ -96,10 +96,6 @@ class Requeue(Exception):
         self.freed = freed
 
 
-#: Record states that answer a duplicate (a claim returns them without claiming).
-_OUTCOMES = frozenset({State.DONE, State.FAILED})
-
-
 def _no_emit(outcome: Outcome, key: str, token: int, original: str, extra: dict[str, Any]) -> None:
     return None
 
@@ -239,7 +235,7 @@ class Gate:
                     assert found is not None
                     self.emit(Outcome.REQUEUED, attempt.key, found.token, found.task_id, {})
                     raise Requeue(attempt.key, found)
-                if deadline is None or (found is not None and found.state in _OUTCOMES):
+                if deadline is None or (found is not None and found.state in (State.DONE, State.FAILED)):
                     break  # done, failed, or free to take: the next claim decides atomically
                 if not live:
                     # Freed, but this attempt spent part of its time limit waiting (see run's

@@ -88,8 +88,9 @@ def misconfiguration(exc: BaseException) -> str | None:
         One of the module's reasons (authentication, missing database, permission), or None.
     """
     for item in _causes(exc):
-        if type(item).__module__.startswith("redis.") and type(item).__name__ in _REDIS_ERRORS:
-            return _REDIS_ERRORS[type(item).__name__]
+        kind = type(item)
+        if kind.__module__.partition(".")[0] == "redis" and kind.__name__ in _REDIS_ERRORS:
+            return _REDIS_ERRORS[kind.__name__]
         args = getattr(item, "args", ())
         if args and isinstance(args[0], int) and args[0] in _MYSQL_CODES:
             return _MYSQL_CODES[args[0]]

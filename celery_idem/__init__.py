@@ -1,9 +1,8 @@
 """Exactly-once effects for Celery tasks.
 
 Public API: :class:`IdempotentTask`, :func:`idempotency_key` and the exceptions. This module
-imports no store backend (neither ``redis`` nor ``sqlalchemy``), and no Celery until a name
-that needs it is used: :class:`IdempotentTask`, :class:`CachedResult` and
-:class:`ImproperlyConfigured` load the Celery seam (``celery_idem.task``) on first access, so
+imports no store backend, and no Celery until :class:`IdempotentTask`, :class:`CachedResult` or
+:class:`ImproperlyConfigured` is first used (they load ``celery_idem.task``), so
 ``import celery_idem.gate`` (or any other core module) stays Celery-free.
 """
 
@@ -42,8 +41,8 @@ __all__ = [
     "idempotency_key",
 ]
 
-#: Names served by the Celery seam, loaded on first access. ImproperlyConfigured is the core's
-#: class, given Celery's ImproperlyConfigured as a base when the seam loads (see exceptions.py).
+#: Names served by the Celery seam, loaded on first access (ImproperlyConfigured gets Celery's
+#: class as a base then: see exceptions.py).
 _SEAM_NAMES = ("CachedResult", "IdempotentTask", "ImproperlyConfigured")
 
 

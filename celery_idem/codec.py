@@ -8,8 +8,8 @@ Terminal errors are stored as JSON ``{"module", "type", "message"}`` and re-rais
 type with the same message when its module is already imported (the task module is); else as
 :class:`TerminalError` naming the type, so a record can never make a worker import a module.
 
-The gate sees only the :class:`Codec` protocol; kombu is imported when a :class:`KombuCodec` is
-built, so importing this module loads neither kombu nor Celery.
+kombu is imported when a :class:`KombuCodec` is built: importing this module loads neither kombu
+nor Celery.
 """
 
 from __future__ import annotations
@@ -44,16 +44,42 @@ class Codec(Protocol):
         """Return an exception of the same type and message as the recorded one."""
 
 
+def encode_error(exc: BaseException) -> tuple[str, bytes]:
+    """Describe ``exc`` as JSON: its module, qualified type name and message."""
+    cls = type(exc)
+    doc = {"module": cls.__module__, "type": cls.__qualname__, "message": str(exc)}
+    return ERROR_CONTENT_TYPE, json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_error(key: str, content_type: str, data: bytes) -> BaseException:
+    """Rebuild a recorded error (see the module docstring for what is trusted)."""
+    if content_type != ERROR_CONTENT_TYPE:
+        raise CorruptRecord(f"the error recorded for {key!r} has content type {content_type!r}", key=key)
+    try:
+        doc = json.loads(data)
+        module_name, type_name, message = doc["module"], doc["type"], doc["message"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptRecord(f"the error recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
+    found: Any = sys.modules.get(str(module_name))
+    for part in str(type_name).split("."):
+        found = getattr(found, part, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        try:
+            return found(message)
+        except Exception:  # a type whose constructor needs more than a message
+            pass
+    return TerminalError(f"{module_name}.{type_name}: {message}")
+
+
 class KombuCodec:
     """Results through kombu's serializer registry (the same one Celery's backends use).
 
     Args:
         serializer: Serializer name (``json``, ``msgpack``, ``pickle``, ...).
         accept: Content types (or serializer names) that may be decoded; None accepts all.
-        prepare: Applied to a result before it is serialized; the task passes its result
-            backend's ``prepare_value``, so a result is stored as Celery stores it (an
-            ``AsyncResult`` as its ``as_tuple()`` unless the serializer is pickle) and a
-            duplicate gets what Celery's own ``get()`` returns.
+        prepare: Applied to a result before it is serialized: the result backend's
+            ``prepare_value``, so a result is stored as Celery stores it (an ``AsyncResult`` as
+            its ``as_tuple()`` unless pickled) and a duplicate gets what ``get()`` returns.
         accelerate: Encode JSON with :mod:`celery_idem.accel.kombu_json` (see
             :func:`celery_idem.accel.enabled`; None: on unless switched off).
     """
@@ -101,35 +127,5 @@ class KombuCodec:
         except (self._unreadable, ValueError, TypeError) as exc:
             raise CorruptRecord(f"the result recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
 
-    def encode_error(self, exc: BaseException) -> tuple[str, bytes]:
-        return encode_error(exc)
-
-    def decode_error(self, key: str, content_type: str, data: bytes) -> BaseException:
-        return decode_error(key, content_type, data)
-
-
-def encode_error(exc: BaseException) -> tuple[str, bytes]:
-    """Describe ``exc`` as JSON: its module, qualified type name and message."""
-    cls = type(exc)
-    doc = {"module": cls.__module__, "type": cls.__qualname__, "message": str(exc)}
-    return ERROR_CONTENT_TYPE, json.dumps(doc, separators=(",", ":")).encode()
-
-
-def decode_error(key: str, content_type: str, data: bytes) -> BaseException:
-    """Rebuild a recorded error (see the module docstring for what is trusted)."""
-    if content_type != ERROR_CONTENT_TYPE:
-        raise CorruptRecord(f"the error recorded for {key!r} has content type {content_type!r}", key=key)
-    try:
-        doc = json.loads(data)
-        module_name, type_name, message = doc["module"], doc["type"], doc["message"]
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CorruptRecord(f"the error recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
-    found: Any = sys.modules.get(str(module_name))
-    for part in str(type_name).split("."):
-        found = getattr(found, part, None)
-    if isinstance(found, type) and issubclass(found, Exception):
-        try:
-            return found(message)
-        except Exception:  # a type whose constructor needs more than a message
-            pass
-    return TerminalError(f"{module_name}.{type_name}: {message}")
+    encode_error = staticmethod(encode_error)
+    decode_error = staticmethod(decode_error)

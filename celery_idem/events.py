@@ -49,10 +49,7 @@ ANSWERS = frozenset({Outcome.DUPLICATE, Outcome.WAITED, Outcome.ANSWERED, Outcom
 
 #: Outcomes an operator should see at INFO or above; the rest log at DEBUG.
 _LOUD = {
-    Outcome.DUPLICATE: logging.INFO,
-    Outcome.WAITED: logging.INFO,
-    Outcome.ANSWERED: logging.INFO,
-    Outcome.ATTACHED: logging.INFO,
+    **dict.fromkeys(ANSWERS, logging.INFO),
     Outcome.TAKEOVER: logging.INFO,
     Outcome.REQUEUED: logging.INFO,
     Outcome.HELD: logging.WARNING,
@@ -72,8 +69,7 @@ def log_outcome(
     """Log one decision as one line of ``name=value`` pairs (never the task's arguments).
 
     ``token`` is the record's (0: none), ``original_task_id`` the task that claimed, holds or
-    recorded the key, ``task_id`` this attempt's (or the enqueue's); ``extra`` is logged in order.
-    ``answers=False`` logs the :data:`ANSWERS` at DEBUG instead of INFO.
+    recorded the key; ``answers=False`` logs the :data:`ANSWERS` at DEBUG instead of INFO.
     """
     level = logging.DEBUG if not answers and outcome in ANSWERS else _LOUD.get(outcome, logging.DEBUG)
     if not logger.isEnabledFor(level):

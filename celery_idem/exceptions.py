@@ -11,15 +11,14 @@ Every exception derives from one root, so ``except IdempotencyError`` catches th
     ├── InvalidKey               (also a ValueError: a key, scope or key header refused)
     └── ImproperlyConfigured     (also a celery.exceptions.ImproperlyConfigured: see below)
 
-Each class calls ``super().__init__(message)`` so that ``str()`` and pickling work when Celery
-stores the exception in its result backend.
+Each class passes only its message to ``Exception.__init__`` and keeps the rest as attributes,
+so ``str()`` is the message and pickling (Celery's result backend) keeps type and attributes.
 
-This module imports no Celery, so the core can use it without loading Celery. Still,
-:class:`ImproperlyConfigured` is Celery's ``ImproperlyConfigured`` wherever users catch it:
-:func:`adopt_celery_base` adds Celery's class to its bases when the Celery seam
-(``celery_idem.task``) is imported, when this module is imported after ``celery.exceptions``,
-and when one is created in a process that has imported ``celery.exceptions`` (whoever writes
-``except celery.exceptions.ImproperlyConfigured`` has). It is one class object throughout.
+This module imports no Celery. Still, :class:`ImproperlyConfigured` is Celery's
+``ImproperlyConfigured`` wherever users catch it: :func:`adopt_celery_base` adds Celery's class
+to its bases when ``celery_idem.task`` is imported, when this module is imported after
+``celery.exceptions``, or when one is created in a process that has imported it (as whoever
+writes ``except celery.exceptions.ImproperlyConfigured`` has). It is one class object throughout.
 """
 
 from __future__ import annotations
@@ -62,9 +61,6 @@ class IdempotencyKeyMismatch(TerminalError):
         super().__init__(message)
         self.key = key
 
-    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
-        return (type(self), (str(self), self.key))
-
 
 class InvalidKey(IdempotencyError, ValueError):
     """Raised for a per-call key, a scope or a message's key header that cannot be used.
@@ -83,9 +79,6 @@ class LeaseLost(IdempotencyError):
         self.key = key
         self.token = token
 
-    def __reduce__(self) -> tuple[type, tuple[str, str | None, int | None]]:
-        return (type(self), (str(self), self.key, self.token))
-
 
 class StoreUnavailable(IdempotencyError):
     """Raised when the idempotency store cannot be reached or did not answer in time.
@@ -101,13 +94,9 @@ class CorruptRecord(IdempotencyError):
         super().__init__(message)
         self.key = key
 
-    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
-        return (type(self), (str(self), self.key))
-
 
 class ImproperlyConfigured(IdempotencyError):
-    """Raised when a task or app is configured in a way celery_idem cannot honour (also
-    Celery's ``ImproperlyConfigured`` whenever Celery is loaded: see the module docstring)."""
+    """Raised when a task or app is configured in a way celery_idem cannot honour."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ImproperlyConfigured:
         if "celery.exceptions" in sys.modules:  # who catches Celery's class has imported it
@@ -118,8 +107,7 @@ class ImproperlyConfigured(IdempotencyError):
 def adopt_celery_base() -> None:
     """Make :class:`ImproperlyConfigured` a subclass of Celery's ``ImproperlyConfigured`` too.
 
-    Idempotent. The class object stays the same (its bases change), so exceptions raised
-    before and after, and every ``except`` naming either class, agree.
+    Idempotent; only the bases change, so exceptions raised before and after agree.
     """
     from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
 

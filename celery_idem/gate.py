@@ -14,10 +14,9 @@
                                     │    (under a deadline: raise Requeue, freed)
                                     └─ still busy ──────────────> raise Requeue
 
-The task layer (``task.py``) supplies the key, the body and a codec, and turns :class:`Requeue`
-and :class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message; the gate calls
-back into it only through what it is handed (the body, ``fold``, ``emit``). No Celery, no kombu
-here (``tests/unit/test_layering.py``).
+The task layer supplies the key, the body and a codec, and turns :class:`Requeue` and
+:class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message; the gate calls back
+only through the body, ``fold`` and ``emit``. No Celery, no kombu here (tests/unit/test_layering.py).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class Attempt:
     Attributes:
         key: The idempotency key.
         task_id: The attempt's task id.
-        attempt: The attempt's ``retries`` count (a higher one may take over its own claim).
+        attempt: Its ``retries`` count (a higher one may take over its own claim).
         owner: Who runs it (``host:pid``).
         payload_hash: Hash of the full arguments when validating, else None.
     """
@@ -68,11 +67,10 @@ class RunOutcome(Generic[T]):
 
     Attributes:
         value: The body's result, or the recorded result of the attempt that ran it.
-        ran: True when this attempt ran the body (and recorded its result); False when it was
-            answered from the record (a duplicate, or after waiting for the holder).
-        write: The backend write built for the record by ``fold`` (None: none was built).
-        folded: True when ``write`` was made in the record's own store call; the caller then
-            skips the backend's own write. False: the caller stores the result itself.
+        ran: True when this attempt ran the body; False when answered from the record.
+        write: The backend write ``fold`` built for the record (None: none).
+        folded: True when ``write`` went in the record's own store call: the caller then skips
+            the backend's own write.
     """
 
     value: T
@@ -82,13 +80,12 @@ class RunOutcome(Generic[T]):
 
 
 class Requeue(Exception):
-    """Raised by the gate when this attempt should go round again instead of running the body.
+    """Raised when this attempt should go round again instead of running the body.
 
     Attributes:
         key: The idempotency key.
         holder: The record last seen (None when it is gone or unknown).
-        freed: True when the key is free now (the next attempt may claim it at once); False
-            when it is still in progress.
+        freed: True when the key is free now (the next attempt may claim it at once).
     """
 
     def __init__(self, key: str, holder: Record | None, *, freed: bool = False) -> None:
@@ -97,21 +94,6 @@ class Requeue(Exception):
         self.key = key
         self.holder = holder
         self.freed = freed
-
-
-#: Record states that answer a duplicate (a claim returns them without claiming).
-_OUTCOMES = frozenset({State.DONE, State.FAILED})
-
-
-def _build(fold: Callable[[T], BackendWrite | None] | None, key: str, result: T) -> BackendWrite | None:
-    """``fold(result)``, or None if it fails: the record must be written whatever happens here."""
-    if fold is None:
-        return None
-    try:
-        return fold(result)
-    except Exception as exc:
-        logger.debug("celery_idem backend write not folded key=%s: %r", key, exc)
-        return None
 
 
 def _no_emit(outcome: Outcome, key: str, token: int, original: str, extra: dict[str, Any]) -> None:
@@ -126,16 +108,15 @@ class Gate:
         config: The task's resolved options.
         codec: Encodes results and errors for the store.
         emit: Called once per decision.
-        retry_signals: Exceptions that mean "the task already re-published itself" (Celery's
-            ``Retry``): the claim is released so the new attempt passes the gate.
-        handover_signals: Exceptions that mean "the body handed its action to another task"
-            (Celery's ``Task.replace`` raises ``Ignore``): nothing is recorded, the claim is
-            released.
-        interrupts: Exceptions (the task's soft time limit) that become :class:`Requeue` when
-            they arrive while claiming or waiting; raised by the body, they are any error.
+        retry_signals: "The task re-published itself" (Celery's ``Retry``): the claim is
+            released so the new attempt passes the gate.
+        handover_signals: "The body handed its action to another task" (``Task.replace``
+            raises ``Ignore``): nothing is recorded, the claim is released.
+        interrupts: The task's soft time limit: a :class:`Requeue` while claiming or waiting;
+            raised by the body, any error.
         sleep: Injectable for tests.
         monotonic: Injectable for tests.
-        lease_keeper: Renews the lease while the body runs.
+        lease_keeper: Renews the lease while the body runs (default: the process's).
     """
 
     #: Poll interval bounds while waiting for a busy key (seconds).
@@ -180,20 +161,18 @@ class Gate:
         Args:
             attempt: Who runs, under which key.
             body: Called with the fencing token; its return value is recorded.
-            fold: Builds the result backend's write from the body's result; a
-                :class:`~celery_idem.stores.base.BackendWrite` it returns goes into the record's
-                store call (:meth:`Store.record_with`). An error it raises only means no fold.
-            deadline: ``monotonic()`` time by which this attempt must stop waiting, because
-                the caller's own time limit fires soon after (None: no limit). An attempt that
-                waited does not claim a key freed meanwhile (its body would start with only what
-                is left of the limit): it raises :class:`Requeue`.
+            fold: Builds the result backend's write from the body's result, written in the
+                record's store call (:meth:`Store.record_with`); an error it raises means no fold.
+            deadline: ``monotonic()`` time to stop waiting by, as the caller's own time limit
+                fires soon after (None: none). A key freed during such a wait is not claimed:
+                the body would start with only the rest of the limit.
 
         Returns:
             A :class:`RunOutcome`.
 
         Raises:
             Requeue: The key is still in progress after ``config.wait`` seconds (or at
-                ``deadline``); it was freed after a wait under a ``deadline``; or one of
+                ``deadline``), was freed during a wait under a ``deadline``, or one of
                 ``interrupts`` arrived while claiming or waiting.
             StoreUnavailable: The store could not be reached at claim time (the body did not run).
             IdempotencyKeyMismatch: Same key, different payload.
@@ -216,12 +195,7 @@ class Gate:
         return RunOutcome(self.answer(rec), ran=False)
 
     def _settle(self, attempt: Attempt, deadline: float | None) -> tuple[Claim, bool]:
-        """Claim the key, waiting (bounded) while someone else holds it (raises as :meth:`run`).
-
-        Returns:
-            A claim that holds the key or carries a DONE/FAILED record, and whether this
-            attempt waited for it.
-        """
+        """A claim that holds the key or carries its outcome, and whether this attempt waited."""
         cfg = self.config
         waited = False
         wait_until: float | None = None
@@ -243,8 +217,7 @@ class Gate:
                     f"(task {rec.task_id}); use a new key for a new action",
                     key=attempt.key,
                 )
-            # BUSY: someone else's live lease.
-            if wait_until is None:
+            if wait_until is None:  # BUSY: someone else's live lease
                 wait_until = self.monotonic() + cfg.wait
                 if deadline is not None:
                     wait_until = min(wait_until, deadline)
@@ -262,7 +235,7 @@ class Gate:
                     assert found is not None
                     self.emit(Outcome.REQUEUED, attempt.key, found.token, found.task_id, {})
                     raise Requeue(attempt.key, found)
-                if deadline is None or (found is not None and found.state in _OUTCOMES):
+                if deadline is None or (found is not None and found.state in (State.DONE, State.FAILED)):
                     break  # done, failed, or free to take: the next claim decides atomically
                 if not live:
                     # Freed, but this attempt spent part of its time limit waiting (see run's
@@ -270,8 +243,7 @@ class Gate:
                     self.emit(Outcome.REQUEUED, attempt.key, holder.token, holder.task_id,
                               {"reason": "freed"})
                     raise Requeue(attempt.key, found, freed=True)
-                # Another attempt took over meanwhile: wait for it (claiming again has the
-                # same risk).
+                # Another attempt took over meanwhile: wait for it (claiming has the same risk).
                 assert found is not None
                 holder = found
 
@@ -305,7 +277,12 @@ class Gate:
             except BaseException as exc:
                 self._after_error(attempt, token, exc, fence)
                 raise
-            write = _build(fold, attempt.key, result)
+            write = None
+            if fold is not None:
+                try:
+                    write = fold(result)
+                except Exception as exc:  # the record must be written whatever happens here
+                    logger.debug("celery_idem backend write not folded key=%s: %r", key, exc)
             folded = self._record_result(attempt, token, result, write, fence)
         return RunOutcome(result, ran=True, write=write, folded=folded)
 
@@ -339,7 +316,7 @@ class Gate:
         self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any],
         *, retried: bool = False, reason: str | None = None,
     ) -> None:
-        """Release the claim after ``exc``; a lost or unreachable claim is reported, not raised."""
+        """Release the claim; a lost or unreachable claim is reported, not raised."""
         key = attempt.key
         try:
             self.store.release(key, token, **fence)
@@ -385,8 +362,8 @@ class Gate:
         if recorded:
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
             return folded
-        # Refused for record_timeout. If a small record goes in now, the result itself is what
-        # the store refuses (too large): record that, so a duplicate raises instead of running.
+        # Refused for record_timeout. If a small record goes in now, the store refuses the result
+        # itself (too large): record that, so a duplicate raises instead of running.
         refused = TerminalError(
             f"the body of {attempt.key!r} ran (task {attempt.task_id}) but the store refused to "
             f"record its result of {len(data)} bytes; duplicates get this error"
@@ -406,14 +383,10 @@ class Gate:
         self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes,
         also: BackendWrite | None = None, *, fence: dict[str, Any],
     ) -> tuple[bool, bool]:
-        """Record with retries for ``record_timeout``; the lease keeps being renewed meanwhile.
+        """Record, retrying for ``record_timeout`` (the lease is renewed meanwhile).
 
-        Returns:
-            ``(recorded, folded)``: recorded is True once written, False when the store stayed
-            unreachable (reported loudly); folded is True when ``also`` was written with it.
-
-        Raises:
-            LeaseLost: Another holder took over.
+        Returns ``(recorded, folded)``: False when the store stayed unreachable (reported loudly);
+        folded when ``also`` was written with it. Raises LeaseLost when another holder took over.
         """
         key = attempt.key
         deadline = self.monotonic() + self.config.record_timeout
@@ -455,12 +428,9 @@ class Gate:
     def _wait(
         self, key: str, holder: Record, claim: Claim, seen: float, deadline: float
     ) -> Record | None:
-        """Poll until ``holder``'s record changes, its lease runs out, or ``deadline``.
+        """The record once ``holder``'s changes, its lease runs out, or at ``deadline`` (None: gone).
 
         ``claim`` and ``seen`` translate the store's clock (``claim.now`` at ``seen``).
-
-        Returns:
-            The last record read (None when it is gone).
         """
         delay = self.poll_min
         rec: Record | None = holder

@@ -1,8 +1,7 @@
 """Lease heartbeat: renew every held claim at a third of its lease while its body runs.
 
-One daemon thread per process serves every claim held in that process, so holding a claim
-costs a heap push, not a thread start; bodies shorter than a third of the lease cause no
-renewal at all. After a fork the child starts its own thread on first use.
+One daemon thread per process serves every claim held in it, so holding a claim costs a heap
+push, not a thread start; a body shorter than a third of the lease causes no renewal at all.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ __all__ = ["Lease", "LeaseKeeper", "current_lease", "keeper"]
 
 logger = logging.getLogger("celery_idem")
 
-
 _LOST_LOCK = threading.Lock()
 
 
@@ -40,8 +38,9 @@ class Lease:
         lost: Set when a renewal found that another holder took over (the body may check it
             through ``task.idempotency_lease_lost`` before a write it cannot take back).
         done: Set when the holder is finished; the keeper drops it.
+        renewals: How many renewals succeeded.
         claim_id: The claim's id (:attr:`Claim.claim_id`), passed with the token to each
-            renewal; empty for a store without claim ids (fenced by the token alone).
+            renewal; empty for a store without claim ids.
     """
 
     store: Store
@@ -86,7 +85,7 @@ class LeaseKeeper:
     def hold(
         self, store: Store, key: str, token: int, duration: float, claim_id: str = ""
     ) -> AbstractContextManager[Lease]:
-        """Keep the lease of ``key`` alive until the block ends (``with keeper.hold(...) as lease``)."""
+        """Keep the lease of ``key`` alive until the ``with`` block ends."""
         return _Held(self, Lease(store, key, token, duration, claim_id=claim_id))
 
     def _schedule(self, lease: Lease, due: float) -> None:
@@ -119,11 +118,10 @@ class LeaseKeeper:
             self._renew(lease)
 
     def _renew(self, lease: Lease) -> None:
+        # As the gate's fence: a store without claim ids may not take the argument.
+        fence = {"claim_id": lease.claim_id} if lease.claim_id else {}
         try:
-            if lease.claim_id:
-                lease.store.renew(lease.key, lease.token, lease.duration, claim_id=lease.claim_id)
-            else:  # a store without claim ids may not take the argument
-                lease.store.renew(lease.key, lease.token, lease.duration)
+            lease.store.renew(lease.key, lease.token, lease.duration, **fence)
         except LeaseLost as exc:
             if lease.done:  # a renewal delayed past the holder's own record, which fenced it
                 logger.debug("celery_idem late renewal refused key=%s token=%s: %s",

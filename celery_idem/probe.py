@@ -41,6 +41,8 @@ _FIX = {
     PERMISSION: "the user's permissions (ACL) or the user it names",
 }
 
+# redis-py's exception classes.
+_REDIS_ERRORS = {"AuthenticationError": AUTHENTICATION, "NoPermissionError": PERMISSION}
 # MySQL/MariaDB server error codes (first argument of PyMySQL's and mysqlclient's errors).
 _MYSQL_CODES = {
     1044: AUTHENTICATION,  # access denied for user to database
@@ -86,11 +88,9 @@ def misconfiguration(exc: BaseException) -> str | None:
         One of the module's reasons (authentication, missing database, permission), or None.
     """
     for item in _causes(exc):
-        kind = f"{type(item).__module__}.{type(item).__name__}"
-        if kind.startswith("redis.") and type(item).__name__ == "AuthenticationError":
-            return AUTHENTICATION
-        if kind.startswith("redis.") and type(item).__name__ == "NoPermissionError":
-            return PERMISSION
+        kind = type(item)
+        if kind.__module__.partition(".")[0] == "redis" and kind.__name__ in _REDIS_ERRORS:
+            return _REDIS_ERRORS[kind.__name__]
         args = getattr(item, "args", ())
         if args and isinstance(args[0], int) and args[0] in _MYSQL_CODES:
             return _MYSQL_CODES[args[0]]
@@ -115,19 +115,6 @@ def _driver_message(exc: BaseException) -> str:
     return lines[0] if lines else type(innermost).__name__
 
 
-def refusal(exc: BaseException, setting: str, where: str) -> ImproperlyConfigured | None:
-    """The start-up refusal for ``exc`` (naming ``setting`` and ``where``, with no password), or
-    None when ``exc`` is not a configuration mistake."""
-    reason = misconfiguration(exc)
-    if reason is None:
-        return None
-    return ImproperlyConfigured(
-        f"the idempotency store ({setting} = {where}) {reason}: {_driver_message(exc)}. Check "
-        f"{_FIX[reason]} in {setting}; until then every task of this worker could only be "
-        f"re-queued"
-    )
-
-
 def probe_store(store: Store, setting: str) -> bool:
     """Ask ``store`` for its clock once, at worker start; refuse a configuration mistake.
 
@@ -142,25 +129,26 @@ def probe_store(store: Store, setting: str) -> bool:
     try:
         store.now()
     except StoreUnavailable as exc:
-        unreachable(exc, setting, describe(store))
+        unreachable(exc, setting, str(getattr(store, "location", None) or repr(store)))
         return False
     return True
 
 
 def unreachable(exc: StoreUnavailable, setting: str, where: str) -> None:
-    """At worker start: raise the refusal for ``exc``, or warn that the worker starts anyway."""
-    refused = refusal(exc, setting, where)
-    if refused is not None:
-        raise refused from exc
+    """At worker start: refuse a configuration mistake, or warn that the worker starts anyway.
+
+    ``where`` names the store in the refusal (never with a password).
+    """
+    reason = misconfiguration(exc)
+    if reason is not None:
+        raise ImproperlyConfigured(
+            f"the idempotency store ({setting} = {where}) {reason}: {_driver_message(exc)}. Check "
+            f"{_FIX[reason]} in {setting}; until then every task of this worker could only be "
+            f"re-queued"
+        ) from exc
     logger.warning(
         "celery_idem could not reach the idempotency store (%s) at worker start: %s. The "
         "worker starts; its tasks are re-queued until the store answers", setting, exc)
-
-
-def describe(store: Store) -> str:
-    """Where ``store`` is, for messages (never with a password)."""
-    location = getattr(store, "location", None)
-    return str(location) if location else repr(store)
 
 
 def requeue_delay(requeues: int) -> float:

@@ -1,10 +1,9 @@
-"""The values that travel between the gate and a store: record states, records, claim results,
-and the receipt a later attempt finds."""
+"""The values that travel between the gate and a store, and the receipt a later attempt finds."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Claim", "ClaimStatus", "Receipt", "Record", "Reservation", "State"]
@@ -19,8 +18,8 @@ class State(str, enum.Enum):
     DONE = "done"
     #: The body raised a terminal error; the record holds the encoded error.
     FAILED = "failed"
-    #: The holder gave the key back (timeout-class error). The record is a tombstone that keeps
-    #: the fencing token, so the next claim gets a higher token than any earlier holder.
+    #: The holder gave the key back (timeout-class error): a tombstone keeping the fencing token,
+    #: so the next claim gets a higher token than any earlier holder.
     RELEASED = "released"
 
 
@@ -29,8 +28,8 @@ class ClaimStatus(str, enum.Enum):
 
     #: The key was free (absent or released): the caller now holds it.
     CLAIMED = "claimed"
-    #: The previous holder's lease had expired, or the previous holder was an earlier attempt of
-    #: the same task id (a retry): the caller now holds it with token + 1.
+    #: The previous holder's lease had expired, or it was an earlier attempt of the same task id
+    #: (a retry): the caller now holds it with token + 1.
     TAKEOVER = "takeover"
     #: The key is done; ``record`` carries the result.
     DONE = "done"
@@ -59,14 +58,13 @@ class Record:
         owner: Who holds or held the claim (``host:pid``).
         task_id: The Celery task id of the attempt that claimed it (the original task id).
         attempt: The ``retries`` count of that attempt.
-        lease_expires: Server time (epoch seconds) at which the lease runs out; None unless in
-            progress.
+        lease_expires: Server time (epoch seconds) the lease runs out at; None unless in progress.
         payload_hash: Hash of the full arguments, when ``idempotency_validate`` is on.
         content_type: MIME type of ``data`` (the result serializer's, or the error codec's).
         data: The encoded result (done) or error (failed).
         updated: Server time (epoch seconds) of the last write.
-        claim_id: The random id of the claim that wrote the record (empty for a released
-            tombstone, and from a store without claim ids); see :attr:`Claim.claim_id`.
+        claim_id: The random id of the claim that wrote it (:attr:`Claim.claim_id`; empty for a
+            released tombstone, and from a store without claim ids).
     """
 
     key: str
@@ -106,6 +104,7 @@ class Claim:
     claim_id: str = ""
 
 
+@dataclass(eq=False)
 class Receipt:
     """A committed receipt found by a later attempt (``idempotent_transaction``, SQLAlchemy or Django).
 
@@ -113,17 +112,13 @@ class Receipt:
         key: The stored key (prefix + idempotency key).
         token: Fencing token of the attempt that committed it.
         task_id: Task id of the attempt that committed it.
-        value: Its result, decoded.
+        value: Its result, decoded (left out of the repr).
     """
 
-    def __init__(self, key: str, token: int, task_id: str, value: Any) -> None:
-        self.key = key
-        self.token = token
-        self.task_id = task_id
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"Receipt(key={self.key!r}, token={self.token}, task_id={self.task_id!r})"
+    key: str
+    token: int
+    task_id: str
+    value: Any = field(repr=False)
 
 
 @dataclass(frozen=True)

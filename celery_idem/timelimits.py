@@ -64,8 +64,7 @@ def request_deadline(task: Any, request: Any, started: float) -> float | None:
     ``started`` is when ``__call__`` started (Celery's clock starts a moment earlier, which the
     margin covers).
     """
-    # The precedence of ``_limits``, without naming the sources: this runs on every call.
-    # The app setting last: Celery 5.7 copies it onto the task, older ones leave it to the pool.
+    # The precedence of ``_limits`` (see why there), unnamed: this runs on every call.
     hard, soft = getattr(request, "timelimit", None) or (None, None)
     conf = task.app.conf
     soft = soft or task.soft_time_limit or _worker["soft"] or conf.get("task_soft_time_limit")
@@ -99,11 +98,12 @@ class Limits:
         return (self.soft, self.soft_from) if self.soft else None
 
 
-def _limits(task: Any, conf: Any, *, worker: bool = True) -> Limits:
+def _limits(task: Any, conf: Any) -> Limits:
     """``task``'s limits as a worker applies them, naming the setting of each.
 
     ``conf`` None: the task's own options only (a class being defined is not bound to an app).
     """
+    worker = _worker if conf is not None else {"soft": None, "hard": None}
 
     def one(option: str, setting: str, flag: str, fallback: float | None) -> tuple[float | None, str]:
         own = getattr(task, option, None)
@@ -119,10 +119,8 @@ def _limits(task: Any, conf: Any, *, worker: bool = True) -> Limits:
             return value, f"{option}={value:g} (task option)"
         return value, f"{flag}={value:g} (worker)"
 
-    soft, soft_from = one("soft_time_limit", "task_soft_time_limit", "--soft-time-limit",
-                          _worker["soft"] if worker else None)
-    hard, hard_from = one("time_limit", "task_time_limit", "--time-limit",
-                          _worker["hard"] if worker else None)
+    soft, soft_from = one("soft_time_limit", "task_soft_time_limit", "--soft-time-limit", worker["soft"])
+    hard, hard_from = one("time_limit", "task_time_limit", "--time-limit", worker["hard"])
     return Limits(soft, hard, soft_from, hard_from)
 
 
@@ -132,7 +130,7 @@ def check_definition(label: str, task_class: Any) -> None:
     Raises:
         ImproperlyConfigured: A limit leaves a duplicate no time to wait (the message names it).
     """
-    _refuse(label, _limits(task_class, None, worker=False))
+    _refuse(label, _limits(task_class, None))
 
 
 def _refuse(label: str, limits: Limits) -> None:

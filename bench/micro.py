@@ -697,7 +697,7 @@ def enqueue_check_timings(store: RedisStore, client: redis.Redis, prefix: str, n
     try:
         def check(i: int) -> None:
             if answer_from_record(task, task._gate, task._result_writer, keys[i], (f"{tag}:q:{i}",),
-                                  {}, arguments_hash=str) is not None:
+                                  {}, None, {}, arguments_hash=str) is not None:
                 raise RuntimeError("a key never used was answered from the record")
 
         out = time_interleaved({"check": check, "raw": raw.evalsha}, n, warm=50)

@@ -39,7 +39,6 @@ __all__ = [
 #: Attributes with the prefix that are not options (set by the library at run time).
 _RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempotency_config"})
 
-#: Modules whose timeout/connection errors release the claim, where installed.
 _OPTIONAL_RELEASE_ON = (
     ("redis.exceptions", ("ConnectionError", "TimeoutError")),
     ("kombu.exceptions", ("OperationalError",)),
@@ -92,7 +91,6 @@ class IdempotencyConfig:
     record_timeout: float
     check_on_enqueue: bool = True
     fingerprint: bool = True
-    #: Seconds of a schedule slot (None: no slot); see :func:`celery_idem.keys.period_slot`.
     period: float | None = None
 
 
@@ -264,15 +262,14 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         )
     period = _period(owner, attrs.idempotency_period, ttl)
     release_on = attrs.idempotency_release_on
-    if release_on is not None:
-        release_on = _exception_tuple("idempotency_release_on", release_on)
     return IdempotencyConfig(
         operation=operation,
         fields=fields,
         key_func=key_func,
         ttl=ttl,
         lease=lease,
-        release_on=default_release_on() if release_on is None else release_on,
+        release_on=default_release_on() if release_on is None
+            else _exception_tuple("idempotency_release_on", release_on),
         terminal_on=_exception_tuple("idempotency_terminal_on", attrs.idempotency_terminal_on),
         validate=bool(attrs.idempotency_validate),
         wait=_positive("idempotency_wait", attrs.idempotency_wait, zero_ok=True),
@@ -368,10 +365,7 @@ def settings(app: Any) -> Settings:
     return found
 
 
-def forget_settings(app: Any | None = None) -> None:
-    """Drop the settings read for ``app`` (every app when None): the next read sees ``app.conf``
-    (for tests that change an app's settings after its first use)."""
-    if app is None:
-        _settings.clear()
-    else:
-        _settings.pop(app, None)
+def forget_settings(app: Any) -> None:
+    """Drop the settings read for ``app``: the next read sees ``app.conf`` (for tests that change
+    an app's settings after its first use)."""
+    _settings.pop(app, None)

@@ -1,7 +1,7 @@
 """The producer side of the seam: an enqueue answered from the record, and unsendable arguments.
 
 :func:`check_enqueue` is what ``apply_async`` asks before publishing. The record is read first,
-or within the publish (an acceleration, plugged in at :func:`enqueue_check`).
+or within the publish (an acceleration, plugged in as ``IdempotentTask._enqueue_check``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from .accel.celery_compat import MetaHook, fire_full_barriers
 from .accel.enqueue_check import EnqueueCheck
 from .app import emit_answer
 from .attach import add_to_parent, attach, may_attach
-from .config import settings
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .gate import Gate
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CachedResult", "EnqueueCheck", "answer_from_record", "answer_request", "check_enqueue",
-    "enqueue_check", "restore_cached", "unsendable",
+    "restore_cached", "unsendable",
 ]
 
 logger = logging.getLogger("celery_idem")
@@ -146,7 +145,7 @@ def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: E
 def answer_from_record(
     task: Task, gate: Gate, writer: ResultWriter | None, key: str,
     args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-    task_id: str | None = None, options: Mapping[str, Any] | None = None, *,
+    task_id: str | None, options: Mapping[str, Any], *,
     arguments_hash: Callable[[], str | None], record: Record | None = None,
 ) -> CachedResult | None:
     """The answer from the record (read unless given) for an enqueue of a done (or failed) key,
@@ -178,7 +177,6 @@ def answer_from_record(
             key=key,
         )
     state, value = recorded_outcome(gate.codec, rec)
-    options = options or {}
     app = task.app
     conf = app.conf
     eager = conf.task_always_eager
@@ -223,14 +221,6 @@ def answer_request(
     if ignore is not None:  # unset: get_actual_ignore_result falls back to the task's
         fields["ignore_result"] = ignore
     return Context(fields)
-
-
-def enqueue_check(app: Any) -> EnqueueCheck | None:
-    """The seam of the enqueue check within the publish: a task's :class:`EnqueueCheck`, or None.
-
-    None with accelerations off (the plain path: the record is read, then the message published).
-    """
-    return EnqueueCheck() if settings(app).accelerate else None
 
 
 def check_enqueue(

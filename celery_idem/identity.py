@@ -69,8 +69,6 @@ def identify(
                 f"non-empty str"
             )
         key = key_from_fields(cfg.operation, slot_fields(task, {}, at), identity)
-        fingerprint: Callable[[], str | None] = functools.partial(
-            fingerprint_of, task, args, kwargs, False)
     else:
         bound = bind(task, args, kwargs)
         fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
@@ -78,24 +76,20 @@ def identify(
             # Handling a failure is an action of its own, apart from any ordinary call.
             fields[ERRBACK_FIELD] = True
         key = key_from_fields(cfg.operation, slot_fields(task, fields, at))
-
-        def fingerprint() -> str | None:
-            return payload_hash(bound) if cfg.validate else None
     key = scoped(key, cfg.operation, scope)
     if len(key) > MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
         raise InvalidKey(
             f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
             f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
         )
-    return key, fingerprint
+    return key, functools.partial(fingerprint_of, task, args, kwargs, False)
 
 
 def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None) -> dict[str, Any]:
     """``fields`` with the slot of ``at`` under ``$slot`` when the task has a period."""
     period = task.idempotency_config.period
-    if period is None:
-        return fields
-    fields[SLOT_FIELD] = period_slot(_unix_time(at), period)
+    if period is not None:
+        fields[SLOT_FIELD] = period_slot(_unix_time(at), period)
     return fields
 
 

@@ -12,7 +12,7 @@ module                      plain path (seam)                    accelerated pat
                             (``run(name, keys, args)``)          without redis-py's per-call layers
 :mod:`.redis_enqueue`,      the enqueue check reads the record,  the record is checked by the
 :mod:`.enqueue_check`       then publishes (two round trips)     script that pushes the message
-                            (``enqueue.enqueue_check``: None)    (one round trip), chosen per
+                            (``task._enqueue_check``: None)      (one round trip), chosen per
                                                                  task on a running share
 :mod:`.redis_results`,      Celery's own result write: the task  the result written in the
 :mod:`.db_results`,         returns, the tracer stores it        record's round trip (the

@@ -2,7 +2,7 @@
 
 An acceleration (see :mod:`celery_idem.accel`); the plain path is
 :func:`celery_idem.enqueue.check_enqueue` reading the record before publishing. The seam is
-:func:`celery_idem.enqueue.enqueue_check`: an :class:`EnqueueCheck` per task with accelerations
+``IdempotentTask._enqueue_check``: an :class:`EnqueueCheck` per task with accelerations
 on, None with them off. It decides, enqueue by enqueue, whether the record is read by the
 script that pushes the message (:mod:`.redis_enqueue`) or first; both answer the same enqueues
 the same way.
@@ -55,7 +55,7 @@ class EnqueueCheck:
     when many are (duplicates): both ways answer the same enqueues the same way.
 
     Not used (the record is read first) with accelerations off (there is none:
-    :func:`celery_idem.enqueue.enqueue_check`), in eager mode, with a ``before_task_publish`` receiver
+    ``IdempotentTask._enqueue_check``), in eager mode, with a ``before_task_publish`` receiver
     (it would hear of a message that is never sent), or with a result backend whose
     ``on_task_call`` does something this cannot undo.
     """

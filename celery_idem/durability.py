@@ -12,7 +12,6 @@ import logging
 
 from .exceptions import ImproperlyConfigured, StoreUnavailable
 from .stores.base import Store
-from .stores.redis_durability import DURABILITY_SETTINGS
 
 __all__ = ["REQUIRE_DURABLE_SETTING", "check_replication", "check_store"]
 
@@ -20,11 +19,6 @@ logger = logging.getLogger("celery_idem")
 
 #: The app setting that turns the warning into a refusal to start.
 REQUIRE_DURABLE_SETTING = "idempotency_require_durable_store"
-
-_ADVICE = (
-    "set appendonly yes, appendfsync everysec (or always) and maxmemory-policy noeviction on the "
-    "store's Redis (docs/reliability.md, 'Redis settings the store needs')"
-)
 
 
 def check_store(store: Store, *, require: bool = False) -> None:
@@ -48,9 +42,7 @@ def check_store(store: Store, *, require: bool = False) -> None:
         return
     settings = ", ".join(f"{f.setting} {f.value}" for f in risks)
     detail = "; ".join(f.risk for f in risks)
-    # A finding about the store's own options (wait_replicas) says its fix in its risk.
-    advice = _ADVICE if any(f.setting in DURABILITY_SETTINGS for f in risks) \
-        else "see the risk above"
+    advice = "; ".join(dict.fromkeys(f.fix for f in risks))
     if require:
         raise ImproperlyConfigured(
             f"{REQUIRE_DURABLE_SETTING} is set and the idempotency store can lose records "

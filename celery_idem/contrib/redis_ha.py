@@ -90,7 +90,6 @@ class RedisClusterStore(RedisStore):
     its key: the masters' clocks should agree (NTP) for lease arithmetic across slots.
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ("redis+cluster", "rediss+cluster")
     accelerates: ClassVar[bool] = False  # no wire for a cluster client
 
     def __init__(self, client: RedisCluster, prefix: str = DEFAULT_PREFIX, *,
@@ -233,7 +232,6 @@ class RedisSentinelStore(RedisStore):
             socket timeouts, ...).
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ("sentinel",)
     accelerates: ClassVar[bool] = False  # no wire for Sentinel's managed pool
 
     def __init__(self, sentinel: Sentinel, master_name: str, prefix: str = DEFAULT_PREFIX, *,
@@ -401,8 +399,8 @@ def _wait_findings(store: RedisStore) -> list[DurabilityFinding]:
         "wait_replicas", "0",
         f"{store.location}: wait_replicas is 0, so a claim or result a master acknowledged but "
         f"had not yet sent to its replica is lost when that replica is promoted (a failover), "
-        f"and the action runs again. Fix: remove wait_replicas from idempotency_store_options "
-        f"(the default waits for 1 replica)",
+        f"and the action runs again",
+        fix="remove wait_replicas from idempotency_store_options (the default waits for 1 replica)",
     )]
 
 

@@ -39,15 +39,6 @@ _BACKENDS: dict[str, tuple[str, str, str | None]] = {
 SUPPORTED_SCHEMES = tuple(f"{scheme}://" for scheme in _BACKENDS)
 
 
-def _scheme(url: str) -> str:
-    if url.strip().lower() == "django-db":
-        return "django"
-    scheme = urlsplit(url).scheme.lower()
-    if scheme.startswith("db+") and scheme.count("+") > 1:
-        scheme = "+".join(scheme.split("+")[:2])  # db+postgresql+psycopg -> db+postgresql
-    return scheme
-
-
 def store_from_url(
     url: str,
     prefix: str = DEFAULT_PREFIX,
@@ -77,7 +68,9 @@ def store_from_url(
             f"celery_idem needs a store URL (idempotency_store or result_backend), got {url!r}; "
             f"supported schemes: {', '.join(SUPPORTED_SCHEMES)}"
         )
-    scheme = _scheme(url)
+    scheme = "django" if url.strip().lower() == "django-db" else urlsplit(url).scheme.lower()
+    if scheme.startswith("db+") and scheme.count("+") > 1:
+        scheme = "+".join(scheme.split("+")[:2])  # db+postgresql+psycopg -> db+postgresql
     try:
         module_name, class_name, extra = _BACKENDS[scheme]
     except KeyError:
@@ -97,37 +90,8 @@ def store_from_url(
         ) from exc
     store_cls: type[Store] = getattr(module, class_name)
     kwargs = dict(options or {})
-    # The app's idempotency_accelerate (None: unset), for the stores that have accelerations.
-    accelerate = kwargs.pop("accelerate", None)
-    if store_cls.accelerates:
-        kwargs["accelerate"] = accelerate
+    if not store_cls.accelerates:  # the app's idempotency_accelerate: only for those that have some
+        kwargs.pop("accelerate", None)
     if scheme == "sentinel" and backend_transport_options:
         kwargs["backend_transport_options"] = backend_transport_options
-    try:
-        return store_cls.from_url(url, prefix=prefix, **kwargs)
-    except ModuleNotFoundError as exc:
-        # SQLAlchemy imports the database driver when the engine is built: a URL such as
-        # db+postgresql+psycopg2:// without psycopg2 fails here, not at the import above.
-        raise ImproperlyConfigured(_missing_driver(scheme, url, exc)) from exc
-
-
-#: pip package of a database driver, by the module SQLAlchemy imports.
-_DRIVER_PACKAGES = {
-    "psycopg2": "psycopg2-binary",
-    "psycopg": "psycopg[binary]",
-    "pymysql": "pymysql",
-    "MySQLdb": "mysqlclient",
-    "mysql": "mysql-connector-python",
-    "mariadb": "mariadb",
-    "asyncpg": "asyncpg",
-    "pg8000": "pg8000",
-}
-
-
-def _missing_driver(scheme: str, url: str, exc: ModuleNotFoundError) -> str:
-    module = (exc.name or "").split(".")[0]
-    package = _DRIVER_PACKAGES.get(module, module or "the driver")
-    dialect = urlsplit(url).scheme.split("+", 1)[-1]
-    return (f"the {scheme}:// store needs the database driver {module!r} for {dialect!r}, which "
-            f"is not installed: pip install '{package}' (celery-idem[sql] brings SQLAlchemy, "
-            f"not the driver)")
+    return store_cls.from_url(url, prefix=prefix, **kwargs)

@@ -81,12 +81,14 @@ class DurabilityFinding:
         level: ``logging.WARNING`` when records can be lost (the worker start warns, or refuses
             with ``idempotency_require_durable_store``); ``logging.INFO`` for a note (the
             settings could not be read, e.g. a managed Redis that refuses ``CONFIG``).
+        fix: What to change; the worker start names each distinct fix once.
     """
 
     setting: str
     value: str | None
     risk: str
     level: int = logging.WARNING
+    fix: str = "see the risk above"
 
 
 @dataclass(frozen=True)
@@ -112,10 +114,8 @@ class Store(abc.ABC):
 
     Attributes:
         prefix: Prepended to every key in the backing store, so two apps can share a server.
-        schemes: URL schemes this store serves (used by :func:`celery_idem.stores.store_from_url`).
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ()
     #: Whether ``from_url`` takes an ``accelerate`` option (see :mod:`celery_idem.accel`).
     accelerates: ClassVar[bool] = False
 

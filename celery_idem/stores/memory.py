@@ -28,8 +28,6 @@ class MemoryStore(Store):
         clock: Returns the current time in epoch seconds; ``time.time`` by default.
     """
 
-    schemes = ("memory",)
-
     def __init__(self, prefix: str = DEFAULT_PREFIX, clock: Callable[[], float] = time.time) -> None:
         super().__init__(prefix)
         self._clock = clock
@@ -83,10 +81,8 @@ class MemoryStore(Store):
                 return take(ClaimStatus.CLAIMED)
             if payload_hash and rec.payload_hash != payload_hash:
                 return Claim(ClaimStatus.MISMATCH, rec.token, rec, now)
-            if rec.state is State.DONE:
-                return Claim(ClaimStatus.DONE, rec.token, rec, now)
-            if rec.state is State.FAILED:
-                return Claim(ClaimStatus.FAILED, rec.token, rec, now)
+            if rec.state in (State.DONE, State.FAILED):
+                return Claim(ClaimStatus(rec.state.value), rec.token, rec, now)
             expired = rec.lease_expires is not None and rec.lease_expires <= now
             retried = rec.task_id == task_id and attempt > rec.attempt
             if expired or retried:
@@ -123,9 +119,8 @@ class MemoryStore(Store):
         with self._lock:
             now = self._clock()
             rec = self._fenced(key, token, claim_id, now, "release")
-            expires = self._records[key][1]
             tomb = Record(key=key, state=State.RELEASED, token=rec.token, updated=now)
-            self._records[key] = (tomb, expires)
+            self._records[key] = (tomb, self._records[key][1])
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         with self._lock:

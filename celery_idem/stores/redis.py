@@ -155,7 +155,6 @@ class RedisStore(Store):
     it: :meth:`name_of`, :meth:`key_of`, :meth:`client_for`, :meth:`servers`, :meth:`run_script`.
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix")
     accelerates: ClassVar[bool] = True
 
     def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,

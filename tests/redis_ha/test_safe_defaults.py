@@ -75,7 +75,7 @@ def test_wait_replicas_zero_is_a_durability_finding_that_names_its_fix(
     finally:
         store.close()
     assert "lost when that replica is promoted" in finding.risk
-    assert "idempotency_store_options" in finding.risk
+    assert "idempotency_store_options" in finding.fix
 
 
 def test_fewer_connected_replicas_than_wait_replicas_is_warned_at_start(

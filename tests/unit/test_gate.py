@@ -137,8 +137,6 @@ class FlakyStore(Store):
     (the reply was lost on the way back).
     """
 
-    schemes = ()
-
     def __init__(self, inner: MemoryStore) -> None:
         super().__init__()
         self.inner = inner

@@ -67,8 +67,6 @@ class DjangoStore(Store):
             ``DATABASES``, or its database is not PostgreSQL, MySQL/MariaDB or SQLite.
     """
 
-    schemes = ("django",)
-
     def __init__(self, using: str = "default", *, prefix: str = DEFAULT_PREFIX,
                  table_name: str = DEFAULT_TABLE) -> None:
         super().__init__(prefix)

@@ -26,6 +26,13 @@ DRIVER_FALLBACKS: Final = {
     "mariadb": ("mariadb", "pymysql"),
 }
 BACKENDS: Final = ("postgresql", "mysql", "mariadb", "sqlite")
+# pip package of a DBAPI module, where its name is not the module's.
+_DRIVER_PACKAGES: Final = {
+    "psycopg2": "psycopg2-binary",
+    "psycopg": "psycopg[binary]",
+    "MySQLdb": "mysqlclient",
+    "mysql": "mysql-connector-python",
+}
 
 # Workers fork after the store is built: a child must never reuse the parent's sockets (two
 # processes talking over one connection corrupt both). Engines are held weakly so a closed
@@ -83,7 +90,16 @@ def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
         # Several worker processes share the file: wait for the write lock instead of failing
         # with "database is locked" at once.
         options["connect_args"] = {"timeout": 30.0, **engine_options.get("connect_args", {})}
-    engine = sa.create_engine(sa_url, **options)
+    try:
+        engine = sa.create_engine(sa_url, **options)
+    except ModuleNotFoundError as exc:  # SQLAlchemy imports the URL's driver here
+        module = (exc.name or "").split(".")[0]
+        raise ImproperlyConfigured(
+            f"the db+{backend}:// store needs the database driver {module!r} for "
+            f"{sa_url.drivername!r}, which is not installed: pip install "
+            f"'{_DRIVER_PACKAGES.get(module, module or 'the driver')}' (celery-idem[sql] brings "
+            f"SQLAlchemy, not the driver)"
+        ) from exc
     if backend == "sqlite":
         sa.event.listen(engine, "connect", _sqlite_on_connect)
     elif backend in ("mysql", "mariadb"):

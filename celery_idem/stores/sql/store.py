@@ -153,7 +153,6 @@ class SQLStore(Store):
         ImproperlyConfigured: The URL names no supported database.
     """
 
-    schemes = ("db+postgresql", "db+sqlite", "db+mysql", "db+mariadb")
     accelerates = True
 
     def __init__(

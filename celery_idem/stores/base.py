@@ -125,7 +125,10 @@ class Store(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> Store:
-        """Build the store from a URL of one of its ``schemes``; ``options`` go to the client."""
+        """Build the store from a URL whose scheme ``store_from_url`` maps to this class.
+
+        ``options`` go to the client.
+        """
 
     @abc.abstractmethod
     def claim(

@@ -218,9 +218,9 @@ def test_no_module_is_over_600_lines() -> None:
     assert over == {}, f"modules over 600 lines (issue 27: split them): {over}"
 
 
-#: The core's lines (celery_idem/ without contrib/ and accel/, as ``wc -l`` counts them). Issue
-#: 27's target is 6,500: lower this as the core shrinks, never raise it.
-CORE_LIMIT = 7_556
+#: The core's lines (celery_idem/ without contrib/ and accel/, as ``wc -l`` counts them): issue
+#: 27's limit, a core a newcomer reads in an afternoon. Lower it as the core shrinks; never raise it.
+CORE_LIMIT = 6_500
 
 
 def test_the_core_is_not_over_its_limit() -> None:
@@ -228,5 +228,5 @@ def test_the_core_is_not_over_its_limit() -> None:
             if arch.group_of(name) not in ("addons", "accel")}
     assert sum(core.values()) <= CORE_LIMIT, (
         f"the core (celery_idem/ without contrib/ and accel/) is {sum(core.values()):,} lines, over "
-        f"CORE_LIMIT {CORE_LIMIT:,} (issue 27's target: 6,500): move what is not the contract to "
-        f"contrib/, accelerations to accel/")
+        f"CORE_LIMIT {CORE_LIMIT:,} (issue 27): move what is not the contract to contrib/, "
+        f"accelerations to accel/, or say it in fewer lines")

@@ -47,14 +47,18 @@ def _time(fn: Callable[[int], Any], n: int) -> tuple[float, float]:
     return statistics.median(cpu) / 1000, statistics.median(wall) / 1000
 
 
-def probe(redis_url: str, n: int) -> dict[str, list[float]]:
-    """Run in the revision's interpreter: the three timings, as ``{name: [cpu_us, wall_us]}``."""
+def probe(redis_url: str, n: int, prefix: str | None = None) -> dict[str, list[float]]:
+    """Run in the revision's interpreter: the three timings, as ``{name: [cpu_us, wall_us]}``.
+
+    Every key it writes (broker, results, records) is under ``prefix`` (default: a fresh one),
+    deleted before it returns.
+    """
     import redis
     from celery import Celery
 
     from celery_idem import IdempotentTask
 
-    prefix = f"benchrev{uuid.uuid4().hex[:8]}:"
+    prefix = prefix or f"benchrev{uuid.uuid4().hex[:8]}:"
     out: dict[str, list[float]] = {}
     client = redis.Redis.from_url(redis_url)
     try:

@@ -409,6 +409,10 @@ def test_after_the_store_loses_a_held_record_the_next_token_is_higher_and_the_st
 ) -> None:
     stale = claim(store, who="a")
     lose(store, "k")  # FLUSHALL, a restart without persistence, a deleted row
+    # A lost record leaves only the clock to stay above: SQLite's (julianday) moves in whole
+    # milliseconds, so a claim in the same millisecond would get the same token. A real loss
+    # (a restart, a flush) takes longer than that; here the test waits it out.
+    poll(store, lambda: int(store.now() * 1_000_000) > stale.token, "the store clock to pass the lost token")
     fresh = claim(store, who="b")
     assert fresh.status is ClaimStatus.CLAIMED and fresh.record is None
     assert fresh.token > stale.token

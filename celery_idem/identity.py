@@ -69,6 +69,8 @@ def identify(
                 f"non-empty str"
             )
         key = key_from_fields(cfg.operation, slot_fields(task, {}, at), identity)
+        fingerprint: Callable[[], str | None] = functools.partial(
+            fingerprint_of, task, args, kwargs, False)
     else:
         bound = bind(task, args, kwargs)
         fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
@@ -76,13 +78,20 @@ def identify(
             # Handling a failure is an action of its own, apart from any ordinary call.
             fields[ERRBACK_FIELD] = True
         key = key_from_fields(cfg.operation, slot_fields(task, fields, at))
+        # The arguments are bound once, for the key and (when validating) the fingerprint.
+        fingerprint = functools.partial(payload_hash, bound) if cfg.validate else _unchecked
     key = scoped(key, cfg.operation, scope)
     if len(key) > MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
         raise InvalidKey(
             f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
             f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
         )
-    return key, functools.partial(fingerprint_of, task, args, kwargs, False)
+    return key, fingerprint
+
+
+def _unchecked() -> None:
+    """The fingerprint of a derived key whose task does not validate: none."""
+    return None
 
 
 def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None) -> dict[str, Any]:

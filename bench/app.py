@@ -33,6 +33,8 @@ import redis
 from celery import Celery
 
 from celery_idem import IdempotentTask
+from celery_idem.accel.enqueue_check import EnqueueCheck
+from celery_idem.config import settings
 
 ENV = "BENCH_SETTINGS"
 
@@ -67,6 +69,12 @@ class Settings:
     @property
     def ready_key(self) -> str:
         return f"{self.prefix}ready:{self.queue}"
+
+
+class _AskStore(EnqueueCheck):
+    """The enqueue check without the memory of this process's own recent messages."""
+
+    RECENT = 0.0
 
 
 _clients: dict[tuple[int, str], redis.Redis] = {}
@@ -136,6 +144,17 @@ def build_app(s: Settings) -> Celery:
     def idem_nocheck_count(action: str, counter: str) -> str:
         _counter_client(redis_url).incr(counter)
         return action
+
+    # The same as idem_count, but its copies always ask the store (issue 26's path before
+    # copies of this process's own recent messages attached without a round trip).
+    @app.task(shared=False, name="bench.idem_askstore_count", base=IdempotentTask,
+              idempotency_fields=("action",))
+    def idem_askstore_count(action: str, counter: str) -> str:
+        _counter_client(redis_url).incr(counter)
+        return action
+
+    if settings(app).accelerate:  # with accelerations off there is no enqueue check to swap
+        idem_askstore_count.__dict__["_enqueue_check"] = _AskStore()
 
     @app.task(shared=False, name="bench.plain_io")
     def plain_io(action: str) -> str:

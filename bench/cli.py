@@ -14,7 +14,7 @@ import redis
 
 from . import chart, growth, inflight, micro, tracer
 from .app import peer_status
-from .e2e import ACCEL_OFF, NOCHECK, PEERS, Plan, Summary, measure, sql_table, summarize
+from .e2e import ACCEL_OFF, ASKSTORE, NOCHECK, PEERS, Plan, Summary, measure, sql_table, summarize
 from .report import REFERENCE_MS, ROOT, cpu_reference_ms, machine, table
 
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -767,6 +767,8 @@ def _label(system: str) -> str:
     """``idem/redis`` -> "redis store"; the no-enqueue-check variant says so."""
     if system == NOCHECK:
         return "redis store, `idempotency_check_on_enqueue=False`"
+    if system == ASKSTORE:
+        return "redis store, copies ask the store"
     if system.endswith(ACCEL_OFF):
         return f"{system[5:-len(ACCEL_OFF)]} store, accelerations off"
     return f"{system[5:]} store"
@@ -838,15 +840,17 @@ def _why(target: str, verdict: str, r: dict[str, Any]) -> str:
         d, dp = by.get(("duplicates", pool, "idem/redis")), by.get(("duplicates", pool, "plain"))
         if d is None or dp is None or not d.messages:
             return ""
-        copies = d.messages - d.messages // 4
-        return (f"{d.cached} of the {copies} copies were answered by delay() itself (no message); "
-                f"{d.published - d.messages // 4} were published because their original was still "
-                f"queued when they were enqueued (no record yet, so nothing to answer from), and each "
-                f"of those costs a delivery and a claim answered from the record: about what a plain "
-                f"no-op costs (worker CPU per message: {d.worker_cpu_us:.0f} µs here, plain "
-                f"{dp.worker_cpu_us:.0f}). The rounds are enqueued back to back, so the ratio grows "
-                f"with how many originals are done before their copies arrive (more on a loaded "
-                f"machine, where the producer is slower); a fast producer outruns the workers.")
+        first = d.messages // 4
+        copies, published = d.messages - first, d.published - first
+        attached = copies - d.cached - published
+        return (f"Of the {copies} copies, {d.cached} were answered from the record by delay() (a "
+                f"CachedResult) and {attached} attached to their action's message (an "
+                f"AttachedResult; a copy of this process's own message of the last second needs no "
+                f"round trip); {published} were published: {d.published} messages for {first} "
+                f"actions. What is left is the workers' pace: {first} gated bodies (a claim and a "
+                f"record each; worker CPU {d.worker_cpu_us * 4:.0f} µs per body) against plain's "
+                f"{d.messages} no-op bodies ({dp.worker_cpu_us:.0f} µs each), on the same two CPUs "
+                f"as the producer.")
     if target.startswith("ahead of"):
         peer = target.split(",")[0][len("ahead of "):]
         mine, theirs = by.get(("unique", "prefork", "idem/redis")), by.get(("unique", "prefork", peer))

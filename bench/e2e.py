@@ -158,8 +158,14 @@ class System:
         return self.app.tasks[self.task_name]
 
 
+#: Seconds ``ResultSet.get`` sleeps after its first read when a result is not ready (see
+#: :func:`run_batch`); Celery's default is 0.5.
+COLLECT_INTERVAL = 0.01
 #: IdempotentTask on the Redis store with ``idempotency_check_on_enqueue=False``.
 NOCHECK = "idem/redis-nocheck"
+#: IdempotentTask on the Redis store whose copies always ask the store (no memory of this
+#: process's own recent messages, ``EnqueueCheck.RECENT = 0``): the path before it, beside it.
+ASKSTORE = "idem/redis (copies ask the store)"
 #: Suffix of the systems whose apps set ``idempotency_accelerate = False`` (issue 27: the plain
 #: paths measured beside the accelerated ones, interleaved in the same run).
 ACCEL_OFF = " (accel off)"
@@ -200,7 +206,13 @@ def run_batch(system: System, calls: list[tuple[Any, ...]],
         if r is not None and not isinstance(r, CachedResult):
             distinct.setdefault(r.id, r)
     rs = ResultSet(list(distinct.values()), app=system.app)
-    values = rs.get(timeout=timeout, propagate=not system.peer) if distinct else []
+    # interval: ResultSet.get first reads every result once and, when any is not ready yet,
+    # sleeps one whole ``interval`` (0.5 s by default) before it listens for the rest, even on
+    # the Redis backend, whose docs say interval has no effect there (Celery 5.4-5.7,
+    # ``Backend.get_many``). A batch whose last results land just after its enqueue ends paid
+    # that fixed 0.5 s; a batch still running at that point (plain's) hid it.
+    values = rs.get(timeout=timeout, propagate=not system.peer, interval=COLLECT_INTERVAL) \
+        if distinct else []
     t1 = time.perf_counter()
     by_id = dict(zip(distinct, values, strict=True))
     failed = sum(1 for v in by_id.values() if isinstance(v, BaseException))
@@ -293,6 +305,8 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
                 if store == "redis":
                     unique.append(System(NOCHECK, apps[store], "bench.idem_nocheck", workers[store]))
                     dup.append(System(NOCHECK, apps[store], "bench.idem_nocheck_count", workers[store],
+                                      counted=True))
+                    dup.append(System(ASKSTORE, apps[store], "bench.idem_askstore_count", workers[store],
                                       counted=True))
         for peer, task_name in PEERS.items():
             if plan.peers and task_name in base_app.tasks:

@@ -177,8 +177,7 @@ def answer_from_record(
             key=key,
         )
     state, value = recorded_outcome(gate.codec, rec)
-    app = task.app
-    conf = app.conf
+    conf = task.app.conf
     eager = conf.task_always_eager
     if not (task_id or rec.task_id):
         # The body ran in a direct call (task(...), celery.map): no task id, no stored result.
@@ -190,7 +189,7 @@ def answer_from_record(
         request = answer_request(task, task_id, args, kwargs, options)
         if not store_answer(task, writer, request, value, state):
             return None
-    result = CachedResult(rec, value, state, name=task.name, task_id=task_id, app=app)
+    result = CachedResult(rec, value, state, name=task.name, task_id=task_id, app=task.app)
     emit_answer(task, Outcome.ANSWERED, rec.key, rec.token, rec.task_id, result.id,
                 rec.state.value)
     if not eager:
@@ -244,9 +243,10 @@ def check_enqueue(
     reserving = attaching and store.reserves
     sent_id = task_id or (str(uuid()) if reserving else None)
     lease = task.idempotency_config.lease
-    found: Record | Reservation | None = None
-    read = False
-    if check is not None and check.within_publish(task, gate):
+    # A copy of this process's own message of a moment ago needs no round trip (mine's docs).
+    found: Record | Reservation | None = check.mine(key) if reserving and check else None
+    read = found is not None
+    if not read and check is not None and check.within_publish(task, gate):
         # One round trip: the record is read by the script that pushes the message.
         reserve = (sent_id, fingerprint() or "", max(int(lease * 1000), 1)) \
             if reserving and sent_id else None

@@ -111,12 +111,10 @@ def fingerprint_of(
     covers the whole call. A derived key has its fields in the key, so otherwise none.
     """
     cfg = task.idempotency_config
-    if cfg.validate:
-        return payload_hash(bind(task, args, kwargs))
-    if not (per_call and cfg.fingerprint):
+    if not (cfg.validate or (per_call and cfg.fingerprint)):
         return None
     bound = bind(task, args, kwargs)
-    if UNBOUND_ARGS not in bound:
+    if not cfg.validate and UNBOUND_ARGS not in bound:
         bound = select_fields(bound, cfg.fields)
     return payload_hash(bound)
 

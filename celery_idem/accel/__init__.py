@@ -13,7 +13,10 @@ module                      plain path (seam)                    accelerated pat
 :mod:`.redis_enqueue`,      the enqueue check reads the record,  the record is checked by the
 :mod:`.enqueue_check`       then publishes (two round trips)     script that pushes the message
                             (``task._enqueue_check``: None)      (one round trip), chosen per
-                                                                 task on a running share
+                                                                 task on a running share; a
+                                                                 copy of this process's own
+                                                                 message of the last second
+                                                                 attaches with no round trip
 :mod:`.redis_results`,      Celery's own result write: the task  the result written in the
 :mod:`.db_results`,         returns, the tracer stores it        record's round trip (the
 :mod:`.sql_taskmeta`        (``results.result_writer``: None)    stores' seam:

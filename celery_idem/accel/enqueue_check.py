@@ -6,10 +6,15 @@ An acceleration (see :mod:`celery_idem.accel`); the plain path is
 on, None with them off. It decides, enqueue by enqueue, whether the record is read by the
 script that pushes the message (:mod:`.redis_enqueue`) or first; both answer the same enqueues
 the same way.
+
+It also remembers, for a moment (:attr:`EnqueueCheck.RECENT`), the keys this process reserved
+for the messages it published: a copy enqueued by the same process within that moment attaches
+to its own message without a store round trip (:meth:`EnqueueCheck.mine`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4 as uuid
@@ -66,14 +71,43 @@ class EnqueueCheck:
     #: times more within the publish (the message built and encoded for nothing) than a read
     #: first costs every enqueue: break-even near 0.2 (docs/benchmarks.md).
     THRESHOLD = 0.2
+    #: Seconds a reservation this process made for its own published message answers a copy
+    #: of that key from this process without asking the store (:meth:`mine`). The store would
+    #: name the same message (reserved, claimed or done by it) for at least its lease; the
+    #: moment is kept short so that what can change the answer within a lease (an operator's
+    #: ``forget``, a released claim whose retries ran out) is not hidden behind it.
+    RECENT = 1.0
+    #: At most this many remembered keys (a larger burst starts the memory over).
+    MAX_RECENT = 4096
 
-    __slots__ = ("_backend", "_undo", "answered", "possible")
+    __slots__ = ("_backend", "_mine", "_undo", "answered", "possible")
 
     def __init__(self) -> None:
         self.answered = 0.0
         self.possible = True  # False once the broker turned out not to take the fused publish
         self._backend: Any = None
         self._undo: Callable[[str], None] | None = None
+        self._mine: dict[str, tuple[Reservation, float]] = {}
+
+    def remember(self, key: str, task_id: str, fingerprint: str | None, lease: float) -> None:
+        """Note that this process published ``task_id`` under its reservation of ``key``."""
+        mine = self._mine
+        if len(mine) >= self.MAX_RECENT:
+            mine.clear()  # each entry lives a moment: a burst this large only starts over
+        mine[key] = (Reservation(task_id, fingerprint or None),
+                     time.monotonic() + min(self.RECENT, lease))
+
+    def mine(self, key: str) -> Reservation | None:
+        """The reservation of ``key`` this process made for its own message a moment ago, or
+        None (ask the store). It names the message the store would name: an enqueue attaches
+        to it without the round trip."""
+        found = self._mine.get(key)
+        if found is None:
+            return None
+        if found[1] <= time.monotonic():
+            self._mine.pop(key, None)
+            return None
+        return found[0]
 
     def _undo_for(self, backend: Any) -> Callable[[str], None] | None:
         if backend is not self._backend:  # the app's backend is built once (thread-local)
@@ -167,6 +201,8 @@ class EnqueueCheck:
             finally:
                 fused.end(token)
         self.saw(False)
+        if reserve is not None and attach:
+            self.remember(key, sent_id, reserve[1], reserve[2] / 1000)
         return result
 
 

@@ -10,6 +10,7 @@ real-worker tests (test_worker_redis.py, test_result_*.py, ...) run through this
 from __future__ import annotations
 
 import secrets
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -21,8 +22,9 @@ from celery.signals import before_task_publish
 
 from celery_idem import CachedResult, IdempotentTask, accel
 from celery_idem.accel import redis_enqueue
-from celery_idem.exceptions import CorruptRecord
-from celery_idem.records import State
+from celery_idem.accel.enqueue_check import EnqueueCheck
+from celery_idem.exceptions import CorruptRecord, IdempotencyKeyMismatch
+from celery_idem.records import Reservation, State
 from tests.conftest import REDIS_URL
 
 DB = 0
@@ -308,3 +310,120 @@ def test_an_expiring_queue_gets_the_record_read_first(
     assert isinstance(charge.delay("o12", 1), CachedResult)
     assert reads.keys[-1] == key and queue_length(prefix) == 1 and published == [first.id]
     app.close()
+
+
+# -- copies of this process's own message of a moment ago (EnqueueCheck.mine) ---------------
+
+
+class Publishes:
+    """Counts the producer's pushes with the check within (the fused ``publish.lua``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        publish = EnqueueCheck.publish
+
+        def counted(check: EnqueueCheck, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return publish(check, *args, **kwargs)
+
+        monkeypatch.setattr(EnqueueCheck, "publish", counted)
+
+
+@pytest.mark.parametrize("first_read", [False, True], ids=["check-within-publish", "read-first"])
+def test_a_copy_of_this_process_own_message_attaches_without_a_round_trip(
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch, first_read: bool
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    check = charge._enqueue_check
+    if first_read:  # the share of answered enqueues is high: the record is read first
+        check.answered = 1.0
+    first = charge.delay("m1", 100)
+    assert published == [first.id]
+    reads, pushes = Reads(charge._gate.store, monkeypatch), Publishes(monkeypatch)
+    copies = [charge.delay("m1", 100) for _ in range(3)]
+    # Nothing asked the store, nothing was built or pushed: each copy names the first message
+    assert reads.keys == [] and pushes.calls == 0
+    assert published == [first.id] and queue_length(prefix) == 1
+    assert all(getattr(c, "attached", False) and c.id == first.id for c in copies)
+    # and the store holds the same reservation, which a copy from elsewhere would find
+    key = charge.idempotency_key_for(("m1", 100), {})
+    found = charge._gate.store.reservation(key)
+    assert found is not None and found.task_id == first.id
+    # The answer waits for the message's outcome as an attached handle does
+    finish_as = charge._gate.store.claim(key, owner="test:1", task_id=first.id, attempt=0,
+                                         lease=30, ttl=600)
+    ctype, data = charge._gate.codec.encode_result({"order": "m1", "cents": 100})
+    charge._gate.store.record(key, finish_as.token, state=State.DONE, content_type=ctype,
+                              data=data, ttl=600, claim_id=finish_as.claim_id)
+    assert [c.get(timeout=10) for c in copies] == [{"order": "m1", "cents": 100}] * 3
+    app.close()
+
+
+def test_after_the_moment_a_copy_asks_the_store_again(
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    monkeypatch.setattr(type(charge._enqueue_check), "RECENT", 0.05)
+    first = charge.delay("m2", 100)
+    key = charge.idempotency_key_for(("m2", 100), {})
+    # The reservation ends while the message is queued (taken back by hand here, as a lease
+    # that ran out ends it)
+    charge._gate.store.unreserve(key, first.id)
+    deadline = time.monotonic() + 5
+    while charge._enqueue_check.mine(key) is not None:  # the moment passes
+        assert time.monotonic() < deadline, "the remembered reservation never expired"
+        time.sleep(0.01)
+    again = charge.delay("m2", 100)
+    # The store no longer names the first message: this enqueue is published on its own
+    assert not getattr(again, "attached", False) and again.id != first.id
+    assert published == [first.id, again.id]
+    app.close()
+
+
+def test_a_copy_with_other_arguments_under_the_same_key_is_refused_without_the_store(
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    first = charge.apply_async(("m3", 100), idempotency_key="agent-call-7")
+    reads, pushes = Reads(charge._gate.store, monkeypatch), Publishes(monkeypatch)
+    with pytest.raises(IdempotencyKeyMismatch, match="in use by an action with different"):
+        charge.apply_async(("m9", 100), idempotency_key="agent-call-7")  # another order
+    assert reads.keys == [] and pushes.calls == 0
+    same = charge.apply_async(("m3", 100), idempotency_key="agent-call-7")
+    assert getattr(same, "attached", False) and same.id == first.id
+    assert published == [first.id]
+    app.close()
+
+
+def test_a_message_that_was_not_sent_is_not_remembered(
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    charge._enqueue_check.answered = 1.0  # read first: reserve, then Celery's own publish
+    boom = RuntimeError("broker refused the message")
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise boom
+
+    monkeypatch.setattr("celery.app.task.Task.apply_async", refuse)
+    with pytest.raises(RuntimeError, match="broker refused"):
+        charge.delay("m4", 100)
+    key = charge.idempotency_key_for(("m4", 100), {})
+    assert charge._enqueue_check.mine(key) is None
+    assert charge._gate.store.reservation(key) is None  # and the reservation was taken back
+    app.close()
+
+
+def test_the_memory_is_bounded() -> None:
+    check = EnqueueCheck()
+    for i in range(check.MAX_RECENT):
+        check.remember(f"k{i}", f"t{i}", None, 30.0)
+    assert check.mine("k0") is not None
+    check.remember("one-more", "t", "fp", 30.0)  # a burst this large starts over
+    assert check.mine("k0") is None and check.mine("one-more") == Reservation("t", "fp")
+    check.remember("short-lease", "t", None, 0.0)  # never longer than the reservation's lease
+    assert check.mine("short-lease") is None

@@ -11,12 +11,28 @@ from pathlib import Path
 
 import pytest
 
+from celery_idem import accel
+from celery_idem.accel.enqueue_check import EnqueueCheck
 from celery_idem.attach import AttachedResult
 from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
 from tests.integration.harness import wait_for
 
 pytestmark = pytest.mark.worker
+
+
+@pytest.fixture(params=["store", "own"])
+def answered_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Who tells a copy it may attach: the store (a copy from another process, or a moment
+    later), or this process's memory of its own message (EnqueueCheck.mine), which with
+    accelerations off does not exist."""
+    if request.param == "own":
+        if not accel.enabled():
+            pytest.skip("accelerations off: a copy always asks the store")
+        monkeypatch.setattr(EnqueueCheck, "RECENT", 120.0)
+    else:
+        monkeypatch.setattr(EnqueueCheck, "RECENT", 0.0)
+    return str(request.param)
 
 
 def _claimed(cluster: Cluster, task: object, order_id: str) -> object:
@@ -26,7 +42,7 @@ def _claimed(cluster: Cluster, task: object, order_id: str) -> object:
 
 
 def test_copies_of_a_running_action_publish_nothing_and_get_its_result(
-    cluster: Cluster, published: list[str],
+    cluster: Cluster, published: list[str], answered_by: str,
 ) -> None:
     cluster.worker(concurrency=2)
     holder = tasks.held_action.delay("a-1", hold=30)
@@ -47,7 +63,7 @@ def test_copies_of_a_running_action_publish_nothing_and_get_its_result(
 
 
 def test_copies_enqueued_before_any_worker_claimed_attach_to_the_first_message(
-    cluster: Cluster, published: list[str],
+    cluster: Cluster, published: list[str], answered_by: str,
 ) -> None:
     # Given no worker yet: the first message is still queued, no record exists
     first = tasks.held_action.delay("a-2")
@@ -82,7 +98,7 @@ def test_with_the_check_off_copies_are_published_but_hold_no_process(
 
 
 def test_copies_attached_to_a_killed_holder_get_the_takeovers_result(
-    cluster: Cluster, published: list[str], tmp_path: Path,
+    cluster: Cluster, published: list[str], tmp_path: Path, answered_by: str,
 ) -> None:
     w = cluster.worker(concurrency=2)
     marker = tmp_path / "pids"

@@ -374,7 +374,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise unsendable(self.name, bound, serializer, exc) from exc
             raise
         if reserved is not None and self._enqueue_check is not None:
-            self._enqueue_check.remember(key, reserved, fingerprint(), self.idempotency_config.lease)
+            self._enqueue_check.remember(key, result, fingerprint(), self.idempotency_config.lease)
         result.idempotency_key = key
         return result
 

@@ -15,8 +15,8 @@ module                      plain path (seam)                    accelerated pat
                             (``task._enqueue_check``: None)      (one round trip), chosen per
                                                                  task on a running share; a
                                                                  copy of this process's own
-                                                                 message of the last second
-                                                                 attaches with no round trip
+                                                                 message in flight attaches
+                                                                 with no round trip
 :mod:`.redis_results`,      Celery's own result write: the task  the result written in the
 :mod:`.db_results`,         returns, the tracer stores it        record's round trip (the
 :mod:`.sql_taskmeta`        (``results.result_writer``: None)    stores' seam:
@@ -134,6 +134,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("celery", "Task.request_stack", "celery_compat.push_fresh_request",
                 "celery 5.4.0-5.7.0", "not switched (an errback's own request); no fallback: "
                 "Task.push_request inherits the current request from 5.5"),
+    PrivateName("celery", "AsyncResult._cache", "enqueue_check.EnqueueCheck.mine", "celery "
+                "5.4.0-5.7.0", "getattr default None: a held result is never known finished, so "
+                "for that second a copy of a done action attaches to it (an AttachedResult of the "
+                "same outcome) instead of being answered as a CachedResult"),
     PrivateName("celery", "AsyncResult._maybe_set_cache (overridden)", "celery_compat.MetaHook",
                 "celery 5.4.0-5.7.0", "not switched (a cached result in a result set); not called: "
                 "the handle's value is known already, only a join_native barrier waits longer"),

@@ -8,13 +8,14 @@ script that pushes the message (:mod:`.redis_enqueue`) or first; both answer the
 the same way.
 
 It also remembers, for a moment (:attr:`EnqueueCheck.RECENT`), the keys this process reserved
-for the messages it published: a copy enqueued by the same process within that moment attaches
-to its own message without a store round trip (:meth:`EnqueueCheck.mine`).
+for the messages it published: a copy enqueued by the same process while its own message is in
+flight attaches to it without a store round trip (:meth:`EnqueueCheck.mine`).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4 as uuid
@@ -71,11 +72,11 @@ class EnqueueCheck:
     #: times more within the publish (the message built and encoded for nothing) than a read
     #: first costs every enqueue: break-even near 0.2 (docs/benchmarks.md).
     THRESHOLD = 0.2
-    #: Seconds a reservation this process made for its own published message answers a copy
-    #: of that key from this process without asking the store (:meth:`mine`). The store would
-    #: name the same message (reserved, claimed or done by it) for at least its lease; the
-    #: moment is kept short so that what can change the answer within a lease (an operator's
-    #: ``forget``, a released claim whose retries ran out) is not hidden behind it.
+    #: Seconds a message this process published under its reservation of a key answers a
+    #: copy of that key from this process without asking the store (:meth:`mine`), while the
+    #: caller still holds the message's result and has not seen it finish. The store would
+    #: name the same message for at least its lease; the moment is kept short so that what can
+    #: change that answer (an operator's ``forget``, a store that lost its data) is not hidden.
     RECENT = 1.0
     #: At most this many remembered keys (a larger burst starts the memory over).
     MAX_RECENT = 4096
@@ -87,27 +88,38 @@ class EnqueueCheck:
         self.possible = True  # False once the broker turned out not to take the fused publish
         self._backend: Any = None
         self._undo: Callable[[str], None] | None = None
-        self._mine: dict[str, tuple[Reservation, float]] = {}
+        self._mine: dict[str, tuple[Reservation, weakref.ref[AsyncResult], float]] = {}
 
-    def remember(self, key: str, task_id: str, fingerprint: str | None, lease: float) -> None:
-        """Note that this process published ``task_id`` under its reservation of ``key``."""
+    def remember(self, key: str, result: AsyncResult, fingerprint: str | None,
+                 lease: float) -> None:
+        """Note that this process published ``result`` under its reservation of ``key``."""
         mine = self._mine
         if len(mine) >= self.MAX_RECENT:
             mine.clear()  # each entry lives a moment: a burst this large only starts over
-        mine[key] = (Reservation(task_id, fingerprint or None),
+        mine[key] = (Reservation(result.id, fingerprint or None), weakref.ref(result),
                      time.monotonic() + min(self.RECENT, lease))
 
     def mine(self, key: str) -> Reservation | None:
-        """The reservation of ``key`` this process made for its own message a moment ago, or
-        None (ask the store). It names the message the store would name: an enqueue attaches
-        to it without the round trip."""
+        """The reservation of ``key`` for this process's own message still in flight, or None
+        (ask the store).
+
+        In flight: published less than :attr:`RECENT` ago, its result still held by the caller
+        and not seen finished. A copy then shares that message as the store would have it
+        share it, without the round trip; once the caller has seen the outcome (or let go of
+        the result), a copy asks the store, and a done action is answered as ever (a
+        :class:`~celery_idem.enqueue.CachedResult`).
+        """
         found = self._mine.get(key)
         if found is None:
             return None
-        if found[1] <= time.monotonic():
+        reservation, ref, deadline = found
+        result = ref()
+        # AsyncResult._cache: its outcome, once this process has read it (get(), ready(), a
+        # join); reading the state any other way would be the round trip saved here.
+        if result is None or getattr(result, "_cache", None) or deadline <= time.monotonic():
             self._mine.pop(key, None)
             return None
-        return found[0]
+        return reservation
 
     def _undo_for(self, backend: Any) -> Callable[[str], None] | None:
         if backend is not self._backend:  # the app's backend is built once (thread-local)
@@ -202,7 +214,7 @@ class EnqueueCheck:
                 fused.end(token)
         self.saw(False)
         if reserve is not None and attach:
-            self.remember(key, sent_id, reserve[1], reserve[2] / 1000)
+            self.remember(key, result, reserve[1], reserve[2] / 1000)
         return result
 
 

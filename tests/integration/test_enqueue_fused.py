@@ -418,12 +418,62 @@ def test_a_message_that_was_not_sent_is_not_remembered(
     app.close()
 
 
+def test_once_this_process_saw_its_message_finish_a_copy_is_answered_from_the_record(
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    first = charge.delay("m5", 100)
+    key = charge.idempotency_key_for(("m5", 100), {})
+    # The worker's part, by hand: the record, and Celery's result under the message's id
+    claim = charge._gate.store.claim(key, owner="test:1", task_id=first.id, attempt=0, lease=30,
+                                     ttl=600)
+    ctype, data = charge._gate.codec.encode_result({"order": "m5", "cents": 100})
+    charge._gate.store.record(key, claim.token, state=State.DONE, content_type=ctype, data=data,
+                              ttl=600, claim_id=claim.claim_id)
+    app.backend.store_result(first.id, {"order": "m5", "cents": 100}, "SUCCESS")
+    assert first.get(timeout=10) == {"order": "m5", "cents": 100}
+    # The caller has seen the outcome: a copy now asks the store and is answered as ever
+    reads = Reads(charge._gate.store, monkeypatch)
+    again = charge.delay("m5", 100)
+    assert isinstance(again, CachedResult) and again.get(timeout=5) == {"order": "m5", "cents": 100}
+    assert reads.keys == [] or reads.keys == [key]  # within the publish, or read first
+    assert published == [first.id]
+    app.close()
+
+
+def test_once_the_caller_let_go_of_its_result_a_copy_asks_the_store(
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(prefix)
+    charge = make_task(app)
+    charge._enqueue_check.answered = 1.0  # read first, so the store's answer is counted below
+    sent = charge.delay("m6", 100).id  # the result itself is dropped at once
+    reads = Reads(charge._gate.store, monkeypatch)
+    copy = charge.delay("m6", 100)
+    key = charge.idempotency_key_for(("m6", 100), {})
+    assert reads.keys == [key]  # asked the store, which still names the queued message
+    assert getattr(copy, "attached", False) and copy.id == sent
+    assert published == [sent]
+    app.close()
+
+
+class _Sent:
+    """Stands in for a published message's result (an id, weakly referenced)."""
+
+    def __init__(self, task_id: str) -> None:
+        self.id = task_id
+
+
 def test_the_memory_is_bounded() -> None:
     check = EnqueueCheck()
+    held = [_Sent(f"t{i}") for i in range(check.MAX_RECENT + 2)]
     for i in range(check.MAX_RECENT):
-        check.remember(f"k{i}", f"t{i}", None, 30.0)
+        check.remember(f"k{i}", held[i], None, 30.0)  # type: ignore[arg-type]
     assert check.mine("k0") is not None
-    check.remember("one-more", "t", "fp", 30.0)  # a burst this large starts over
-    assert check.mine("k0") is None and check.mine("one-more") == Reservation("t", "fp")
-    check.remember("short-lease", "t", None, 0.0)  # never longer than the reservation's lease
+    check.remember("one-more", held[-2], "fp", 30.0)  # type: ignore[arg-type]
+    # A burst this large starts over
+    assert check.mine("k0") is None and check.mine("one-more") == Reservation(held[-2].id, "fp")
+    # Never longer than the reservation's lease
+    check.remember("short-lease", held[-1], None, 0.0)  # type: ignore[arg-type]
     assert check.mine("short-lease") is None

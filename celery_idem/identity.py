@@ -60,7 +60,7 @@ def identify(
         check_scope(scope)
     if explicit is not None:
         key = caller_key(cfg.operation, explicit, scope)
-        return key, functools.partial(fingerprint_of, task, args, kwargs, True)
+        return key, functools.cache(functools.partial(fingerprint_of, task, args, kwargs, True))
     if cfg.key_func is not None:
         identity = cfg.key_func(*args, **kwargs)
         if not isinstance(identity, str) or not identity:
@@ -86,7 +86,7 @@ def identify(
             f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
             f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
         )
-    return key, fingerprint
+    return key, functools.cache(fingerprint)  # asked by the check, the reservation and the memory
 
 
 def _unchecked() -> None:

@@ -64,10 +64,12 @@ def make_task(app: Celery) -> Any:
     return charge
 
 
-def finish(task: Any, key: str, value: Any = None, error: BaseException | None = None) -> str:
-    """Write the key's record as a worker would (claim, then record); returns the run's id."""
+def finish(task: Any, key: str, value: Any = None, error: BaseException | None = None,
+           run_id: str | None = None) -> str:
+    """Write the key's record as a worker would (claim, then record) for the run ``run_id``
+    (default: a new one); returns the run's id."""
     store = task._gate.store
-    run_id = str(uuid.uuid4())
+    run_id = run_id or str(uuid.uuid4())
     claim = store.claim(key, owner="test:1", task_id=run_id, attempt=0, lease=30, ttl=600)
     if error is None:
         ctype, data = task._gate.codec.encode_result(value)
@@ -351,11 +353,7 @@ def test_a_copy_of_this_process_own_message_attaches_without_a_round_trip(
     found = charge._gate.store.reservation(key)
     assert found is not None and found.task_id == first.id
     # The answer waits for the message's outcome as an attached handle does
-    finish_as = charge._gate.store.claim(key, owner="test:1", task_id=first.id, attempt=0,
-                                         lease=30, ttl=600)
-    ctype, data = charge._gate.codec.encode_result({"order": "m1", "cents": 100})
-    charge._gate.store.record(key, finish_as.token, state=State.DONE, content_type=ctype,
-                              data=data, ttl=600, claim_id=finish_as.claim_id)
+    finish(charge, key, {"order": "m1", "cents": 100}, run_id=first.id)
     assert [c.get(timeout=10) for c in copies] == [{"order": "m1", "cents": 100}] * 3
     app.close()
 
@@ -426,11 +424,7 @@ def test_once_this_process_saw_its_message_finish_a_copy_is_answered_from_the_re
     first = charge.delay("m5", 100)
     key = charge.idempotency_key_for(("m5", 100), {})
     # The worker's part, by hand: the record, and Celery's result under the message's id
-    claim = charge._gate.store.claim(key, owner="test:1", task_id=first.id, attempt=0, lease=30,
-                                     ttl=600)
-    ctype, data = charge._gate.codec.encode_result({"order": "m5", "cents": 100})
-    charge._gate.store.record(key, claim.token, state=State.DONE, content_type=ctype, data=data,
-                              ttl=600, claim_id=claim.claim_id)
+    finish(charge, key, {"order": "m5", "cents": 100}, run_id=first.id)
     app.backend.store_result(first.id, {"order": "m5", "cents": 100}, "SUCCESS")
     assert first.get(timeout=10) == {"order": "m5", "cents": 100}
     # The caller has seen the outcome: a copy now asks the store and is answered as ever

@@ -521,8 +521,19 @@ def _host_port(text: str) -> tuple[str, int]:
               help="Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio.")
 @click.option("--name", cls=CeleryOption, default="celery-idem", help_group="MCP Options",
               help="The server's name in the MCP handshake.")
+@click.option("--max-sessions", cls=CeleryOption, type=click.IntRange(min=1), default=None,
+              help_group="MCP Options", help="HTTP: open sessions of all principals (503 beyond).")
+@click.option("--principal-sessions", cls=CeleryOption, type=click.IntRange(min=1), default=None,
+              help_group="MCP Options", help="HTTP: open sessions of one principal (429 beyond).")
+@click.option("--session-idle-timeout", cls=CeleryOption, metavar="SECONDS", default=None,
+              type=click.FloatRange(min=0, min_open=True, max=86400), help_group="MCP Options",
+              help="HTTP: close a session after this long without requests.")
+@click.option("--rate-limit", cls=CeleryOption, metavar="PER_SECOND", default=None,
+              type=click.FloatRange(min=0, min_open=True), help_group="MCP Options",
+              help="HTTP: requests per second per principal, on average (429 beyond).")
 @click.pass_context
-def mcp(ctx: click.Context, toolbox_spec: str, http: str | None, name: str) -> None:
+def mcp(ctx: click.Context, /, toolbox_spec: str, http: str | None, name: str,
+        **limits: Any) -> None:
     """Serve a Toolbox's tools to MCP clients (stdio, or --http HOST:PORT).
 
     Needs the [mcp] extra: pip install 'celery-idem[mcp]'.
@@ -546,12 +557,16 @@ def mcp(ctx: click.Context, toolbox_spec: str, http: str | None, name: str) -> N
     if foreign:
         click.echo(f"Warning: tools {printable(', '.join(foreign))} belong to another Celery app "
                    f"than -A {printable(app.main)}", err=True)
-    where = f"http://{address[0]}:{address[1]}/mcp" if address else "stdio"
     names = printable(", ".join(t.name for t in toolbox))
-    click.echo(f"celery-idem MCP server: {len(toolbox)} tools ({names}) on {printable(where)}", err=True)
+
+    def announce(where: str) -> None:  # told once the configuration is checked
+        click.echo(f"celery-idem MCP server: {len(toolbox)} tools ({names}) on {printable(where)}",
+                   err=True)
+
     try:
-        idem_mcp.serve(toolbox, address, name=name)
-    except ImproperlyConfigured as exc:
+        idem_mcp.serve(toolbox, address, name=name, announce=announce,
+                       **{k: v for k, v in limits.items() if v is not None})
+    except (ImproperlyConfigured, ValueError) as exc:
         # A bind that needs authentication and has none, say: one line naming what to set.
         fail_with(EXIT_REFUSED, str(exc), False)
 

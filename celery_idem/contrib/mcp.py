@@ -25,11 +25,9 @@ id, the session and any ``_meta`` the client sends are not part of it, so a clie
 retries a call with a new request id gets the same action.
 
 Over HTTP (:func:`serve_http`, :func:`http_app`) the ``Host`` / ``Origin`` allow-list of the
-SDK (DNS-rebinding protection) is always on, and a server bound to anything but a loopback
-address requires a bearer token: ``CELERY_IDEM_MCP_TOKENS="alice:<token>,bob:<token>"`` (or an
-SDK ``TokenVerifier``). Each caller's principal is the scope of its calls
-(:meth:`~celery_idem.contrib.tools.Toolbox.acall`'s ``scope``): the same key from two callers
-is two actions, and no caller reads another's results.
+SDK (DNS-rebinding protection) is always on, a server bound to anything but a loopback address
+requires bearer tokens (:data:`TOKENS_ENV`, or an SDK ``TokenVerifier``), and each principal
+has its own share of the sessions and of the request rate (:mod:`~celery_idem.contrib.mcp_limits`).
 """
 
 from __future__ import annotations
@@ -53,20 +51,32 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 from mcp.server.transport_security import TransportSecuritySettings
+from starlette.middleware import Middleware
 
 from ..exceptions import ImproperlyConfigured, InvalidKey
 from ..keys import check_scope
+from .mcp_limits import (
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_PRINCIPAL_SESSIONS,
+    DEFAULT_RATE_LIMIT,
+    DEFAULT_SESSION_IDLE_TIMEOUT,
+    MAX_REQUEST_BODY,
+    Limiter,
+    check_limits,
+    principal_of,
+)
 from .tools import MAX_MESSAGE, Toolbox
 
 __all__ = ["ALLOWED_HOSTS_ENV", "ALLOWED_ORIGINS_ENV", "INSTRUCTIONS", "MIN_TOKEN_LENGTH",
-           "TOKENS_ENV", "StaticTokens", "http_app", "is_loopback", "load_toolbox", "scope_of", "serve",
-           "serve_http", "serve_stdio", "server", "text_of", "transport_security"]
+           "TOKENS_ENV", "PrincipalToken", "StaticTokens", "http_app", "is_loopback", "load_toolbox",
+           "principal_of", "scope_of", "serve", "serve_http", "serve_stdio", "server", "text_of",
+           "transport_security"]
 
 logger = logging.getLogger("celery_idem.mcp")
 
-#: The environment variable with the bearer tokens the HTTP server accepts: ``PRINCIPAL:TOKEN``
-#: pairs separated by commas or whitespace. The principal (a scope name: ``A-Z a-z 0-9 . _ ~
-#: + = / -``) becomes the scope of that caller's calls.
+#: The environment variable with the bearer tokens the HTTP server accepts:
+#: ``PRINCIPAL[@SCOPE]:TOKEN`` entries separated by commas or whitespace (see
+#: :class:`StaticTokens` for what ``@SCOPE`` and a bare ``@`` mean).
 TOKENS_ENV = "CELERY_IDEM_MCP_TOKENS"
 #: More ``Host`` header values the HTTP server accepts (comma-separated ``name`` or
 #: ``name:port``): the names clients reach it by, behind a proxy or on a wildcard bind.
@@ -93,12 +103,13 @@ INSTRUCTIONS = (
 
 def server(toolbox: Toolbox, *, name: str = DEFAULT_NAME,
            instructions: str | None = None,
-           caller_scope: Callable[[AccessToken], str] | None = None) -> Server[Any]:
+           caller_scope: Callable[[AccessToken], str | None] | None = None) -> Server[Any]:
     """Make an MCP server that serves every tool of ``toolbox``.
 
-    A call from an authenticated caller (a bearer token, over HTTP) runs in that caller's
-    scope; an unauthenticated one (stdio, loopback HTTP without tokens) in the toolbox's own
-    :attr:`~celery_idem.contrib.tools.Toolbox.scope`.
+    A call from an authenticated caller (a bearer token, over HTTP) runs in its token's scope
+    (:func:`scope_of`) and as its principal (the toolbox's ``authorize`` hook sees it); an
+    unauthenticated one (stdio, loopback HTTP without tokens) in the toolbox's own
+    :attr:`~celery_idem.contrib.tools.Toolbox.scope`, with no principal.
 
     Args:
         toolbox: The tools.
@@ -106,12 +117,11 @@ def server(toolbox: Toolbox, *, name: str = DEFAULT_NAME,
         instructions: Text the client may give the model about the tools as a whole
             (default :data:`INSTRUCTIONS`).
         caller_scope: The scope of an authenticated caller's token (default
-            :func:`scope_of`); it must return a valid scope.
+            :func:`scope_of`): a valid scope, or None for the toolbox's.
 
     Returns:
-        An ``mcp.server.lowlevel.Server``: run it on stdio (:func:`serve_stdio`), mount
-        ``server.streamable_http_app()`` in an ASGI app, or pass it to ``mcp.Client`` in a
-        test.
+        An ``mcp.server.lowlevel.Server``: run it on stdio (:func:`serve_stdio`), serve it
+        with :func:`http_app`, or pass it to ``mcp.Client`` in a test.
     """
     # Validated once, here: a tool the SDK's own model refuses fails at start-up, not per call.
     listed = [types.Tool.model_validate(spec) for spec in toolbox.mcp()]
@@ -125,14 +135,16 @@ def server(toolbox: Toolbox, *, name: str = DEFAULT_NAME,
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         # Only the tool's name and arguments go on: ctx.request_id and params.meta are the
         # client's per-request data and must not make a retried call a different action. The
-        # scope is the authenticated caller's, never anything the client sends.
+        # scope and principal are the authenticated caller's, never anything the client sends.
         token = _caller_token(ctx)
-        outcome = await toolbox.acall(params.name, params.arguments or {},
-                                      scope=None if token is None else to_scope(token))
+        outcome = await toolbox.acall(
+            params.name, params.arguments or {},
+            scope=None if token is None else to_scope(token),
+            principal=None if token is None else principal_of(token))
         return types.CallToolResult(
             content=[types.TextContent(text=text_of(outcome))],
             structured_content=outcome,
-            is_error=outcome.get("status") == "error",
+            is_error=outcome.get("status") in ("error", "forbidden"),
         )
 
     return Server(name, instructions=INSTRUCTIONS if instructions is None else instructions,
@@ -151,58 +163,63 @@ def _caller_token(ctx: Any) -> AccessToken | None:
     return found if isinstance(found, AccessToken) else get_access_token()
 
 
-def scope_of(token: AccessToken) -> str:
-    """The scope of an authenticated caller: its principal.
+class PrincipalToken(AccessToken):
+    """A token of :class:`StaticTokens`: its principal (``client_id``) and the scope of its
+    calls (``tenant``; None: no scope, the toolbox's, as on stdio)."""
 
-    The token's ``client_id`` when it is a valid scope and the token names no ``subject``
-    (:class:`StaticTokens` gives each principal its own ``client_id``); otherwise a name made
-    from the SDK's principal (client id, issuer, subject) as one hash, so two users of one
-    OAuth client are two scopes.
+    tenant: str | None = None
+
+
+def scope_of(token: AccessToken) -> str | None:
+    """The scope of an authenticated caller's calls.
+
+    A :class:`StaticTokens` token's configured scope (None: the toolbox's); for any other
+    verifier's token, its principal (:func:`~celery_idem.contrib.mcp_limits.principal_of`).
     """
-    if token.subject is None:
-        try:
-            return check_scope(token.client_id)
-        except InvalidKey:
-            pass
-    issuer = (token.claims or {}).get("iss")
-    identity = json.dumps([token.client_id, issuer, token.subject], separators=(",", ":"))
-    return "p." + hashlib.sha256(identity.encode()).hexdigest()[:32]
+    return token.tenant if isinstance(token, PrincipalToken) else principal_of(token)
 
 
 class StaticTokens(TokenVerifier):
-    """An SDK ``TokenVerifier`` for a fixed set of bearer tokens, each mapped to a principal.
+    """An SDK ``TokenVerifier`` for a fixed set of bearer tokens, each naming a principal and
+    the scope (tenant) of its calls.
 
     Args:
-        tokens: ``{token: principal}``. A principal is a scope name (1 to 64 characters of
-            ``A-Z a-z 0-9 . _ ~ + = / -``); a token is at least :data:`MIN_TOKEN_LENGTH`
+        tokens: ``{token: "PRINCIPAL"}`` (the principal is its own scope),
+            ``{token: "PRINCIPAL@SCOPE"}`` (several principals can share one scope), or
+            ``{token: "PRINCIPAL@"}`` (no scope: the toolbox's, the one stdio calls use, for a
+            deployment with one tenant). Principals and scopes are 1 to 64 characters of
+            ``A-Z a-z 0-9 . _ ~ + = / -``; a token is at least :data:`MIN_TOKEN_LENGTH`
             printable characters without spaces or commas.
 
     Raises:
-        ValueError: No tokens, a token too short or with spaces, or a principal that is not a
-            valid scope.
+        ValueError: No tokens, a token too short or with spaces, or a principal or scope that
+            is not a valid scope name.
     """
 
     def __init__(self, tokens: Mapping[str, str]) -> None:
         if not tokens:
             raise ValueError("StaticTokens needs at least one token")
-        self._principals: dict[bytes, str] = {}
-        for token, principal in tokens.items():
-            _check_token(token, principal)
+        self._principals: dict[bytes, tuple[str, str | None]] = {}
+        for token, who in tokens.items():
+            principal, at, tenant = str(who).partition("@")
+            scope = (tenant or None) if at else principal
+            _check_token(token, principal, scope)
             # Held by digest: a lookup's timing says nothing about a stored token's text.
-            self._principals[_digest(token)] = principal
+            self._principals[_digest(token)] = (principal, scope)
 
     @classmethod
     def from_text(cls, text: str) -> StaticTokens:
-        """Read ``PRINCIPAL:TOKEN`` pairs separated by commas or whitespace (:data:`TOKENS_ENV`).
+        """Read ``PRINCIPAL[@SCOPE]:TOKEN`` entries separated by commas or whitespace
+        (:data:`TOKENS_ENV`).
 
         Raises:
-            ValueError: A pair without ``:``, or as :class:`StaticTokens` raises.
+            ValueError: An entry without ``:``, or as :class:`StaticTokens` raises.
         """
         tokens: dict[str, str] = {}
         for n, pair in enumerate((p for p in re.split(r"[\s,]+", text) if p), 1):
             principal, sep, token = pair.partition(":")
             if not sep:
-                raise ValueError(f"{TOKENS_ENV}: entry {n} is not PRINCIPAL:TOKEN")
+                raise ValueError(f"{TOKENS_ENV}: entry {n} is not PRINCIPAL[@SCOPE]:TOKEN")
             if token in tokens:
                 raise ValueError(f"{TOKENS_ENV}: entry {n} repeats another entry's token")
             tokens[token] = principal
@@ -217,23 +234,29 @@ class StaticTokens(TokenVerifier):
     def __len__(self) -> int:
         return len(self._principals)
 
+    def scopes(self) -> dict[str, str | None]:
+        """Each principal's scope (None: the toolbox's), for the server's start-up line."""
+        return dict(sorted(self._principals.values()))
+
     async def verify_token(self, token: str) -> AccessToken | None:
-        """The principal of ``token`` (as its ``client_id``), or None for an unknown token."""
-        principal = self._principals.get(_digest(token))
-        if principal is None:
+        """The principal of ``token`` (as its ``client_id``) and its scope, or None for an
+        unknown token."""
+        found = self._principals.get(_digest(token))
+        if found is None:
             return None
-        return AccessToken(token=token, client_id=principal, scopes=[])
+        return PrincipalToken(token=token, client_id=found[0], scopes=[], tenant=found[1])
 
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
-def _check_token(token: Any, principal: Any) -> None:
-    try:
-        check_scope(principal)
-    except InvalidKey as exc:
-        raise ValueError(f"MCP principal {principal!r}: {exc}") from None
+def _check_token(token: Any, principal: str, tenant: str | None) -> None:
+    for what, name in (("principal", principal), ("scope", tenant or principal)):
+        try:
+            check_scope(name)
+        except InvalidKey as exc:
+            raise ValueError(f"MCP {what} {name!r}: {exc}") from None
     if not isinstance(token, str) or len(token) < MIN_TOKEN_LENGTH:
         raise ValueError(f"the token of principal {principal!r} is shorter than "
                          f"{MIN_TOKEN_LENGTH} characters: use a random one, e.g. "
@@ -300,13 +323,17 @@ def transport_security(host: str, allowed_hosts: Iterable[str] = (),
 def http_app(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp", *,
              token_verifier: TokenVerifier | None = None,
              allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
-             auth: AuthSettings | None = None) -> Any:
+             auth: AuthSettings | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
+             principal_sessions: int = DEFAULT_PRINCIPAL_SESSIONS,
+             session_idle_timeout: float = DEFAULT_SESSION_IDLE_TIMEOUT,
+             rate_limit: float | None = DEFAULT_RATE_LIMIT) -> Any:
     """The streamable HTTP app of ``mcp_server`` (a Starlette app), locked down for ``host``.
 
     The ``Host`` / ``Origin`` allow-list (:func:`transport_security`) is on whatever the
     bind. With ``token_verifier`` every request needs ``Authorization: Bearer <token>`` (401
-    otherwise), and each call runs in its caller's scope. A ``host`` that is not a loopback
-    address requires a ``token_verifier``.
+    otherwise), and each call runs in its token's scope (:func:`scope_of`). A ``host`` that is
+    not a loopback address requires a ``token_verifier``. A principal past
+    ``principal_sessions`` or ``rate_limit`` is answered 429; other principals are not.
 
     Args:
         mcp_server: A server from :func:`server`.
@@ -319,25 +346,39 @@ def http_app(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp", 
         allowed_origins: More ``Origin`` values to accept.
         auth: The SDK's ``AuthSettings`` (OAuth resource-server metadata, required token
             scopes), for a ``token_verifier`` that checks OAuth tokens.
+        max_sessions: Open sessions of all principals together (503 beyond).
+        principal_sessions: Open sessions of one principal (429 beyond).
+        session_idle_timeout: Seconds after which a session without requests is closed.
+        rate_limit: Requests per second per principal, on average (429 beyond); None: none.
 
     Raises:
         ImproperlyConfigured: ``host`` is not loopback and there is no ``token_verifier``.
+        ValueError: A limit that is not a positive number.
     """
     if token_verifier is None and not is_loopback(host):
         raise ImproperlyConfigured(
             f"refusing to serve MCP on {host}:{port} without authentication: anyone who reaches "
-            f"the port could call the write tools. Set {TOKENS_ENV}='PRINCIPAL:TOKEN[,...]' "
-            f"(each principal is its callers' scope), pass token_verifier=, or bind a loopback "
-            f"address (127.0.0.1) behind your own authenticating proxy.")
+            f"the port could call the write tools. Set {TOKENS_ENV}='PRINCIPAL[@SCOPE]:TOKEN[,...]', "
+            f"pass token_verifier=, or bind a loopback address (127.0.0.1) behind your own "
+            f"authenticating proxy.")
+    check_limits(max_sessions, principal_sessions, rate_limit)
     if token_verifier is not None and auth is None:
         # The SDK installs its bearer middleware only with AuthSettings; this server issues no
         # tokens, so the issuer is only a placeholder and no metadata route is made.
         auth = AuthSettings(issuer_url=f"http://{_url_host(host)}:{port}",  # type: ignore[arg-type]
                             resource_server_url=None, required_scopes=[])
     security = transport_security(host, allowed_hosts, allowed_origins)
-    return mcp_server.streamable_http_app(
+    app = mcp_server.streamable_http_app(
         streamable_http_path=path, host=host, transport_security=security,
-        token_verifier=token_verifier, auth=auth)
+        token_verifier=token_verifier, auth=auth, max_sessions=max_sessions,
+        session_idle_timeout=session_idle_timeout, max_request_body_size=MAX_REQUEST_BODY)
+    manager = mcp_server.session_manager
+    # Innermost, after the SDK's bearer middleware has named the caller. The session
+    # manager's own table is the one source of which sessions are still open.
+    app.user_middleware.append(Middleware(
+        Limiter, sessions=lambda: manager._server_instances, principal_sessions=principal_sessions,
+        rate_limit=rate_limit, authenticated=token_verifier is not None))
+    return app
 
 
 def _url_host(host: str) -> str:
@@ -397,7 +438,8 @@ async def serve_stdio(mcp_server: Server[Any]) -> None:
 
 def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp", *,
                token_verifier: TokenVerifier | None = None,
-               environ: Mapping[str, str] | None = None) -> None:
+               environ: Mapping[str, str] | None = None,
+               announce: Callable[[str], None] | None = None, **limits: Any) -> None:
     """Serve ``mcp_server`` over streamable HTTP at ``http://HOST:PORT/mcp`` (blocks).
 
     Uses uvicorn, which the MCP SDK installs. The ``Host`` / ``Origin`` allow-list is always
@@ -413,6 +455,10 @@ def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp"
         path: The endpoint's path.
         token_verifier: Checks bearer tokens (default: :data:`TOKENS_ENV`, if set).
         environ: Where to read the environment variables (default ``os.environ``).
+        announce: Told one line (where, and the scope of each principal's calls) once the
+            configuration is checked, before the server listens.
+        **limits: ``max_sessions``, ``principal_sessions``, ``session_idle_timeout`` and
+            ``rate_limit``, as for :func:`http_app`.
 
     Raises:
         ImproperlyConfigured: Not loopback and no authentication, or :data:`TOKENS_ENV` is
@@ -433,12 +479,21 @@ def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp"
                        socket.getfqdn(), ALLOWED_HOSTS_ENV)
     app = http_app(mcp_server, host, port, path, token_verifier=token_verifier,
                    allowed_hosts=allowed_hosts,
-                   allowed_origins=_csv(env.get(ALLOWED_ORIGINS_ENV)))
+                   allowed_origins=_csv(env.get(ALLOWED_ORIGINS_ENV)), **limits)
+    if announce is not None:
+        if isinstance(token_verifier, StaticTokens):
+            scopes = ", ".join(f"{p} in {s or 'no scope'}"
+                               for p, s in token_verifier.scopes().items())
+        else:
+            scopes = ("each token's principal" if token_verifier is not None
+                      else "no token: the toolbox's scope")
+        announce(f"http://{_url_host(host)}:{port}{path}; scope: {scopes}")
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def serve(toolbox: Toolbox, http: tuple[str, int] | None = None, *,
-          name: str = DEFAULT_NAME, token_verifier: TokenVerifier | None = None) -> None:
+          name: str = DEFAULT_NAME, token_verifier: TokenVerifier | None = None,
+          announce: Callable[[str], None] | None = None, **limits: Any) -> None:
     """Serve ``toolbox`` on stdio, or over streamable HTTP when ``http`` is ``(host, port)``.
 
     What ``celery -A APP idem mcp`` runs; blocks until the client (stdio) or the process
@@ -449,15 +504,20 @@ def serve(toolbox: Toolbox, http: tuple[str, int] | None = None, *,
         http: ``(host, port)`` for streamable HTTP; None for stdio.
         name: The server's name in the handshake.
         token_verifier: For HTTP: checks bearer tokens (default: :data:`TOKENS_ENV`).
+        announce: Told where the server is and which scope its calls use, once checked.
+        **limits: For HTTP: ``max_sessions``, ``principal_sessions``,
+            ``session_idle_timeout`` and ``rate_limit``, as for :func:`http_app`.
 
     Raises:
         ImproperlyConfigured: HTTP on an address that is not loopback without authentication
             (the message says what to set); checked before anything listens.
     """
     mcp_server = server(toolbox, name=name)
-    if http is None:
-        import anyio
+    if http is not None:
+        serve_http(mcp_server, *http, token_verifier=token_verifier, announce=announce, **limits)
+        return
+    import anyio
 
-        anyio.run(serve_stdio, mcp_server)
-    else:
-        serve_http(mcp_server, *http, token_verifier=token_verifier)
+    if announce is not None:
+        announce(f"stdio; scope: {toolbox.scope or 'none'}")
+    anyio.run(serve_stdio, mcp_server)

@@ -15,7 +15,7 @@ __all__ = ["MAX_ARGUMENTS_SIZE", "MAX_ARGUMENT_DEPTH", "MAX_MESSAGE", "NAME_PATT
 
 ToolKind = Literal["read", "write"]
 #: What a call's ``status`` can be.
-STATUSES = ("ok", "duplicate", "in_progress", "error")
+STATUSES = ("ok", "duplicate", "in_progress", "error", "forbidden")
 #: Tool names both vendors accept (OpenAI and Anthropic: letters, digits, ``_`` and ``-``).
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 #: Longest error text a model is shown (an exception message can be a whole HTTP body).
@@ -40,7 +40,8 @@ OUTCOME_SCHEMA: dict[str, Any] = {
                    "description": "ok: this call did the action; duplicate: it had already been "
                                   "done, result is the first call's (a success); in_progress: "
                                   "still running, safe to call again with the same arguments; "
-                                  "error: see error, retryable and message."},
+                                  "error: see error, retryable and message; forbidden: "
+                                  "this caller may not do this, nothing was done."},
         "result": {"description": "The action's return value (null unless ok or duplicate)."},
         "message": {"type": "string", "description": "One sentence saying what to do next."},
         "tool": {"type": "string"},

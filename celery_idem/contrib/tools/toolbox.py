@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterable, Iterator, Mapping
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from ...keys import check_scope
 from .runtime import Pending, Tool
 
-__all__ = ["Toolbox"]
+__all__ = ["Authorize", "Toolbox"]
+
+logger = logging.getLogger("celery_idem.tools")
+
+#: ``authorize(principal, tool, arguments) -> bool``: whether a caller may make this call.
+Authorize = Callable[[str | None, str, Mapping[str, Any]], bool]
 
 
 class Toolbox:
@@ -20,6 +27,12 @@ class Toolbox:
         scope: The scope of every call that does not name one (``call(..., scope=)``): a
             tenant, a principal. A write tool's key is in its call's scope, so the same
             arguments or key in two scopes are two actions. None: no scope.
+        authorize: ``authorize(principal, tool, arguments) -> bool``, asked before each call
+            of a known tool is started (a duplicate skips the body, so a check there would
+            come too late): the caller's principal (None: a local caller, as on stdio), the
+            tool's name and the parsed arguments. False, or an exception, refuses the call
+            with a ``forbidden`` outcome, logged on ``celery_idem.tools``; nothing is
+            enqueued. Arguments that do not parse are refused as invalid without asking it.
 
     Raises:
         ValueError: Two tools have the same name.
@@ -30,8 +43,10 @@ class Toolbox:
         scope: The default scope.
     """
 
-    def __init__(self, tools: Iterable[Tool], *, scope: str | None = None) -> None:
+    def __init__(self, tools: Iterable[Tool], *, scope: str | None = None,
+                 authorize: Authorize | None = None) -> None:
         self.scope = None if scope is None else check_scope(scope)
+        self.authorize = authorize
         self._tools: dict[str, Tool] = {}
         for t in tools:
             if not isinstance(t, Tool):
@@ -54,7 +69,7 @@ class Toolbox:
         return len(self._tools)
 
     def start(self, name: str, arguments: str | Mapping[str, Any] | None, *,
-              scope: str | None = None) -> Pending:
+              scope: str | None = None, principal: str | None = None) -> Pending:
         """Start a model's tool call by name (see :meth:`Tool.start`); an unknown name gives
         a finished :class:`Pending` with an error outcome.
 
@@ -62,6 +77,7 @@ class Toolbox:
             name: The tool's name, as the model gave it.
             arguments: The model's arguments (JSON text or a mapping; None for none).
             scope: The call's scope (default: the toolbox's :attr:`scope`).
+            principal: Who calls, for the ``authorize`` hook (None: a local caller).
 
         Raises:
             InvalidKey: ``scope`` is not a valid scope.
@@ -74,10 +90,12 @@ class Toolbox:
                 "task_id": None, "error": "UnknownTool", "retryable": False,
                 "message": f"there is no tool named {name!r}; the tools are: "
                            f"{', '.join(self._tools)}"})
-        return t.start(arguments, scope=scope)
+        refused = self._refusal(t, arguments, principal)
+        return Pending(t, outcome=refused) if refused else t.start(arguments, scope=scope)
 
     def call(self, name: str, arguments: str | Mapping[str, Any] | None = None,
-             timeout: float | None = None, *, scope: str | None = None) -> dict[str, Any]:
+             timeout: float | None = None, *, scope: str | None = None,
+             principal: str | None = None) -> dict[str, Any]:
         """Run a model's tool call: ``name`` and its arguments (JSON text or a mapping).
 
         Args:
@@ -87,6 +105,7 @@ class Toolbox:
             scope: The caller's scope (a tenant, a principal; default: the toolbox's
                 :attr:`scope`), passed to the task as ``idempotency_scope``: the same key in
                 two scopes is two actions.
+            principal: Who calls, for the ``authorize`` hook (None: a local caller).
 
         Returns:
             The outcome dict; never raises for the model's mistakes or the task's errors.
@@ -94,11 +113,11 @@ class Toolbox:
         Raises:
             InvalidKey: ``scope`` is not a valid scope (the caller's mistake).
         """
-        return self.start(name, arguments, scope=scope).wait(timeout)
+        return self.start(name, arguments, scope=scope, principal=principal).wait(timeout)
 
     async def acall(self, name: str, arguments: str | Mapping[str, Any] | None = None,
-                    timeout: float | None = None, *, scope: str | None = None
-                    ) -> dict[str, Any]:
+                    timeout: float | None = None, *, scope: str | None = None,
+                    principal: str | None = None) -> dict[str, Any]:
         """Async :meth:`call`: never blocks the event loop (see :meth:`Tool.ainvoke`).
 
         Args:
@@ -106,6 +125,7 @@ class Toolbox:
             arguments: The model's arguments (JSON text or a mapping; None for none).
             timeout: Seconds to wait for the result (default: the tool's).
             scope: The caller's scope (default: the toolbox's :attr:`scope`).
+            principal: Who calls, for the ``authorize`` hook (None: a local caller).
 
         Raises:
             InvalidKey: ``scope`` is not a valid scope.
@@ -116,7 +136,31 @@ class Toolbox:
             pending = self.start(name, arguments, scope=scope)  # answered at once: no blocking
             assert pending.outcome is not None
             return pending.outcome
-        return await t.ainvoke(arguments, timeout, scope=scope)
+        # The hook may look things up (a database, a policy service): off the event loop.
+        refused = await asyncio.to_thread(self._refusal, t, arguments, principal)
+        return refused or await t.ainvoke(arguments, timeout, scope=scope)
+
+    def _refusal(self, t: Tool, arguments: str | Mapping[str, Any] | None,
+                 principal: str | None) -> dict[str, Any] | None:
+        """The ``forbidden`` outcome when :attr:`authorize` refuses the call, else None."""
+        if self.authorize is None:
+            return None
+        parsed, problems = t._parse(arguments)
+        if problems:
+            return None  # refused as invalid by the tool itself, before any enqueue
+        try:
+            allowed = self.authorize(principal, t.name, parsed) is True
+        except Exception:  # a broken policy refuses: it never lets a call through
+            logger.exception("celery_idem.tools %s: authorize raised for principal %r; refused",
+                             t.name, principal)
+            allowed = False
+        if allowed:
+            return None
+        logger.warning("celery_idem.tools %s: forbidden for principal %r", t.name, principal)
+        return {"status": "forbidden", "result": None, "tool": t.name, "idempotency_key": None,
+                "task_id": None, "error": "Forbidden", "retryable": False,
+                "message": f"{t.name} is not allowed for this caller with these arguments; "
+                           f"nothing was done. Do not call it again: ask the user."}
 
     def mcp(self) -> list[dict[str, Any]]:
         """Every tool as an MCP ``Tool`` (see :meth:`Tool.mcp`)."""

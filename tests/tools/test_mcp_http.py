@@ -182,7 +182,13 @@ def test_static_tokens_map_each_token_to_its_principal() -> None:
     found = anyio.run(verifier.verify_token, bob)
     assert found is not None and scope_of(found) == "tenant-42/bob"
     assert anyio.run(verifier.verify_token, alice + "x") is None
-    for bad, problem in [("alice", "PRINCIPAL:TOKEN"), (f"a b:{alice}", "not PRINCIPAL"),
+    # A token may name its scope: shared by several principals, or none (the toolbox's)
+    shared = StaticTokens.from_text(f"alice@shop:{alice} bob@shop:{bob} ops@:{'o' * 30}")
+    assert shared.scopes() == {"alice": "shop", "bob": "shop", "ops": None}
+    found = anyio.run(shared.verify_token, bob)
+    assert found is not None and scope_of(found) == "shop" and found.client_id == "bob"
+    for bad, problem in [("alice", r"PRINCIPAL\[@SCOPE\]:TOKEN"), (f"a b:{alice}", "not PRINCIPAL"),
+                         (f"alice@sh!op:{alice}", "scope 'sh!op'"),
                          (f"al!ce:{alice}", "character"), ("alice:tooshort", "shorter"),
                          (f"alice:{alice},bob:{alice}", "repeats")]:
         with pytest.raises(ValueError, match=problem):

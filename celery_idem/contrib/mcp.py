@@ -1,33 +1,21 @@
 """An MCP server for a :class:`~celery_idem.contrib.tools.Toolbox`: the same tools, over MCP.
 
-Needs the official MCP Python SDK (``pip install 'celery-idem[mcp]'``). From a shell::
+Needs the official MCP Python SDK (``pip install 'celery-idem[mcp]'``)::
 
-    celery -A proj idem mcp --toolbox proj.agent:tools                      # stdio
-    celery -A proj idem mcp --toolbox proj.agent:tools --http 127.0.0.1:8765  # streamable HTTP
+    celery -A proj idem mcp --toolbox proj.agent:tools [--http 127.0.0.1:8765]
 
-Embedded in Python::
+or, embedded: ``http_app(server(tools), "127.0.0.1", 8765)`` / ``await serve_stdio(server(tools))``.
 
-    from celery_idem.contrib.mcp import http_app, server
+Each tool is listed with its input schema, :data:`~celery_idem.contrib.tools.OUTCOME_SCHEMA` as
+output schema and its annotations (write tools ``idempotentHint``, read tools ``readOnlyHint``).
+A call runs through :meth:`~celery_idem.contrib.tools.Toolbox.acall` (the event loop never
+blocks on a task) and answers the outcome dict as ``structuredContent`` plus a short text;
+``isError`` is set for ``error`` and ``forbidden`` only. The key is derived from the arguments
+exactly as for the task: the JSON-RPC request id, the session and ``_meta`` are not part of it.
 
-    mcp_server = server(tools)        # an mcp.server.lowlevel.Server
-    app = http_app(mcp_server, "127.0.0.1", 8765)   # or: await serve_stdio(mcp_server)
-
-Each tool is listed with its input schema, :data:`~celery_idem.contrib.tools.OUTCOME_SCHEMA` as its
-output schema, and annotations (:meth:`~celery_idem.contrib.tools.Tool.annotations`): write tools
-``idempotentHint: true``, read tools ``readOnlyHint: true``. A call runs through
-:meth:`~celery_idem.contrib.tools.Toolbox.acall`, so the server's event loop never blocks on a task,
-and answers with the outcome dict as ``structuredContent`` plus a short text for clients that
-show the model text only. ``isError`` is set for the ``error`` status only: a ``duplicate``
-is a success, and ``in_progress`` tells the model that calling again is safe.
-
-The key is derived from the call's arguments exactly as for the task; the JSON-RPC request
-id, the session and any ``_meta`` the client sends are not part of it, so a client that
-retries a call with a new request id gets the same action.
-
-Over HTTP (:func:`serve_http`, :func:`http_app`) the ``Host`` / ``Origin`` allow-list of the
-SDK (DNS-rebinding protection) is always on, a server bound to anything but a loopback address
-requires bearer tokens (:data:`TOKENS_ENV`, or an SDK ``TokenVerifier``), and each principal
-has its own share of the sessions and of the request rate (:mod:`~celery_idem.contrib.mcp_limits`).
+Over HTTP the SDK's ``Host`` / ``Origin`` allow-list is always on, a bind that is not loopback
+requires bearer tokens, and each principal has its own share of sessions and request rate
+(:mod:`~celery_idem.contrib.mcp_limits`).
 """
 
 from __future__ import annotations
@@ -55,16 +43,8 @@ from starlette.middleware import Middleware
 
 from ..exceptions import ImproperlyConfigured, InvalidKey
 from ..keys import check_scope
-from .mcp_limits import (
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_PRINCIPAL_SESSIONS,
-    DEFAULT_RATE_LIMIT,
-    DEFAULT_SESSION_IDLE_TIMEOUT,
-    MAX_REQUEST_BODY,
-    Limiter,
-    check_limits,
-    principal_of,
-)
+from . import mcp_limits
+from .mcp_limits import Limiter, check_limits, principal_of
 from .tools import MAX_MESSAGE, Toolbox
 
 __all__ = ["ALLOWED_HOSTS_ENV", "ALLOWED_ORIGINS_ENV", "INSTRUCTIONS", "MIN_TOKEN_LENGTH",
@@ -106,10 +86,9 @@ def server(toolbox: Toolbox, *, name: str = DEFAULT_NAME,
            caller_scope: Callable[[AccessToken], str | None] | None = None) -> Server[Any]:
     """Make an MCP server that serves every tool of ``toolbox``.
 
-    A call from an authenticated caller (a bearer token, over HTTP) runs in its token's scope
-    (:func:`scope_of`) and as its principal (the toolbox's ``authorize`` hook sees it); an
-    unauthenticated one (stdio, loopback HTTP without tokens) in the toolbox's own
-    :attr:`~celery_idem.contrib.tools.Toolbox.scope`, with no principal.
+    An authenticated caller's call (a bearer token, over HTTP) runs in its token's scope
+    (:func:`scope_of`) as its principal (:func:`principal_of`, what ``authorize`` sees); an
+    unauthenticated one in the toolbox's :attr:`~celery_idem.contrib.tools.Toolbox.scope`.
 
     Args:
         toolbox: The tools.
@@ -323,10 +302,10 @@ def transport_security(host: str, allowed_hosts: Iterable[str] = (),
 def http_app(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp", *,
              token_verifier: TokenVerifier | None = None,
              allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
-             auth: AuthSettings | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS,
-             principal_sessions: int = DEFAULT_PRINCIPAL_SESSIONS,
-             session_idle_timeout: float = DEFAULT_SESSION_IDLE_TIMEOUT,
-             rate_limit: float | None = DEFAULT_RATE_LIMIT) -> Any:
+             auth: AuthSettings | None = None, max_sessions: int = mcp_limits.DEFAULT_MAX_SESSIONS,
+             principal_sessions: int = mcp_limits.DEFAULT_PRINCIPAL_SESSIONS,
+             session_idle_timeout: float = mcp_limits.DEFAULT_SESSION_IDLE_TIMEOUT,
+             rate_limit: float | None = mcp_limits.DEFAULT_RATE_LIMIT) -> Any:
     """The streamable HTTP app of ``mcp_server`` (a Starlette app), locked down for ``host``.
 
     The ``Host`` / ``Origin`` allow-list (:func:`transport_security`) is on whatever the
@@ -371,7 +350,7 @@ def http_app(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp", 
     app = mcp_server.streamable_http_app(
         streamable_http_path=path, host=host, transport_security=security,
         token_verifier=token_verifier, auth=auth, max_sessions=max_sessions,
-        session_idle_timeout=session_idle_timeout, max_request_body_size=MAX_REQUEST_BODY)
+        session_idle_timeout=session_idle_timeout, max_request_body_size=mcp_limits.MAX_REQUEST_BODY)
     manager = mcp_server.session_manager
     # Innermost, after the SDK's bearer middleware has named the caller. The session
     # manager's own table is the one source of which sessions are still open.
@@ -426,11 +405,7 @@ def load_toolbox(spec: str) -> Toolbox:
 
 
 async def serve_stdio(mcp_server: Server[Any]) -> None:
-    """Serve ``mcp_server`` on this process's stdin and stdout until the client closes them.
-
-    Args:
-        mcp_server: A server from :func:`server`.
-    """
+    """Serve ``mcp_server`` (from :func:`server`) on stdin and stdout until the client closes them."""
     async with stdio_server() as (read_stream, write_stream):
         await mcp_server.run(read_stream, write_stream,
                              mcp_server.create_initialization_options())
@@ -440,13 +415,10 @@ def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp"
                token_verifier: TokenVerifier | None = None,
                environ: Mapping[str, str] | None = None,
                announce: Callable[[str], None] | None = None, **limits: Any) -> None:
-    """Serve ``mcp_server`` over streamable HTTP at ``http://HOST:PORT/mcp`` (blocks).
+    """Serve :func:`http_app` of ``mcp_server`` with uvicorn at ``http://HOST:PORT/mcp`` (blocks).
 
-    Uses uvicorn, which the MCP SDK installs. The ``Host`` / ``Origin`` allow-list is always
-    on (:func:`transport_security`, plus :data:`ALLOWED_HOSTS_ENV` and
-    :data:`ALLOWED_ORIGINS_ENV`). Without ``token_verifier``, the tokens of :data:`TOKENS_ENV`
-    are required when it is set; a ``host`` that is not loopback refuses to start without
-    either.
+    Without ``token_verifier``, the tokens of :data:`TOKENS_ENV` are required when it is set;
+    :data:`ALLOWED_HOSTS_ENV` and :data:`ALLOWED_ORIGINS_ENV` extend the allow-list.
 
     Args:
         mcp_server: A server from :func:`server`.
@@ -455,8 +427,8 @@ def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp"
         path: The endpoint's path.
         token_verifier: Checks bearer tokens (default: :data:`TOKENS_ENV`, if set).
         environ: Where to read the environment variables (default ``os.environ``).
-        announce: Told one line (where, and the scope of each principal's calls) once the
-            configuration is checked, before the server listens.
+        announce: Told where the server is and each principal's scope, once the
+            configuration is checked and before the server listens.
         **limits: ``max_sessions``, ``principal_sessions``, ``session_idle_timeout`` and
             ``rate_limit``, as for :func:`http_app`.
 
@@ -494,23 +466,14 @@ def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp"
 def serve(toolbox: Toolbox, http: tuple[str, int] | None = None, *,
           name: str = DEFAULT_NAME, token_verifier: TokenVerifier | None = None,
           announce: Callable[[str], None] | None = None, **limits: Any) -> None:
-    """Serve ``toolbox`` on stdio, or over streamable HTTP when ``http`` is ``(host, port)``.
+    """Serve ``toolbox`` on stdio, or with :func:`serve_http` when ``http`` is ``(host, port)``.
 
     What ``celery -A APP idem mcp`` runs; blocks until the client (stdio) or the process
-    (HTTP) ends.
-
-    Args:
-        toolbox: The tools.
-        http: ``(host, port)`` for streamable HTTP; None for stdio.
-        name: The server's name in the handshake.
-        token_verifier: For HTTP: checks bearer tokens (default: :data:`TOKENS_ENV`).
-        announce: Told where the server is and which scope its calls use, once checked.
-        **limits: For HTTP: ``max_sessions``, ``principal_sessions``,
-            ``session_idle_timeout`` and ``rate_limit``, as for :func:`http_app`.
+    (HTTP) ends. ``token_verifier``, ``announce`` and ``**limits`` are as for :func:`serve_http`
+    (``announce`` on stdio too).
 
     Raises:
-        ImproperlyConfigured: HTTP on an address that is not loopback without authentication
-            (the message says what to set); checked before anything listens.
+        ImproperlyConfigured: As :func:`serve_http`; checked before anything listens.
     """
     mcp_server = server(toolbox, name=name)
     if http is not None:

@@ -1,10 +1,8 @@
 """Per-principal limits of the MCP HTTP server: open sessions and request rate.
 
-The SDK's session manager caps the sessions of all callers together; alone, one token that
-opens sessions in a loop fills that cap and every other caller is refused. :class:`Limiter`
-sits between the SDK's bearer authentication and its session manager and gives each
-principal its own share: a principal at its session cap, or over its request rate, is
-answered ``429 Too Many Requests`` (with ``Retry-After``), and no other principal notices.
+The SDK's session manager caps the sessions of all callers together, which one token opening
+sessions in a loop fills for everyone. :class:`Limiter` gives each principal its own share:
+past it, that principal alone is answered ``429 Too Many Requests`` with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -69,19 +67,12 @@ def check_limits(max_sessions: int, principal_sessions: int, rate_limit: float |
 
 
 class Limiter:
-    """ASGI middleware: each principal's open sessions and request rate, with 429 beyond them.
+    """ASGI middleware, inside the SDK's bearer authentication: 429 for a principal past its
+    open sessions or request rate (see :func:`~celery_idem.contrib.mcp.http_app`).
 
-    An unauthenticated request passes on untouched when the server requires tokens (the SDK
-    answers it 401); without tokens all callers are one principal, ``""``.
-
-    Args:
-        app: The SDK's endpoint (behind its bearer authentication).
-        sessions: The SDK's open sessions by id (what the session manager keeps): a session
-            closed by the client, its idle timeout or a crash leaves it, and so frees its slot.
-        principal_sessions: Open sessions one principal may hold.
-        rate_limit: Requests per second one principal may make on average (bursts of
-            :data:`BURST_SECONDS` times as many); None: no rate limit.
-        authenticated: Whether the server requires bearer tokens.
+    Without tokens all callers are one principal, ``""``; with tokens a request without one
+    passes on to the SDK's 401. ``sessions`` returns the session manager's open sessions by id:
+    one closed by its client, its idle timeout or a crash leaves it, and frees its slot.
     """
 
     def __init__(self, app: Any, *, sessions: Callable[[], MutableMapping[str, Any]],

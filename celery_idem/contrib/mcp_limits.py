@@ -105,7 +105,8 @@ class Limiter:
             await self.app(scope, receive, send)
             return
         live = self._open.setdefault(who, set())
-        live.intersection_update(self._sessions())  # closed or expired sessions free their slot
+        sessions = self._sessions()  # closed or expired sessions free their slot
+        live.difference_update([sid for sid in live if sid not in sessions])
         if len(live) + self._opening.get(who, 0) >= self.principal_sessions:
             logger.warning("celery_idem MCP: principal %r refused a new session: it has %d open "
                            "(principal_sessions=%d)", who, len(live), self.principal_sessions)

@@ -118,8 +118,11 @@ class Toolbox:
             assert pending.outcome is not None
             return pending.outcome
         # The hook may look things up (a database, a policy service): off the event loop.
-        refused = await asyncio.to_thread(self._refusal, t, arguments, principal)
-        return refused or await t.ainvoke(arguments, timeout, scope=scope)
+        if self.authorize is not None:
+            refused = await asyncio.to_thread(self._refusal, t, arguments, principal)
+            if refused is not None:
+                return refused
+        return await t.ainvoke(arguments, timeout, scope=scope)
 
     def _refusal(self, t: Tool, arguments: str | Mapping[str, Any] | None,
                  principal: str | None) -> dict[str, Any] | None:

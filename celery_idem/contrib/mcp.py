@@ -143,8 +143,7 @@ def _caller_token(ctx: Any) -> AccessToken | None:
 
 
 class PrincipalToken(AccessToken):
-    """A token of :class:`StaticTokens`: its principal (``client_id``) and the scope of its
-    calls (``tenant``; None: no scope, the toolbox's, as on stdio)."""
+    """A :class:`StaticTokens` token: principal ``client_id``, scope ``tenant`` (None: none)."""
 
     tenant: str | None = None
 
@@ -188,12 +187,8 @@ class StaticTokens(TokenVerifier):
 
     @classmethod
     def from_text(cls, text: str) -> StaticTokens:
-        """Read ``PRINCIPAL[@SCOPE]:TOKEN`` entries separated by commas or whitespace
-        (:data:`TOKENS_ENV`).
-
-        Raises:
-            ValueError: An entry without ``:``, or as :class:`StaticTokens` raises.
-        """
+        """Read :data:`TOKENS_ENV`'s ``PRINCIPAL[@SCOPE]:TOKEN`` entries (ValueError if one is
+        malformed, or as :class:`StaticTokens`)."""
         tokens: dict[str, str] = {}
         for n, pair in enumerate((p for p in re.split(r"[\s,]+", text) if p), 1):
             principal, sep, token = pair.partition(":")
@@ -218,8 +213,7 @@ class StaticTokens(TokenVerifier):
         return dict(sorted(self._principals.values()))
 
     async def verify_token(self, token: str) -> AccessToken | None:
-        """The principal of ``token`` (as its ``client_id``) and its scope, or None for an
-        unknown token."""
+        """The principal and scope of ``token`` (a :class:`PrincipalToken`), or None."""
         found = self._principals.get(_digest(token))
         if found is None:
             return None

@@ -27,12 +27,10 @@ class Toolbox:
         scope: The scope of every call that does not name one (``call(..., scope=)``): a
             tenant, a principal. A write tool's key is in its call's scope, so the same
             arguments or key in two scopes are two actions. None: no scope.
-        authorize: ``authorize(principal, tool, arguments) -> bool``, asked before each call
-            of a known tool is started (a duplicate skips the body, so a check there would
-            come too late): the caller's principal (None: a local caller, as on stdio), the
-            tool's name and the parsed arguments. False, or an exception, refuses the call
-            with a ``forbidden`` outcome, logged on ``celery_idem.tools``; nothing is
-            enqueued. Arguments that do not parse are refused as invalid without asking it.
+        authorize: ``authorize(principal, tool, arguments) -> bool``, asked with the parsed
+            arguments before each call is started (a duplicate skips the body: a check there
+            comes too late); principal None is a local caller. False, or an exception, is a
+            logged ``forbidden`` outcome, and nothing is enqueued.
 
     Raises:
         ValueError: Two tools have the same name.
@@ -93,9 +91,8 @@ class Toolbox:
             name: The tool's name, as the model gave it.
             arguments: The model's arguments (JSON text or a mapping; None for none).
             timeout: Seconds to wait for the result (default: the tool's).
-            scope: The caller's scope (a tenant, a principal; default: the toolbox's
-                :attr:`scope`), passed to the task as ``idempotency_scope``: the same key in
-                two scopes is two actions.
+            scope: The caller's scope (default: the toolbox's :attr:`scope`), the task's
+                ``idempotency_scope``: the same key in two scopes is two actions.
             principal: Who calls, for the ``authorize`` hook (None: a local caller).
 
         Returns:

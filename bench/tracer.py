@@ -3,7 +3,7 @@ child runs for each message) on a plain task and on an ``IdempotentTask``, Redis
 and store, no broker.
 
 Four systems, timed in turn (``micro.time_interleaved``): ``plain``; ``idem`` with the result
-written by the record's script (the default, see celery_idem/accel/redis_results.py);
+written by the record's script (the default, see celery_idem/results_redis.py);
 ``idem, store elsewhere`` (the store on another database of the server, so nothing is folded: the record, then
 the task's own SET + PUBLISH of the meta, no GET); ``idem, result not folded``
 (``idempotency_fold_results = False``: the record, then Celery's GET + SET). Every Redis

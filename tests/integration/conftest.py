@@ -134,7 +134,7 @@ def published() -> Iterator[list[str]]:
     """The task ids this process publishes while the test runs.
 
     Counted by ``after_task_publish``: a ``before_task_publish`` receiver would make every
-    enqueue check read the record first (celery_idem.accel.enqueue_check.EnqueueCheck), so the
+    enqueue check read the record first (celery_idem.enqueue_redis.WithinPublish), so the
     tests would never see the check made within the publish.
     """
     ids: list[str] = []

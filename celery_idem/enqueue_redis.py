@@ -122,7 +122,7 @@ class WithinPublish(ReadFirst):
                 answer = self.answer(req, found, attaching)
                 return Answer(answer) if answer is not None else Publish(req.task_id)
         if self.within_publish(req):
-            decision = self._publish(req, attaching)
+            decision = self.publish(req, attaching)
             if decision is not None:
                 return decision
         decision = super().decide(req)
@@ -132,15 +132,16 @@ class WithinPublish(ReadFirst):
     def published(self, req: EnqueueRequest, decision: Publish, result: AsyncResult) -> None:
         """Remember a message published under this process's reservation of its key."""
         if decision.reserved:
-            self._remember(req, result)
+            self.remember(req.key, result, req.fingerprint(), req.task.idempotency_config.lease)
 
-    def _remember(self, req: EnqueueRequest, result: AsyncResult) -> None:
+    def remember(self, key: str, result: AsyncResult, fingerprint: str | None,
+                 lease: float) -> None:
+        """Note that this process published ``result`` under its reservation of ``key``."""
         mine = self._mine
         if len(mine) >= self.MAX_RECENT:
             mine.clear()  # each entry lives a moment: a burst this large only starts over
-        lease = req.task.idempotency_config.lease
-        mine[req.key] = (Reservation(result.id, req.fingerprint() or None), weakref.ref(result),
-                         time.monotonic() + min(self.RECENT, lease))
+        mine[key] = (Reservation(result.id, fingerprint or None), weakref.ref(result),
+                     time.monotonic() + min(self.RECENT, lease))
 
     def mine(self, key: str) -> Reservation | None:
         """The reservation of ``key`` for this process's own message in flight, or None.
@@ -189,7 +190,7 @@ class WithinPublish(ReadFirst):
             self._backend, self._undo = backend, _undo_for(backend)
         return self._undo
 
-    def _publish(self, req: EnqueueRequest, attaching: bool) -> Decision | None:
+    def publish(self, req: EnqueueRequest, attaching: bool) -> Decision | None:
         """Publish with the check within; None when the broker cannot take it or the message
         cannot be encoded (nothing was sent: read first)."""
         store: Any = req.gate.store
@@ -225,7 +226,7 @@ class WithinPublish(ReadFirst):
         self.saw(False)
         add_to_parent(task, result, req.options)
         if reserving:
-            self._remember(req, result)
+            self.published(req, Publish(sent_id, True), result)
         return Answer(result)
 
 

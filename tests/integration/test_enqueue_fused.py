@@ -145,6 +145,59 @@ def test_a_done_key_is_answered_from_the_record_and_nothing_is_pushed(
     app.close()
 
 
+def test_kombus_publish_returns_normally_when_the_record_answers(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hook notes what it found on the enqueue instead of raising out of kombu's publish.
+    from kombu import Producer
+
+    raised: list[BaseException] = []
+    publish = Producer._publish
+
+    def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return publish(self, *args, **kwargs)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    monkeypatch.setattr(Producer, "_publish", watched)
+    app = make_app(prefix)
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o2r", 100), {})
+    finish(charge, key, {"order": "o2r", "cents": 100})
+    reads = Reads(charge._gate.store, monkeypatch)
+    answer = charge.delay("o2r", 100)
+    assert isinstance(answer, CachedResult) and reads.keys == []  # answered within the publish
+    assert raised == [] and queue_length(prefix) == 0
+    app.close()
+
+
+def test_a_publish_signal_receiver_turns_the_check_within_off(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It would hear of a message that the record answered and that was never sent.
+    from celery.signals import after_task_publish
+
+    heard: list[str] = []
+
+    def hear(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        heard.append((headers or {}).get("id", ""))
+
+    after_task_publish.connect(hear, weak=False)
+    try:
+        app = make_app(prefix)
+        charge = make_task(app)
+        key = charge.idempotency_key_for(("o2s", 100), {})
+        finish(charge, key, {"order": "o2s", "cents": 100})
+        reads = Reads(charge._gate.store, monkeypatch)
+        assert isinstance(charge.delay("o2s", 100), CachedResult)
+        assert reads.keys == [key] and heard == []  # read first: nothing was published
+        app.close()
+    finally:
+        after_task_publish.disconnect(hear)
+
+
 def test_a_sent_message_keeps_its_result_subscription(prefix: str) -> None:
     app = make_app(prefix)
     charge = make_task(app)

@@ -33,8 +33,8 @@ import redis
 from celery import Celery
 
 from celery_idem import IdempotentTask
-from celery_idem.enqueue_redis import WithinPublish
 from celery_idem.config import settings
+from celery_idem.enqueue_redis import WithinPublish
 
 ENV = "BENCH_SETTINGS"
 

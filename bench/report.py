@@ -104,7 +104,7 @@ def machine(redis_client: Any, pg_version: str | None, cpu_ref_ms: float | None 
         "psycopg": _version("psycopg"),
         "PostgreSQL server": pg_version or "not used",
         "celery-idem (git)": git,
-        # The switch (celery_idem.config.accelerate_switch) for the in-process figures; the end-to-end rows measure
+        # The switch (config.accelerate_switch) for the in-process figures; the end-to-end rows measure
         # the "(accel off)" systems beside the default ones either way (their apps' setting), and
         # the PostgreSQL micro-bench times both paths in one run. CELERY_IDEM_ACCELERATE=0 turns
         # every system off.

@@ -16,7 +16,7 @@ from celery.states import FAILURE, SUCCESS
 
 from .compat import get_actual_ignore_result
 from .records import Record, State
-from .stores.base import BackendWrite, Store
+from .stores.base import BackendWrite
 
 if TYPE_CHECKING:
     from .codec import Codec

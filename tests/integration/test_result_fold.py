@@ -26,7 +26,7 @@ from celery_idem import IdempotentTask
 from celery_idem.config import accelerate_switch
 from celery_idem.exceptions import LeaseLost
 from celery_idem.records import State
-from celery_idem.results import result_writer
+from celery_idem.paths import result_writer
 from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore
 from tests.conftest import PG_URL, require

@@ -35,6 +35,8 @@ def worker_paths(redis_url: str, prefix: str, n: int) -> dict[str, micro.Timing]
         store = task._gate.store
         if not wire:
             store._scripts = Scripts(store.client)
+        if not fold:  # as idempotency_fold_results = False: Celery writes the result
+            task.__dict__["_result_writer"] = None
         apps.append((app, s.prefix))
         if not runs:
             runs["plain Celery"] = tracer._runner(plain, "bench.plain", None, t + "p")

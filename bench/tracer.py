@@ -21,6 +21,7 @@ from celery.app.trace import build_tracer
 
 from bench import micro
 from bench.app import Settings, build_app
+from celery_idem.app import forget_store
 
 PLAIN, FOLDED, UNFOLDED = "plain task", "IdempotentTask", "IdempotentTask, result not folded"
 DIRECT = "IdempotentTask, store elsewhere"
@@ -48,6 +49,7 @@ def _tracer(settings: Settings, fold: bool, elsewhere: str | None = None) -> tup
     # requires the store to be the backend's server, database, user and connection class).
     app.conf.idempotency_store_options = {"connection_class": SendCounting}
     app.backend.client.connection_pool.connection_class = SendCounting
+    forget_store(app)  # build_app read the settings: read them again, with the lines above
     plain = app.tasks["bench.plain"]
     idem = app.tasks["bench.idem"]
     return (app,

@@ -25,8 +25,8 @@ from celery.backends.redis import RedisBackend
 from celery_idem import IdempotentTask
 from celery_idem.config import accelerate_switch
 from celery_idem.exceptions import LeaseLost
-from celery_idem.records import State
 from celery_idem.paths import result_writer
+from celery_idem.records import State
 from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore
 from tests.conftest import PG_URL, require

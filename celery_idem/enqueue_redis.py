@@ -6,9 +6,9 @@ same server and database as a plain :class:`~celery_idem.stores.redis.RedisStore
 rides on the publish: the message is pushed by a script (``lua/publish.lua``) that pushes it
 only when the record is not done or failed (and, for an enqueue that may attach, reserves the
 key), and otherwise hands back what it found. One round trip, and the check and the push are
-one atomic step. What it buys (``python -m bench.accel``, ``delay()`` of a unique key): about a
-quarter of the producer's time per message against reading first (docs/benchmarks.md, "Each
-fast path alone").
+one atomic step. What it buys (``python -m bench.accel``, ``delay()`` of a unique key): 8% of
+the producer's time per message against reading first, more with the store farther away
+(docs/benchmarks.md, "Each fast path alone").
 
 The hook is the channel's ``_put`` (where kombu's Redis transport pushes a message to its
 queue list), replaced on the channel *instance* the task publishes on, never on kombu's class.

@@ -27,7 +27,7 @@ chains and chords (Celery stores those after it has sent the next tasks, so the 
 them as children), or a backend class that overrides how results are stored.
 
 What it buys (``python -m bench.accel``, the worker's side of a task through Celery's tracer):
-about half of an ``IdempotentTask``'s time per task against Celery writing the result itself
+about 30% of an ``IdempotentTask``'s time per task against Celery writing the result itself
 (docs/benchmarks.md, "Each fast path alone").
 """
 

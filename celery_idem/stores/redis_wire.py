@@ -28,7 +28,7 @@ notifications) or another pool class (Sentinel, Cluster) does not get a wire: th
 calling redis-py for it (:func:`wire_for` returns None).
 
 What it buys (``python -m bench.accel``, the worker's side of a task through Celery's tracer):
-about a third of an ``IdempotentTask``'s time per task against redis-py's scripts
+about a fifth of an ``IdempotentTask``'s time per task against redis-py's scripts
 (docs/benchmarks.md, "Each fast path alone").
 """
 

@@ -1,28 +1,13 @@
 """Other libraries' private names, in one place: what the core needs whatever the switch says,
-and the inventory of every private name the package uses (:data:`PRIVATE_NAMES`).
+and :data:`PRIVATE_NAMES`, the inventory of every private name the package uses.
 
-The functions here decide what a call means, so they behave the same with accelerations on and
-off (the key of an action, a pickled result, a result set's wait). Each stands behind a named
-function with its fallback:
-
-* :func:`dump_pydantic_arguments`: a ``pydantic=True`` task's arguments as ``apply_async`` dumps
-  them (Celery >= 5.7's ``Task._dump_pydantic_arguments``): the key is made of them.
-* :func:`fire_full_barriers`: a ``ResultSet``'s vine barrier over ready results, fired once full
-  (vine's ``barrier._value``, its count).
-* :func:`worker_connection`: the broker connection of a worker's consumer (``Consumer._conninfo``),
-  for a warning that names the broker's driver.
-* :func:`get_actual_ignore_result`: whether Celery stores no result for a request (public from
-  Celery 5.6; before, the same rule written out here).
-* :func:`push_fresh_request`: push a request that inherits nothing (``Task.request_stack``:
-  ``push_request`` inherits the current request from Celery 5.5).
-* :class:`MetaHook`: a result handle told when the result consumer hands it its meta (Celery's
-  ``AsyncResult._maybe_set_cache``, which the consumer calls): ``on_meta`` is the public seam.
-
-:data:`PRIVATE_NAMES` lists every other library's private name used anywhere in the package
-(``tests/unit/test_private_names.py`` holds the package to it), with the versions checked
-(celery 5.4.0-5.7.0, kombu of the same minors, redis-py 5.x-8.2.0, SQLAlchemy 2.1.9, psycopg
-3.3.9) and what happens when one is missing: an acceleration steps aside and its plain twin
-runs; for this module's functions, each entry says what it does instead.
+The functions here decide what a call means (the key of an action, a pickled result, a result
+set's wait), so they behave the same with accelerations on and off; each stands behind a named
+function with its fallback. ``tests/unit/test_private_names.py`` holds the package to the
+inventory: a private name of celery, kombu, redis-py, SQLAlchemy or psycopg is used only in the
+module its entry names. The versions checked: celery 5.4.0-5.7.0, kombu of the same minors,
+redis-py 5.x-8.2.0, SQLAlchemy 2.1.9, psycopg 3.3.9; when a name is missing, an acceleration
+steps aside for its plain twin, and this module's functions do what their entry says.
 """
 
 

@@ -74,7 +74,7 @@ test-fast: $(STAMP)  ## unit + in-process store tests (memory, SQLite): no serve
 	for n in $$(seq 1 $$i); do echo "== pytest $$(echo $(FAST_TESTS) | cut -d' ' -f$$n)"; cat "$$tmp/$$n.log"; done; \
 	rm -rf "$$tmp"; exit $$rc
 
-# Every acceleration off (celery_idem/accel/, CELERY_IDEM_ACCELERATE=0): each store through its
+# Every acceleration off (CELERY_IDEM_ACCELERATE=0, see celery_idem/paths.py): each store through its
 # plain path only (redis-py's scripts, SQLAlchemy's Connection, the enqueue check read first) must
 # pass the same tests. test-fast's unit tests, and the store tests on every server (Redis,
 # PostgreSQL, MariaDB: no `not server` filter), not the slow groups; the two pytest runs at once,

@@ -33,8 +33,8 @@ import redis
 from celery import Celery
 
 from celery_idem import IdempotentTask
-from celery_idem.accel.enqueue_check import EnqueueCheck
 from celery_idem.config import settings
+from celery_idem.enqueue_redis import WithinPublish
 
 ENV = "BENCH_SETTINGS"
 
@@ -71,7 +71,7 @@ class Settings:
         return f"{self.prefix}ready:{self.queue}"
 
 
-class _AskStore(EnqueueCheck):
+class _AskStore(WithinPublish):
     """The enqueue check without the memory of this process's own recent messages."""
 
     RECENT = 0.0

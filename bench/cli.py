@@ -337,13 +337,13 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "\n\nKey derivation binds the call to the task's signature, writes the canonical JSON and "
         "hashes it (celery_idem/keys.py); the arguments are str, int and float in turn. The enqueue "
         "check is `answer_from_record` for a key never used: one `GET` through the store's wire "
-        "(celery_idem/accel/redis_wire.py), answered None, so `delay()` publishes. The `delay()` "
+        "(celery_idem/stores/redis_wire.py), answered None, so `delay()` publishes. The `delay()` "
         "rows publish to a real Redis broker (nothing consumes the queue), the store and the result "
         "backend on the same server, unique keys, timed in turn: with the check within the publish "
-        "one script (celery_idem/accel/redis_enqueue.py) reads the record and pushes the message; "
+        "one script (celery_idem/enqueue_redis.py) reads the record and pushes the message; "
         "read first, the check is its own round trip before kombu's push (what happens with another "
         "broker, or when many of a task's enqueues are answered from the record: "
-        "`celery_idem.accel.enqueue_check.EnqueueCheck`)."))
+        "`celery_idem.enqueue_redis.WithinPublish`)."))
 
     log("lease renewals ...")
     results["lease"] = _lease_trips(counting, prefix)
@@ -384,7 +384,7 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
         "the broker: the body, then the result written to the Redis backend. A plain task's result "
         "costs two round trips (the backend's `GET` of the old meta, then `SET` + `PUBLISH` in one "
         "pipeline). An `IdempotentTask` claims, then records with a script that also writes that meta "
-        "(celery_idem/accel/redis_results.py): two round trips as well. *store elsewhere* has its "
+        "(celery_idem/results_redis.py): two round trips as well. *store elsewhere* has its "
         "store on another "
         "database of the server, so the record cannot carry the meta: the record, then the task's own "
         "`SET` + `PUBLISH` of the meta without the `GET`, three round trips. *result not folded* is the "
@@ -972,7 +972,7 @@ def _findings(r: dict[str, Any]) -> list[str]:
         f"{g.median_us:.0f} µs ({g.cpu_us:.0f} µs CPU) for {g.round_trips:g} round trips; a trivial "
         f"EVALSHA timed in turn with it costs {rw.cpu_us:.0f} µs of client CPU on a raw socket (the "
         f"floor) and {ev.cpu_us:.0f} µs through redis-py. The store's verbs do not take redis-py's "
-        f"command path (celery_idem/accel/redis_wire.py: a pooled connection kept per verb, the "
+        f"command path (celery_idem/stores/redis_wire.py: a pooled connection kept per verb, the "
         f"command packed by hiredis, the reply read by the connection's parser). Beyond two raw-socket "
         f"round trips the gate costs {beyond:.0f} µs CPU per first run and {beyond_d:.0f} µs per "
         f"duplicate; with the in-process store the whole gate takes {mem['first'].cpu_us:.0f} µs "

@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from celery_idem import accel
+from celery_idem.config import ACCELERATE_ENV, accelerate_switch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,10 +104,10 @@ def machine(redis_client: Any, pg_version: str | None, cpu_ref_ms: float | None 
         "psycopg": _version("psycopg"),
         "PostgreSQL server": pg_version or "not used",
         "celery-idem (git)": git,
-        # The switch (celery_idem.accel) for the in-process figures; the end-to-end rows measure
+        # The switch (config.accelerate_switch) for the in-process figures; the end-to-end rows measure
         # the "(accel off)" systems beside the default ones either way (their apps' setting), and
         # the PostgreSQL micro-bench times both paths in one run. CELERY_IDEM_ACCELERATE=0 turns
         # every system off.
         "accelerations (celery_idem/accel)": (
-            "on" if accel.enabled() else f"off ({accel.ENV}={os.environ.get(accel.ENV, '')})"),
+            "on" if accelerate_switch() else f"off ({ACCELERATE_ENV}={os.environ.get(ACCELERATE_ENV, '')})"),
     }

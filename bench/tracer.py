@@ -3,7 +3,7 @@ child runs for each message) on a plain task and on an ``IdempotentTask``, Redis
 and store, no broker.
 
 Four systems, timed in turn (``micro.time_interleaved``): ``plain``; ``idem`` with the result
-written by the record's script (the default, see celery_idem/accel/redis_results.py);
+written by the record's script (the default, see celery_idem/results_redis.py);
 ``idem, store elsewhere`` (the store on another database of the server, so nothing is folded: the record, then
 the task's own SET + PUBLISH of the meta, no GET); ``idem, result not folded``
 (``idempotency_fold_results = False``: the record, then Celery's GET + SET). Every Redis
@@ -21,6 +21,7 @@ from celery.app.trace import build_tracer
 
 from bench import micro
 from bench.app import Settings, build_app
+from celery_idem.app import forget_store
 
 PLAIN, FOLDED, UNFOLDED = "plain task", "IdempotentTask", "IdempotentTask, result not folded"
 DIRECT = "IdempotentTask, store elsewhere"
@@ -48,6 +49,7 @@ def _tracer(settings: Settings, fold: bool, elsewhere: str | None = None) -> tup
     # requires the store to be the backend's server, database, user and connection class).
     app.conf.idempotency_store_options = {"connection_class": SendCounting}
     app.backend.client.connection_pool.connection_class = SendCounting
+    forget_store(app)  # build_app read the settings: read them again, with the lines above
     plain = app.tasks["bench.plain"]
     idem = app.tasks["bench.idem"]
     return (app,

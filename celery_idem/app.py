@@ -15,7 +15,7 @@ from celery import Celery
 from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 
 from . import probe, timelimits
-from .accel.celery_compat import worker_connection
+from .compat import worker_connection
 from .config import forget_settings, settings
 from .durability import check_replication, check_store
 from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers

@@ -19,8 +19,6 @@ import sys
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
-from . import accel
-from .accel.kombu_json import JsonShortcut, json_shortcut
 from .exceptions import CorruptRecord, TerminalError
 
 __all__ = ["ERROR_CONTENT_TYPE", "Codec", "KombuCodec"]
@@ -80,12 +78,10 @@ class KombuCodec:
         prepare: Applied to a result before it is serialized: the result backend's
             ``prepare_value``, so a result is stored as Celery stores it (an ``AsyncResult`` as
             its ``as_tuple()`` unless pickled) and a duplicate gets what ``get()`` returns.
-        accelerate: Encode JSON with :mod:`celery_idem.accel.kombu_json` (see
-            :func:`celery_idem.accel.enabled`; None: on unless switched off).
     """
 
     def __init__(self, serializer: str = "json", accept: Collection[str] | None = None,
-                 prepare: Callable[[Any], Any] | None = None, accelerate: bool | None = None) -> None:
+                 prepare: Callable[[Any], Any] | None = None) -> None:
         from kombu import exceptions, serialization
 
         self.serializer = serializer
@@ -97,16 +93,10 @@ class KombuCodec:
         self.accept: set[str] | None = None
         if accept is not None:
             self.accept = serialization.prepare_accept_content(accept)  # type: ignore[no-untyped-call]
-        self._json: JsonShortcut | None = None
-        if serializer == "json" and accel.enabled(accelerate):
-            self._json = json_shortcut(serialization, exceptions.EncodeError)
 
     def encode_result(self, value: Any) -> tuple[str, bytes]:
         if self.prepare is not None:
             value = self.prepare(value)
-        shortcut = self._json
-        if shortcut is not None and shortcut.applies():
-            return shortcut.content_type, shortcut.encode(value)
         content_type, encoding, data = self._serialization.dumps(  # type: ignore[no-untyped-call]
             value, serializer=self.serializer)
         if isinstance(data, str):

@@ -13,13 +13,13 @@ import functools
 import importlib
 import inspect
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from . import accel
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
 
 __all__ = [
@@ -340,6 +340,21 @@ _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary(
 _APP_SETTINGS = frozenset(f"idempotency_{f.name}" for f in dataclasses.fields(Settings))
 
 
+#: The environment variable that turns every acceleration off (``0``/``false``/``no``/``off``).
+ACCELERATE_ENV = "CELERY_IDEM_ACCELERATE"
+
+
+def accelerate_switch(setting: bool = True) -> bool:
+    """The acceleration switch: off when ``CELERY_IDEM_ACCELERATE`` is ``0``, ``false``, ``no``
+    or ``off`` (it wins over the app's ``idempotency_accelerate``), else ``setting``.
+
+    The package reads it in :func:`settings` only, once per app; the app's tasks and stores
+    are given what it said (``celery_idem.paths``).
+    """
+    return os.environ.get(ACCELERATE_ENV, "").strip().lower() not in {"0", "false", "no", "off"} \
+        and setting
+
+
 def settings(app: Any) -> Settings:
     """The ``idempotency_*`` settings of ``app`` (a Celery app), read at the first call.
 
@@ -360,7 +375,7 @@ def settings(app: Any) -> Settings:
             fold_results=conf.get("idempotency_fold_results") is not False,
             require_durable_store=bool(conf.get("idempotency_require_durable_store")),
             log_answers=conf.get("idempotency_log_answers", True) is not False,
-            accelerate=accel.enabled(conf.get("idempotency_accelerate", True) is not False),
+            accelerate=accelerate_switch(conf.get("idempotency_accelerate", True) is not False),
         )
     return found
 

@@ -1,14 +1,17 @@
 """The producer side of the seam: an enqueue answered from the record, and unsendable arguments.
 
-:func:`check_enqueue` is what ``apply_async`` asks before publishing. The record is read first,
-or within the publish (an acceleration, plugged in as ``IdempotentTask._enqueue_check``).
+``apply_async`` builds one :class:`EnqueueRequest` and asks its task's strategy for a
+:class:`Decision`: :class:`Publish` (the key reserved for the message) or :class:`Answer` (a
+cached or attached result). :class:`ReadFirst` reads the record before publishing; its fast
+twin within the Redis publish is :mod:`celery_idem.enqueue_redis`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 from uuid import uuid4 as uuid
 
 from celery import Celery
@@ -16,17 +19,14 @@ from celery.app import app_or_default
 from celery.app.task import Context
 from celery.result import AsyncResult, EagerResult
 from celery.states import SUCCESS
-from kombu.exceptions import EncodeError
 from kombu.serialization import dumps
 
-from .accel.celery_compat import MetaHook, fire_full_barriers
-from .accel.enqueue_check import EnqueueCheck
 from .app import emit_answer
 from .attach import add_to_parent, attach, may_attach
+from .compat import MetaHook, fire_full_barriers
 from .events import Outcome
 from .exceptions import IdempotencyKeyMismatch, StoreUnavailable
 from .gate import Gate
-from .identity import HEADER
 from .records import Record, Reservation, State
 from .results import ResultWriter, recorded_outcome, store_answer
 
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from celery import Task
 
 __all__ = [
-    "CachedResult", "EnqueueCheck", "answer_from_record", "answer_request", "check_enqueue",
-    "restore_cached", "unsendable",
+    "Answer", "CachedResult", "Decision", "EnqueueRequest", "Publish", "ReadFirst",
+    "answer_from_record", "answer_request", "restore_cached", "unsendable",
 ]
 
 logger = logging.getLogger("celery_idem")
@@ -222,66 +222,104 @@ def answer_request(
     return Context(fields)
 
 
-def check_enqueue(
-    task: Task, gate: Gate, check: EnqueueCheck | None, writer: ResultWriter | None, key: str,
-    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, task_id: str | None,
-    producer: Any, options: dict[str, Any],
-    fingerprint: Callable[[], str | None], publish: Callable[[Any, str], AsyncResult],
-) -> AsyncResult | str | None:
-    """What the key's record (or reservation) says about an enqueue that may be answered (not a
-    retry, a re-queue or a canvas publish); ``publish`` sends the message under a given task id.
+@dataclass(frozen=True, slots=True)
+class EnqueueRequest:
+    """One enqueue that the key's record may answer (not a retry, a re-queue or a canvas publish).
 
-    Returns:
-        The answer (a published message's result, a :class:`CachedResult`, an
-        :class:`~celery_idem.attach.AttachedResult`); or the task id the key was reserved for
-        (publish under it); or None: publish.
+    Attributes:
+        task: The task being enqueued.
+        gate: Its gate (the store, the codec).
+        writer: Its result writer (an answer's outcome is stored through it), or None.
+        key: The idempotency key (the scope included).
+        fingerprint: Computes the call's fingerprint (None: it has none), once.
+        args: The positional arguments.
+        kwargs: The keyword arguments.
+        task_id: The task id the caller chose, or None.
+        producer: The caller's producer, or None.
+        options: The other ``apply_async`` options.
+        publish: Sends the message with a producer under a task id (``Task.apply_async``);
+            keywords override options.
     """
-    store = gate.store
-    # A task id chosen beforehand (a frozen signature, a chain's next step) is waited on
-    # under that id: an attached handle has the holder's, so such an enqueue publishes.
-    attaching = task_id is None and may_attach(task, options)
-    reserving = attaching and store.reserves
-    sent_id = task_id or (str(uuid()) if reserving else None)
-    lease = task.idempotency_config.lease
-    # A copy of this process's own message of a moment ago needs no round trip (mine's docs).
-    found: Record | Reservation | None = check.mine(key) if reserving and check else None
-    read = found is not None
-    if not read and check is not None and check.within_publish(task, gate):
-        # One round trip: the record is read by the script that pushes the message.
-        reserve = (sent_id, fingerprint() or "", max(int(lease * 1000), 1)) \
-            if reserving and sent_id else None
+
+    task: Task
+    gate: Gate
+    writer: ResultWriter | None
+    key: str
+    fingerprint: Callable[[], str | None]
+    args: Sequence[Any] | None
+    kwargs: Mapping[str, Any] | None
+    task_id: str | None
+    producer: Any
+    options: Mapping[str, Any]
+    publish: Callable[..., AsyncResult]
+
+
+class Publish(NamedTuple):
+    """The decision to publish the message, under ``task_id`` (None: a new id); ``reserved``:
+    the key is reserved for that id (undone if the publish fails)."""
+
+    task_id: str | None
+    reserved: bool = False
+
+
+class Answer(NamedTuple):
+    """The decision that answers the enqueue with ``result``: a :class:`CachedResult`, an
+    :class:`~celery_idem.attach.AttachedResult`, or the message the strategy published."""
+
+    result: AsyncResult
+
+
+Decision = Publish | Answer
+
+
+class ReadFirst:
+    """The enqueue check: read the record (or reserve the key), then decide.
+
+    Its fast twin, :class:`celery_idem.enqueue_redis.WithinPublish`, makes the check within
+    the Redis publish; both answer the same enqueues the same way.
+    """
+
+    def attaching(self, req: EnqueueRequest) -> bool:
+        """Whether ``req`` may attach to an action under way. A task id chosen beforehand (a
+        frozen signature, a chain's next step) is waited on under that id: such an enqueue
+        publishes."""
+        return req.task_id is None and may_attach(req.task, req.options)
+
+    def decide(self, req: EnqueueRequest) -> Decision:
+        """Publish ``req`` (with the key reserved when it may attach), or answer it."""
+        store = req.gate.store
+        attaching = self.attaching(req)
+        reserving = attaching and store.reserves
+        sent_id = str(uuid()) if reserving else req.task_id
         try:
-            sent = check.publish(task, gate, key, HEADER, producer, sent_id, publish,
-                                 attach=attaching, reserve=reserve)
-        except EncodeError:
-            # Not sendable: a done key is still answered from the record (read first);
-            # any other raises the error naming the argument, below.
-            sent = None
-        if sent is not None and not isinstance(sent, (Record, Reservation)):
-            return sent
-        found, read = sent, sent is not None  # nothing was sent (None: read it first)
-    if not read:
-        try:
-            if reserving and sent_id:
-                found = store.reserve(key, sent_id, lease, fingerprint())
+            if sent_id is not None and reserving:
+                found = store.reserve(req.key, sent_id, req.task.idempotency_config.lease,
+                                      req.fingerprint())
             else:
-                found = store.get(key)
+                found = store.get(req.key)
         except StoreUnavailable as exc:
             # Publish (the gate still guards the body) under the id it tried to reserve: if
             # only the reply was lost, the reservation names a message that exists.
-            logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
-            return sent_id if reserving and sent_id != task_id else None
-    answer: AsyncResult | None = None
-    if isinstance(found, Record) and found.state in (State.DONE, State.FAILED):
-        answer = answer_from_record(
-            task, gate, writer, key, args, kwargs, task_id, options,
-            arguments_hash=fingerprint, record=found,
-        )
-    elif attaching and found is not None:
-        answer = attach(task, gate, key, found, args, kwargs, options, fingerprint)
-    if not read and check is not None:
-        check.saw(answer is not None)
-    if answer is not None:
-        return answer
-    # Publish: under the id reserved just now (read first, found None), else any.
-    return sent_id if (reserving and not read and found is None) else None
+            logger.debug("celery_idem enqueue check skipped key=%s: %s", req.key, exc)
+            return Publish(sent_id, reserving)
+        answer = self.answer(req, found, attaching) if found is not None else None
+        if answer is not None:
+            return Answer(answer)
+        # Under the id reserved just now (found None), else any.
+        return Publish(sent_id, True) if reserving and found is None else Publish(req.task_id)
+
+    def answer(self, req: EnqueueRequest, found: Record | Reservation | None,
+               attaching: bool) -> AsyncResult | None:
+        """The answer what was found gives: a done or failed record's outcome, or the action
+        under way to attach to; None: publish."""
+        if isinstance(found, Record) and found.state in (State.DONE, State.FAILED):
+            return answer_from_record(
+                req.task, req.gate, req.writer, req.key, req.args, req.kwargs, req.task_id,
+                req.options, arguments_hash=req.fingerprint, record=found)
+        if attaching and found is not None:
+            return attach(req.task, req.gate, req.key, found, req.args, req.kwargs,
+                          req.options, req.fingerprint)
+        return None
+
+    def published(self, req: EnqueueRequest, decision: Publish, result: AsyncResult) -> None:
+        """Told of the message published on ``decision`` (nothing to remember here)."""

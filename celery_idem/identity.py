@@ -15,7 +15,7 @@ from typing import Any
 
 from celery.app.task import Context
 
-from .accel.celery_compat import dump_pydantic_arguments
+from .compat import dump_pydantic_arguments
 from .exceptions import InvalidKey
 from .keys import (
     MAX_CALLER_KEY,

@@ -16,14 +16,14 @@ import decimal
 import enum
 import hashlib
 import inspect
+import json
 import math
 import sys
 import unicodedata
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .accel.json_encode import make_encode
 from .exceptions import InvalidKey
 
 __all__ = [
@@ -121,8 +121,9 @@ def _digest(text: str) -> str:
 _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
-#: The canonical JSON text of a canonical value (not switched: it decides key text).
-_ENCODE = make_encode()
+#: The canonical JSON text of a canonical value (no cycle check: a canonical value is built fresh).
+_ENCODE: Callable[[Any], str] = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), check_circular=False).encode
 
 _SUPPORTED = (
     "str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, datetime, "

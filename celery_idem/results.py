@@ -1,52 +1,63 @@
-"""A task's result writer (the seam of the result fold), and the producer's answer write.
+"""A task's result writer, and the producer's answer write.
 
-The plain path is Celery's own: the tracer stores the task's value. The result fold is an
-acceleration (``accel/redis_results.py``, ``accel/db_results.py``): the result written in the
-record's own round trip (``Store.record_with``), or directly without the backend's ``GET``.
+:class:`ResultWriter` is the plain writer: it writes nothing, so Celery's tracer stores the
+task's value. Its fast twins write the result in the record's own round trip
+(``Store.record_with``), or directly without the backend's ``GET``: :mod:`.results_redis` for
+Celery's Redis backend, the database backend's beside it; :mod:`celery_idem.paths` picks one
+per task, with accelerations on.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from celery.states import FAILURE, SUCCESS
 
-from .accel.celery_compat import get_actual_ignore_result
-from .config import settings
+from .compat import get_actual_ignore_result
 from .records import Record, State
-from .stores.base import BackendWrite, Store
+from .stores.base import BackendWrite
 
 if TYPE_CHECKING:
     from .codec import Codec
 
-__all__ = ["ResultWriter", "recorded_outcome", "result_writer", "store_answer"]
+__all__ = ["ResultWriter", "recorded_outcome", "store_answer"]
 
 logger = logging.getLogger("celery_idem")
 
 
-class ResultWriter(Protocol):
-    """What the result fold gives a task (the accelerations' writers are ones)."""
+class ResultWriter:
+    """The plain result writer: builds nothing, so Celery's own write follows.
 
-    #: True when the store can write the result in the record's round trip.
-    folds: bool
+    Args:
+        task: The task whose results it writes.
+
+    Attributes:
+        folds: True when the store writes the result in the record's round trip.
+    """
+
+    folds = False
+
+    def __init__(self, task: Any) -> None:
+        self._task = task
+
+    def left_to_celery(self, request: Any) -> bool:
+        """Whether Celery's own result path is needed for ``request``: a direct or eager call
+        stores nothing; callbacks, a chain or a chord are published by Celery's tracer with the
+        result; an ignored result is not written at all."""
+        return bool(
+            request.is_eager or request.called_directly or not request.id
+            or request.callbacks or request.chain or request.chord
+            or get_actual_ignore_result(self._task, request)
+        )
 
     def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
         """The backend's write of ``result`` for ``request``, or None: leave it to Celery."""
+        return None
 
     def write(self, write: BackendWrite, state: str = SUCCESS) -> bool:
         """Make ``write`` directly; False when Celery's own write should follow."""
-
-
-def result_writer(task: Any, store: Store) -> ResultWriter | None:
-    """The seam of the result fold: ``task``'s writer for ``store``, or None (Celery writes):
-    accelerations off, ``idempotency_fold_results`` False, or a backend the fold does not know."""
-    read = settings(task.app)
-    if not (read.accelerate and read.fold_results):
-        return None
-    from .accel.db_results import result_writer as accelerated
-
-    return accelerated(task, store)
+        return False
 
 
 def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: Any,

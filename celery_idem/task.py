@@ -27,18 +27,19 @@ from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
 from . import identity, timelimits
-from .accel.celery_compat import push_fresh_request
 from .app import emit_decision, get_store, owner_id
 from .codec import KombuCodec
+from .compat import push_fresh_request
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
 from .delivery import REQUEUES_HEADER, deliver
-from .enqueue import CachedResult, EnqueueCheck, check_enqueue, unsendable
+from .enqueue import Answer, CachedResult, EnqueueRequest, Publish, ReadFirst, unsendable
 from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
 from .identity import HEADER, failed_request, message_time
 from .keys import bind_arguments, signature_of
 from .lease import current_lease
-from .results import ResultWriter, result_writer
+from .paths import enqueue_check, result_writer
+from .results import ResultWriter
 
 if TYPE_CHECKING:
     from .contrib.django.receipts import DjangoReceiptTransaction
@@ -133,9 +134,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return None
 
     @cached_property
-    def _enqueue_check(self) -> EnqueueCheck | None:
-        # The seam of the enqueue check within the publish; None with accelerations off.
-        return EnqueueCheck() if settings(self.app).accelerate else None
+    def _enqueue_check(self) -> ReadFirst:
+        return enqueue_check(self, self._gate.store)
 
     @cached_property
     def _result_writer(self) -> ResultWriter | None:
@@ -157,8 +157,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # Through the backend's prepare_value, as Celery stores results: an AsyncResult a
             # body returns is recorded as its as_tuple(), not refused by the serializer.
             KombuCodec(app.conf.result_serializer, accept,
-                       prepare=lambda value: self.backend.prepare_value(value),
-                       accelerate=settings(app).accelerate),
+                       prepare=lambda value: self.backend.prepare_value(value)),
             emit=functools.partial(emit_decision, self),
             # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
             retry_signals=(Retry, Reject),
@@ -341,29 +340,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
 
-        def publish(prod: Any, sent_id: str | None) -> AsyncResult:
+        def publish(prod: Any, sent_id: str | None, **extra: Any) -> AsyncResult:
             return super(IdempotentTask, self).apply_async(
                 args, kwargs, task_id=sent_id, producer=prod, link=link,
-                link_error=link_error, shadow=shadow, headers=headers, **options,
+                link_error=link_error, shadow=shadow, headers=headers, **{**options, **extra},
             )
 
-        reserved: str | None = None  # the task id this enqueue reserved the key for
+        decision: Publish | Answer = Publish(task_id)
+        request: EnqueueRequest | None = None
         if not republish and not canvas and self.idempotency_config.check_on_enqueue:
-            answer = check_enqueue(self, self._gate, self._enqueue_check, self._result_writer,
-                                   key, args, kwargs, task_id, producer, options, fingerprint,
-                                   publish)
-            if isinstance(answer, AsyncResult):
-                answer.idempotency_key = key
-                return answer
-            if answer is not None:
-                task_id = reserved = answer
+            request = EnqueueRequest(
+                task=self, gate=self._gate, writer=self._result_writer, key=key,
+                fingerprint=fingerprint, args=args, kwargs=kwargs, task_id=task_id,
+                producer=producer, options=options, publish=publish)
+            decision = self._enqueue_check.decide(request)
+        if isinstance(decision, Answer):
+            decision.result.idempotency_key = key
+            return decision.result
         try:
-            result = publish(producer, task_id)
+            result = publish(producer, decision.task_id)
         except BaseException as exc:
-            if reserved is not None:
+            if decision.reserved and decision.task_id:
                 # Not sent: later enqueues must not attach to a message that does not exist.
                 with contextlib.suppress(Exception):
-                    self._gate.store.unreserve(key, reserved)
+                    self._gate.store.unreserve(key, decision.task_id)
             if isinstance(exc, EncodeError):
                 serializer = (options.get("serializer") or self.serializer
                               or self.app.conf.task_serializer)
@@ -373,8 +373,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     bound = {}
                 raise unsendable(self.name, bound, serializer, exc) from exc
             raise
-        if reserved is not None and self._enqueue_check is not None:
-            self._enqueue_check.remember(key, result, fingerprint(), self.idempotency_config.lease)
+        if request is not None:
+            self._enqueue_check.published(request, decision, result)
         result.idempotency_key = key
         return result
 

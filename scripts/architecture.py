@@ -54,6 +54,7 @@ SEAM = {
     "celery_idem.attach", "celery_idem.enqueue", "celery_idem.delivery", "celery_idem.results",
     "celery_idem.timelimits",
     "celery_idem.durability", "celery_idem.probe",
+    "celery_idem.paths", "celery_idem.enqueue_redis", "celery_idem.results_redis",
 }
 
 #: Imports from a lower group into a higher one, each named on the page: the core loads a

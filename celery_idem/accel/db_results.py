@@ -1,6 +1,6 @@
 """Celery's database result backend, its result row written in the record's own statement.
 
-An acceleration (see :mod:`celery_idem.accel`), as :mod:`.redis_results`; the plain path is
+An acceleration (see :mod:`celery_idem.accel`), as :mod:`celery_idem.results_redis`; the plain path is
 Celery's own result write.
 
 With ``result_backend = "db+postgresql://..."`` and the idempotency store in the same database
@@ -20,9 +20,8 @@ chords, a backend class that stores results its own way, a store in another data
 another dialect, ``idempotency_fold_results = False``, and accelerations off. An answer for a duplicate (the
 record was written earlier) is stored by the backend's own ``store_result``.
 
-:func:`result_writer` chooses a task's writer: this module's, else the Redis backend's
-(:mod:`.redis_results`, which this module builds on); :func:`celery_idem.results.result_writer`
-(the seam) asks it only with accelerations on and ``idempotency_fold_results`` True.
+:func:`celery_idem.paths.result_writer` asks it first, with accelerations on and
+``idempotency_fold_results`` True.
 """
 
 from __future__ import annotations
@@ -32,10 +31,10 @@ from typing import Any, Final
 
 from celery.states import SUCCESS
 
+from ..results import ResultWriter
 from ..stores.base import BackendWrite, Store
-from .redis_results import RedisResultWriter, celery_writes_itself, redis_result_writer
 
-__all__ = ["DatabaseResultWriter", "database_result_writer", "result_writer"]
+__all__ = ["DatabaseResultWriter", "database_result_writer"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -48,7 +47,7 @@ _STORE_PATH: Final = ("mark_as_done", "store_result", "_store_result", "_update_
 _SAME_DATABASE: Final = ("host", "database", "username", "password")
 
 
-class DatabaseResultWriter(RedisResultWriter):
+class DatabaseResultWriter(ResultWriter):
     """Builds Celery's result row for the record's statement; never writes it itself.
 
     Attributes:
@@ -56,8 +55,7 @@ class DatabaseResultWriter(RedisResultWriter):
     """
 
     def __init__(self, task: Any, backend: Any) -> None:
-        # Not RedisResultWriter.__init__: its expiry and size limit are the Redis backend's.
-        self._task = task
+        super().__init__(task)
         self._backend = backend
         self.folds = True
         self._table: Any = None  # Celery's result table, once its tables are known to exist
@@ -84,7 +82,7 @@ class DatabaseResultWriter(RedisResultWriter):
         """
         from .sql_taskmeta import TaskMetaWrite
 
-        if celery_writes_itself(self._task, request):
+        if self.left_to_celery(request):
             return None
         backend = self._backend
         self._prepare()
@@ -139,22 +137,3 @@ def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | No
         return None
     return DatabaseResultWriter(task, backend)
 
-
-def result_writer(task: Any, store: Store) -> RedisResultWriter | None:
-    """``task``'s result writer for ``store``, or None when results are left to Celery.
-
-    Args:
-        task: The Celery task (its ``backend`` and ``app`` are read).
-        store: The task's idempotency store.
-
-    Returns:
-        A :class:`DatabaseResultWriter` when the result backend is Celery's database backend
-        on ``store``'s PostgreSQL database (the row rides on the record's statement). Else a
-        :class:`~celery_idem.accel.redis_results.RedisResultWriter` when it is Celery's Redis
-        backend (or a subclass that stores results the same way); its ``folds`` says whether
-        ``store`` can write the result in the record's round trip. None otherwise.
-    """
-    database = database_result_writer(task, store)
-    if database is not None:  # Celery's database backend on the store's PostgreSQL
-        return database
-    return redis_result_writer(task, store)

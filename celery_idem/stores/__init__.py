@@ -54,7 +54,7 @@ def store_from_url(
             ``django://[alias]`` or ``django-db``).
         prefix: Key prefix (Redis) or key column prefix (SQL) that keeps apps apart.
         options: Extra keyword arguments for the store's client (socket timeouts, pool size);
-            ``accelerate`` (see :func:`celery_idem.accel.enabled`) goes to the stores that
+            ``accelerate`` (see :func:`celery_idem.config.accelerate_switch`) goes to the stores that
             have accelerations (Redis, SQL) and is dropped for the others.
         backend_transport_options: The app's ``result_backend_transport_options``; a
             ``sentinel://`` store takes ``master_name``, ``sentinel_kwargs`` and

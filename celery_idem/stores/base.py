@@ -116,7 +116,7 @@ class Store(abc.ABC):
         prefix: Prepended to every key in the backing store, so two apps can share a server.
     """
 
-    #: Whether ``from_url`` takes an ``accelerate`` option (see :mod:`celery_idem.accel`).
+    #: Whether ``from_url`` takes an ``accelerate`` option (see :mod:`celery_idem.paths`).
     accelerates: ClassVar[bool] = False
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
@@ -217,7 +217,7 @@ class Store(abc.ABC):
     ) -> bool:
         """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can.
 
-        The seam of the result fold, an acceleration (:mod:`celery_idem.accel.redis_results`,
+        The seam of the result fold, an acceleration (:mod:`celery_idem.results_redis`,
         :mod:`celery_idem.accel.db_results`): with accelerations off no task calls it. Raises
         what :meth:`record` raises.
 

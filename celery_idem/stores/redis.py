@@ -14,14 +14,12 @@ import logging
 import re
 from collections.abc import Iterator
 from importlib import resources
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .. import accel
-from ..accel.redis_wire import WireScripts, wire_scripts
 from ..config import DEFAULT_PREFIX
 from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUnavailable
 from ..records import Claim, ClaimStatus, Record, Reservation, State
@@ -38,7 +36,10 @@ from .redis_format import (
     unreadable,
 )
 
-__all__ = ["CLIENT_DEFAULTS", "REDIS_ERRORS", "RedisStore", "Scripts", "store_options"]
+if TYPE_CHECKING:
+    from .redis_wire import WireScripts
+
+__all__ = ["CLIENT_DEFAULTS", "REDIS_ERRORS", "RedisStore", "Scripts", "same_server", "store_options"]
 
 #: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
 #: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
@@ -147,8 +148,8 @@ class RedisStore(Store):
         wait_timeout: Seconds ``WAIT`` may take; fewer replicas by then raises
             ``StoreUnavailable`` (the write is on the master but not known to be durable).
         location: Where the store is, for messages (default: host:port/db of ``client``).
-        accelerate: Send the verbs through :mod:`celery_idem.accel.redis_wire` when the client
-            allows it (see :func:`celery_idem.accel.enabled`; None: on unless switched off).
+        accelerate: Send the verbs through :mod:`celery_idem.stores.redis_wire` when the client
+            allows it (an app passes its acceleration switch; False: redis-py's own path).
 
     A store for another Redis deployment (:mod:`celery_idem.contrib.redis_ha`: Cluster,
     Sentinel) subclasses this one and overrides where a record lives and how a script reaches
@@ -159,7 +160,7 @@ class RedisStore(Store):
 
     def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
                  wait_replicas: int = 0, wait_timeout: float = 1.0,
-                 location: str | None = None, accelerate: bool | None = None) -> None:
+                 location: str | None = None, accelerate: bool = True) -> None:
         super().__init__(prefix)
         if not isinstance(wait_replicas, int) or isinstance(wait_replicas, bool) or wait_replicas < 0:
             raise ImproperlyConfigured(
@@ -178,12 +179,15 @@ class RedisStore(Store):
                 kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
             ) + f"/{kwargs.get('db', 0)}"
         self.location = location
-        self.accelerated = accel.enabled(accelerate)
-        plain = Scripts(client)
+        self.accelerated = accelerate is not False
         # The seam where commands go to the server: redis-py's Script objects, or the same
-        # commands over accel's wire (a plain client only: not Sentinel, Cluster, retries, RESP3).
-        self._scripts: Scripts | WireScripts = (
-            wire_scripts(plain) if self.accelerated else None) or plain
+        # commands over the wire (a plain client only: not Sentinel, Cluster, retries, RESP3).
+        plain = Scripts(client)
+        self._scripts: Scripts | WireScripts = plain
+        if self.accelerated:
+            from .redis_wire import wire_scripts
+
+            self._scripts = wire_scripts(plain) or plain
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> RedisStore:
@@ -519,3 +523,28 @@ def _ms(seconds: float) -> int:
 def _reservation(value: bytes | str) -> Reservation:
     task_id, _, fingerprint = text(value).partition("\0")
     return Reservation(task_id, fingerprint or None)
+
+
+#: Connection settings that must be equal for two clients to reach one server, one database,
+#: as one user (a script runs with its connection's permissions).
+_SAME_SERVER = ("host", "port", "db", "path", "username", "password")
+
+
+def same_server(a: Any, b: Any) -> bool:
+    """Whether redis-py clients ``a`` and ``b`` talk to the same server and database.
+
+    The connection classes are compared by kind (TLS, Unix socket, TCP): kombu's Redis
+    transport connects through a subclass of its own making.
+    """
+    pa, pb = a.connection_pool, b.connection_pool
+    if _connection_kind(pa.connection_class) != _connection_kind(pb.connection_class):
+        return False  # TLS on one side only, say
+    ka, kb = pa.connection_kwargs, pb.connection_kwargs
+    return all(ka.get(name) == kb.get(name) for name in _SAME_SERVER)
+
+
+def _connection_kind(connection_class: type) -> str:
+    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
+        if issubclass(connection_class, kind):
+            return kind.__name__
+    return "tcp"

@@ -347,7 +347,7 @@ class ChaosTask(IdempotentTask):
     gate recorded the outcome and before the result meta is stored or the message acknowledged.
 
     When the store cannot carry the result meta in the record's script, the task writes it right
-    after the record (celery_idem/accel/redis_results.py): the kill comes between the two. Once SUCCESS is
+    after the record (celery_idem/results_redis.py): the kill comes between the two. Once SUCCESS is
     stored, Celery's main process acknowledges a lost child's message instead of redelivering it,
     which is not the scenario these tests are after.
     """

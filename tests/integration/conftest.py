@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery.signals import after_task_publish
+from kombu import Producer
 
 import celery_idem.app as idem_app
 from tests.integration import app as app_module
@@ -130,18 +131,27 @@ def cluster(make_cluster: Callable[..., Cluster]) -> Cluster:
 
 
 @pytest.fixture
-def published() -> Iterator[list[str]]:
+def published(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The task ids this process publishes while the test runs.
 
-    Counted by ``after_task_publish``: a ``before_task_publish`` receiver would make every
-    enqueue check read the record first (celery_idem.accel.enqueue_check.EnqueueCheck), so the
-    tests would never see the check made within the publish.
+    Counted where kombu's producer hands a message to its transport, not by a publish signal:
+    a ``before_task_publish`` or ``after_task_publish`` receiver makes every enqueue check read
+    the record first (celery_idem.enqueue_redis.WithinPublish), so the tests would never see
+    the check made within the publish. A message the check within the publish did not push
+    (the record answered the enqueue) is not counted.
     """
     ids: list[str] = []
+    publish = Producer._publish
 
-    def count(sender: object = None, headers: dict[str, Any] | None = None, **_: object) -> None:
-        ids.append((headers or {}).get("id", ""))
+    def counted(self: Producer, body: Any, priority: Any, content_type: Any,
+                content_encoding: Any, headers: Any, *args: Any, **kwargs: Any) -> Any:
+        sent = publish(self, body, priority, content_type, content_encoding, headers, *args,
+                       **kwargs)
+        fused = sys.modules.get("celery_idem.enqueue_redis")  # not imported with the switch off
+        pending = fused._PENDING.get() if fused is not None else None
+        if pending is None or pending.found is None:
+            ids.append((headers or {}).get("id", ""))
+        return sent
 
-    after_task_publish.connect(count, weak=False)
-    yield ids
-    after_task_publish.disconnect(count)
+    monkeypatch.setattr(Producer, "_publish", counted)
+    return ids

@@ -1,4 +1,4 @@
-"""The enqueue check within the publish (celery_idem.accel.redis_enqueue), producer side.
+"""The enqueue check within the publish (celery_idem.enqueue_redis), producer side.
 
 With kombu's Redis transport on the same server and database as the Redis store, a
 ``delay()`` pushes its message with a script that first reads the key's record: a unique key
@@ -20,9 +20,9 @@ import redis
 from celery import Celery
 from celery.signals import before_task_publish
 
-from celery_idem import CachedResult, IdempotentTask, accel
-from celery_idem.accel import redis_enqueue
-from celery_idem.accel.enqueue_check import EnqueueCheck
+from celery_idem import CachedResult, IdempotentTask, enqueue_redis
+from celery_idem.config import accelerate_switch
+from celery_idem.enqueue_redis import WithinPublish
 from celery_idem.exceptions import CorruptRecord, IdempotencyKeyMismatch
 from celery_idem.records import Reservation, State
 from tests.conftest import REDIS_URL
@@ -30,7 +30,7 @@ from tests.conftest import REDIS_URL
 DB = 0
 
 # An acceleration's own tests: with accelerations off the record is always read first.
-pytestmark = pytest.mark.skipif(not accel.enabled(), reason="accelerations off (CELERY_IDEM_ACCELERATE)")
+pytestmark = pytest.mark.skipif(not accelerate_switch(), reason="accelerations off (CELERY_IDEM_ACCELERATE)")
 
 
 @pytest.fixture
@@ -143,6 +143,59 @@ def test_a_done_key_is_answered_from_the_record_and_nothing_is_pushed(
     # (Celery subscribed when it began to send: see the next test for the contrast.)
     assert not app.backend.result_consumer.subscribed_to
     app.close()
+
+
+def test_kombus_publish_returns_normally_when_the_record_answers(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hook notes what it found on the enqueue instead of raising out of kombu's publish.
+    from kombu import Producer
+
+    raised: list[BaseException] = []
+    publish = Producer._publish
+
+    def watched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return publish(self, *args, **kwargs)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    monkeypatch.setattr(Producer, "_publish", watched)
+    app = make_app(prefix)
+    charge = make_task(app)
+    key = charge.idempotency_key_for(("o2r", 100), {})
+    finish(charge, key, {"order": "o2r", "cents": 100})
+    reads = Reads(charge._gate.store, monkeypatch)
+    answer = charge.delay("o2r", 100)
+    assert isinstance(answer, CachedResult) and reads.keys == []  # answered within the publish
+    assert raised == [] and queue_length(prefix) == 0
+    app.close()
+
+
+def test_a_publish_signal_receiver_turns_the_check_within_off(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It would hear of a message that the record answered and that was never sent.
+    from celery.signals import after_task_publish
+
+    heard: list[str] = []
+
+    def hear(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        heard.append((headers or {}).get("id", ""))
+
+    after_task_publish.connect(hear, weak=False)
+    try:
+        app = make_app(prefix)
+        charge = make_task(app)
+        key = charge.idempotency_key_for(("o2s", 100), {})
+        finish(charge, key, {"order": "o2s", "cents": 100})
+        reads = Reads(charge._gate.store, monkeypatch)
+        assert isinstance(charge.delay("o2s", 100), CachedResult)
+        assert reads.keys == [key] and heard == []  # read first: nothing was published
+        app.close()
+    finally:
+        after_task_publish.disconnect(hear)
 
 
 def test_a_sent_message_keeps_its_result_subscription(prefix: str) -> None:
@@ -283,10 +336,10 @@ def test_the_hook_is_on_the_channel_instance_only(prefix: str) -> None:
     app = make_app(prefix)
     charge = make_task(app)
     charge.delay("o11", 1)
-    assert Channel._put is not redis_enqueue._put
+    assert Channel._put is not enqueue_redis._put
     with app.producer_or_acquire() as producer:
         assert producer.channel._celery_idem_stores[charge._gate.store] is True
-        assert producer.channel._put.__func__ is redis_enqueue._put
+        assert producer.channel._put.__func__ is enqueue_redis._put
     app.close()
 
 
@@ -314,7 +367,7 @@ def test_an_expiring_queue_gets_the_record_read_first(
     app.close()
 
 
-# -- copies of this process's own message of a moment ago (EnqueueCheck.mine) ---------------
+# -- copies of this process's own message of a moment ago (WithinPublish.mine) ---------------
 
 
 class Publishes:
@@ -322,13 +375,13 @@ class Publishes:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        publish = EnqueueCheck.publish
+        publish = WithinPublish.publish
 
-        def counted(check: EnqueueCheck, *args: Any, **kwargs: Any) -> Any:
+        def counted(check: WithinPublish, *args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return publish(check, *args, **kwargs)
 
-        monkeypatch.setattr(EnqueueCheck, "publish", counted)
+        monkeypatch.setattr(WithinPublish, "publish", counted)
 
 
 @pytest.mark.parametrize("first_read", [False, True], ids=["check-within-publish", "read-first"])
@@ -460,7 +513,7 @@ class _Sent:
 
 
 def test_the_memory_is_bounded() -> None:
-    check = EnqueueCheck()
+    check = WithinPublish()
     held = [_Sent(f"t{i}") for i in range(check.MAX_RECENT + 2)]
     for i in range(check.MAX_RECENT):
         check.remember(f"k{i}", held[i], None, 30.0)  # type: ignore[arg-type]

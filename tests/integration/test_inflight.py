@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from celery_idem import accel
-from celery_idem.accel.enqueue_check import EnqueueCheck
 from celery_idem.attach import AttachedResult
+from celery_idem.config import accelerate_switch
+from celery_idem.enqueue_redis import WithinPublish
 from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
 from tests.integration.harness import wait_for
@@ -24,14 +24,14 @@ pytestmark = pytest.mark.worker
 @pytest.fixture(params=["store", "own"])
 def answered_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Who tells a copy it may attach: the store (a copy from another process, or a moment
-    later), or this process's memory of its own message (EnqueueCheck.mine), which with
+    later), or this process's memory of its own message (WithinPublish.mine), which with
     accelerations off does not exist."""
     if request.param == "own":
-        if not accel.enabled():
+        if not accelerate_switch():
             pytest.skip("accelerations off: a copy always asks the store")
-        monkeypatch.setattr(EnqueueCheck, "RECENT", 120.0)
+        monkeypatch.setattr(WithinPublish, "RECENT", 120.0)
     else:
-        monkeypatch.setattr(EnqueueCheck, "RECENT", 0.0)
+        monkeypatch.setattr(WithinPublish, "RECENT", 0.0)
     return str(request.param)
 
 

@@ -17,7 +17,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_idem import CachedResult, IdempotentTask, accel
+from celery_idem import CachedResult, IdempotentTask
+from celery_idem.config import accelerate_switch
 from celery_idem.records import State
 
 
@@ -84,12 +85,12 @@ def test_an_answer_under_a_chosen_id_costs_one_round_trip_more_than_the_read(
     make_app: Any, monkeypatch: pytest.MonkeyPatch, published: list[str], fold: bool,
     within_publish: bool,
 ) -> None:
-    if within_publish and not accel.enabled():
+    if within_publish and not accelerate_switch():
         pytest.skip("the check within the publish is an acceleration (CELERY_IDEM_ACCELERATE off)")
     echo = make_app(idempotency_fold_results=fold)
     trips = RoundTrips(monkeypatch)
     # The check rides on the publish (one script reads the record, and pushes only a message
-    # whose key is not done), or reads the record first (see celery_idem.accel.enqueue_check.EnqueueCheck).
+    # whose key is not done), or reads the record first (see celery_idem.accel.enqueue_check.WithinPublish).
     if not within_publish and echo._enqueue_check is not None:
         echo._enqueue_check.possible = False
     echo.apply_async(("v",), task_id="warm-" + uuid.uuid4().hex)  # connections, scripts
@@ -104,7 +105,7 @@ def test_an_answer_under_a_chosen_id_costs_one_round_trip_more_than_the_read(
     assert isinstance(chosen, CachedResult) and chosen.id == mine
     # Direct write: SET + PUBLISH in one pipeline. With the fold off (or accelerations), the
     # backend's own store_result: its GET of the old meta, then the pipeline.
-    assert n == (2 if fold and accel.enabled() else 3) + pubsub
+    assert n == (2 if fold and accelerate_switch() else 3) + pubsub
     assert published == []
     meta = _stored(echo, mine)
     assert (meta["status"], meta["result"], meta["task_id"]) == ("SUCCESS", "v", mine)

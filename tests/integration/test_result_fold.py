@@ -1,4 +1,4 @@
-"""Celery's result write folded into the record's round trip (celery_idem/accel/redis_results.py).
+"""Celery's result write folded into the record's round trip (celery_idem/results_redis.py).
 
 When the result backend and the store are one Redis server and database, the record script
 writes the backend's meta (SET + PUBLISH) and the tracer skips its own GET and SET. Otherwise
@@ -22,10 +22,11 @@ from celery import Celery
 from celery.app.trace import build_tracer
 from celery.backends.redis import RedisBackend
 
-from celery_idem import IdempotentTask, accel
+from celery_idem import IdempotentTask
+from celery_idem.config import accelerate_switch
 from celery_idem.exceptions import LeaseLost
+from celery_idem.paths import result_writer
 from celery_idem.records import State
-from celery_idem.results import result_writer
 from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore
 from tests.conftest import PG_URL, require
@@ -36,7 +37,7 @@ from tests.stores.support import drop_table
 
 #: The tests of the fold itself (an acceleration): skipped with accelerations off, where the
 #: task has no result writer and Celery writes every result (the "setting_off" case below).
-fold_only = pytest.mark.skipif(not accel.enabled(),
+fold_only = pytest.mark.skipif(not accelerate_switch(),
                                reason="the result fold is an acceleration (CELERY_IDEM_ACCELERATE off)")
 
 
@@ -326,7 +327,7 @@ def _stats(client: redis.Redis) -> dict[str, int]:
 @pytest.mark.parametrize("mode", ["folded", "direct", "off"])
 def test_a_real_worker_stores_each_result_in_one_round_trip(make_cluster: Any, mode: str) -> None:
     """Backend on a private server (the store too, or on a second one): count what it is sent."""
-    if mode != "off" and not accel.enabled():
+    if mode != "off" and not accelerate_switch():
         pytest.skip("the result fold is an acceleration (CELERY_IDEM_ACCELERATE off)")
     server = RedisServer()
     elsewhere = RedisServer() if mode == "direct" else None

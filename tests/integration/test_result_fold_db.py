@@ -15,7 +15,8 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_idem import CachedResult, accel
+from celery_idem import CachedResult
+from celery_idem.config import accelerate_switch
 from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.worker
 @pytest.fixture(params=["fold", "control"])
 def db_cluster(request: pytest.FixtureRequest, make_cluster: Callable[..., Cluster],
                pg_url: str) -> tuple[Cluster, bool]:
-    if request.param == "fold" and not accel.enabled():
+    if request.param == "fold" and not accelerate_switch():
         pytest.skip("the result fold is an acceleration (CELERY_IDEM_ACCELERATE off)")
     url = "db+" + pg_url
     env = {"IDEM_BACKEND": url, "IDEM_STORE": url}

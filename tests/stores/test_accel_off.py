@@ -12,9 +12,10 @@ from typing import Any, NoReturn
 
 import pytest
 
-from celery_idem import accel
-from celery_idem.accel import redis_wire, sql_psycopg
+from celery_idem.accel import sql_psycopg
+from celery_idem.config import ACCELERATE_ENV
 from celery_idem.records import State
+from celery_idem.stores import redis_wire
 from celery_idem.stores.base import Store
 from celery_idem.stores.redis import RedisStore
 from celery_idem.stores.sql import SQLStore
@@ -75,14 +76,14 @@ def test_the_enqueue_check_rides_on_the_publish_only_with_accelerations_on(
 ) -> None:
     from kombu import Connection
 
-    from celery_idem.accel import redis_enqueue
+    from celery_idem import enqueue_redis
 
-    monkeypatch.delenv(accel.ENV, raising=False)  # the setting decides here
+    monkeypatch.delenv(ACCELERATE_ENV, raising=False)  # the setting decides here
     store = RedisStore.from_url(redis_url, prefix=prefix, accelerate=accelerate)
     try:
         with Connection(redis_url) as conn:
             channel = conn.default_channel
-            assert redis_enqueue.fuse(channel, store) is accelerate
+            assert enqueue_redis.fuse(channel, store) is accelerate
             assert ("_put" in channel.__dict__) is accelerate  # kombu's own _put when off
     finally:
         store.close()

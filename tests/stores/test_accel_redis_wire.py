@@ -1,4 +1,4 @@
-"""The Redis store's wire (celery_idem/accel/redis_wire.py): redis-py's semantics, fewer layers.
+"""The Redis store's wire (celery_idem/stores/redis_wire.py): redis-py's semantics, fewer layers.
 
 What the pool's checkout did (notice a connection the server closed, a fork) the wire must still
 do, before anything is sent; what the client did on an error (disconnect, raise, no retry) too.
@@ -15,17 +15,17 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_idem import accel
-from celery_idem.accel.redis_wire import Wire, _pack_python, pack, wire_for
+from celery_idem.config import accelerate_switch
 from celery_idem.exceptions import CorruptRecord, StoreUnavailable
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores.redis import RedisStore
+from celery_idem.stores.redis_wire import Wire, _pack_python, pack, wire_for
 from tests.integration.harness import RedisServer
 
 from .support import LONG, claim
 
 # An acceleration's own tests: with accelerations off (make test-plain) there is no wire.
-pytestmark = pytest.mark.skipif(not accel.enabled(), reason="accelerations off (CELERY_IDEM_ACCELERATE)")
+pytestmark = pytest.mark.skipif(not accelerate_switch(), reason="accelerations off (CELERY_IDEM_ACCELERATE)")
 
 
 def _wire(store: RedisStore) -> Wire | None:

@@ -30,9 +30,10 @@ import sqlalchemy as sa
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
 
-from celery_idem import IdempotentTask, accel
+from celery_idem import IdempotentTask
 from celery_idem.accel.sql_psycopg import KEPT_CURSOR, KEPT_RESULT_BYTES, RawSession
 from celery_idem.codec import KombuCodec
+from celery_idem.config import accelerate_switch
 from celery_idem.exceptions import LeaseLost, StoreUnavailable
 from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
@@ -47,7 +48,8 @@ from .support import LONG, claim, drop_table, poll
 # An acceleration's own tests: with accelerations off (make test-plain) the store has no psycopg
 # path to compare with.
 pytestmark = [pytest.mark.celery_independent,
-              pytest.mark.skipif(not accel.enabled(), reason="accelerations off (CELERY_IDEM_ACCELERATE)")]
+              pytest.mark.skipif(not accelerate_switch(),
+                                 reason="accelerations off (CELERY_IDEM_ACCELERATE)")]
 
 
 class Wire:

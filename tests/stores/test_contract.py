@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from celery_idem.config import accelerate_switch
 from celery_idem.exceptions import LeaseLost
 from celery_idem.records import Claim, ClaimStatus, State
 from celery_idem.stores import store_from_url
@@ -46,7 +47,8 @@ def make_store(request: pytest.FixtureRequest, prefix: str, tmp_path: Path) -> I
     ``make()`` uses this test's prefix; ``make(other_prefix)`` a second app on the same server.
     """
     kind: str = request.param
-    options: dict[str, object] = {}
+    # The store's fast paths as the switch says (make test-plain runs the contract with it off).
+    options: dict[str, object] = {"accelerate": accelerate_switch()}
     if kind == "memory":
         url = "memory://"
     elif kind == "redis":

@@ -1,21 +1,18 @@
-"""No other library's private name outside celery_idem/accel/ (issue 27), but the few listed.
+"""Another library's private name is used only where ``celery_idem.compat.PRIVATE_NAMES`` lists it.
 
-The accelerations reach into celery, kombu, redis-py, SQLAlchemy and psycopg where their public
-API has no equivalent; they live in celery_idem/accel/, each private name listed in
-``celery_idem.accel.PRIVATE_NAMES`` with its versions and fallback. Everywhere else, this test
-reads the source (``ast``) for:
+``PRIVATE_NAMES`` is the one inventory: each entry names the module (``where``) that uses the
+name, with the versions checked and the fallback. This test reads every module's source
+(``ast``) for:
 
 * imports of a private module or name of those libraries (``celery._state``,
   ``from kombu.x import _y``);
 * ``obj._name`` (or ``getattr(obj, "_name")``) where ``obj`` is not a module of our own
   package, ``_name`` is not a dunder, is defined somewhere in those libraries (``def``,
-  ``class`` or an assignment), and is not defined by celery_idem itself (outside accel/): so
-  ``self._x`` counts when ``_x`` is inherited from the library's class.
+  ``class`` or an assignment), and is not defined by celery_idem itself (a definition that
+  overrides a listed library name, such as ``_put``, does not count as our own);
 
-The private names the core needs whatever the switch says (the pydantic argument dump the key
-is made of, a result set's barrier, the worker's broker connection) are in accel/ too, in
-``celery_compat``, behind named functions and not switched. :data:`ALLOWED` holds what remains
-outside, by module and name: Django's documented ``Model._meta``.
+and requires each finding to be listed for its module. :data:`ALLOWED` holds the one exception:
+Django's documented ``Model._meta``.
 """
 
 from __future__ import annotations
@@ -29,11 +26,12 @@ from pathlib import Path
 import pytest
 
 import celery_idem
+from celery_idem.compat import PRIVATE_NAMES, PrivateName
 
 PACKAGE = Path(celery_idem.__file__).parent
 LIBRARIES = ("celery", "kombu", "redis", "sqlalchemy", "psycopg")
 
-#: (module path under celery_idem/, private name) allowed outside accel/: Django's documented
+#: (module path under celery_idem/, private name) allowed unlisted: Django's documented
 #: ``Model._meta`` only (a name SQLAlchemy defines too, so the scan sees it).
 ALLOWED = frozenset({
     ("contrib/django/admin.py", "_meta"),
@@ -70,12 +68,11 @@ def _modules() -> dict[str, ast.Module]:
     return {
         path.relative_to(PACKAGE).as_posix(): ast.parse(path.read_text("utf-8"))
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.relative_to(PACKAGE).parts[0] != "accel"
     }
 
 
 def _own_names(trees: dict[str, ast.Module]) -> set[str]:
-    """The private names celery_idem (outside accel/) defines itself."""
+    """The private names celery_idem defines itself, but the listed libraries' ones it overrides."""
     own: set[str] = set()
     for tree in trees.values():
         for node in ast.walk(tree):
@@ -88,7 +85,23 @@ def _own_names(trees: dict[str, ast.Module]) -> set[str]:
                 own.add(node.attr)
             elif isinstance(node, ast.arg):
                 own.add(node.arg)
-    return own
+    return own - {name for entry in PRIVATE_NAMES for name in _listed(entry)}
+
+
+def _listed(entry: PrivateName) -> set[str]:
+    """The names an entry covers: each private part (``_put``, ``_publish_batch``) and, for a
+    private module, its dotted name (``celery._state``); an attribute by its last part
+    (``request_stack``)."""
+    dotted = entry.name.split(" ")[0]
+    return {*re.findall(r"_\w+", entry.name), dotted, dotted.split(".")[-1]}
+
+
+def listed_by_module() -> dict[str, set[str]]:
+    """Module path under celery_idem/ -> the private names PRIVATE_NAMES lists for it."""
+    out: dict[str, set[str]] = {}
+    for entry in PRIVATE_NAMES:
+        out.setdefault(entry.where.split(":")[0], set()).update(_listed(entry))
+    return out
 
 
 def _own_module_aliases(tree: ast.Module) -> set[str]:
@@ -143,16 +156,28 @@ def private_uses() -> set[tuple[str, str]]:
     return found
 
 
-def test_no_other_librarys_private_name_outside_accel_but_the_listed_ones() -> None:
+def test_every_private_name_is_used_only_where_private_names_lists_it() -> None:
+    listed = listed_by_module()
     found = private_uses()
-    unlisted = sorted(found - ALLOWED)
+    unlisted = sorted((module, name) for module, name in found - ALLOWED
+                      if name not in listed.get(module, set()))
     assert not unlisted, (
-        "private names of celery/kombu/redis/sqlalchemy/psycopg used outside celery_idem/accel/ "
-        f"(move them into accel/ and list them in celery_idem.accel.PRIVATE_NAMES): {unlisted}")
+        "private names of celery/kombu/redis/sqlalchemy/psycopg not listed for their module in "
+        f"celery_idem.compat.PRIVATE_NAMES (list each, with its versions and fallback): {unlisted}")
     # The allow-list shrinks as names move: an entry no longer used must go (one the installed
     # libraries do not define, as an older Celery's compat run, cannot be found: not stale).
     libs = library_private_names()
     assert sorted(entry for entry in ALLOWED - found if entry[1] in libs) == []
+
+
+def test_every_entry_names_a_module_that_uses_it() -> None:
+    stale = []
+    for entry in PRIVATE_NAMES:
+        path = PACKAGE / entry.where.split(":")[0]
+        last = re.findall(r"_\w+", entry.name)[-1] if "_" in entry.name else entry.name
+        if not path.is_file() or last.split(".")[-1] not in path.read_text("utf-8"):
+            stale.append(entry)
+    assert stale == []
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -172,32 +197,19 @@ def test_the_scan_finds_what_it_must(source: str, expected: set[tuple[str, str]]
     assert _findings("m.py", tree, library_private_names(), set()) == expected
 
 
-def test_every_private_name_accel_uses_is_listed() -> None:
-    from celery_idem.accel import PRIVATE_NAMES
-
-    # An attribute by its last private part; a private module (celery._state) by its name.
-    listed = {re.findall(r"_\w+", entry.name)[-1] for entry in PRIVATE_NAMES} | {
-        entry.name for entry in PRIVATE_NAMES}
-    used: set[str] = set()
-    for path in (PACKAGE / "accel").glob("*.py"):
-        tree = ast.parse(path.read_text("utf-8"))
-        used |= {attr for _, attr in _findings("accel", tree, library_private_names(), set())}
-    own = _own_names({p.name: ast.parse(p.read_text("utf-8")) for p in PACKAGE.rglob("*.py")})
-    assert sorted(used - own - listed) == []
-
-
 #: Names the scan above cannot see: a library's private method that a class of ours overrides
 #: (a def is our own name to the scan), and a private attribute without an underscore
-#: (``Task.request_stack``: ``push_request`` is the public verb). Each lives in accel/ only.
+#: (``Task.request_stack``: ``push_request`` is the public verb). Each lives where it is listed.
 WATCHED = ("_maybe_set_cache", "request_stack")
 
 
-def test_watched_names_appear_only_in_accel() -> None:
+def test_watched_names_appear_only_where_listed() -> None:
+    listed = listed_by_module()
     found = []
     for module, tree in _modules().items():
         for node in ast.walk(tree):
             name = (node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
                     else node.attr if isinstance(node, ast.Attribute) else None)
-            if name in WATCHED:
+            if name in WATCHED and name not in listed.get(module, set()):
                 found.append((module, name, node.lineno))
-    assert found == [], f"move these behind celery_idem/accel/celery_compat.py: {found}"
+    assert found == [], f"move these behind celery_idem/compat.py: {found}"

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from celery_idem import accel, config
-from celery_idem.config import DEFAULT_PREFIX, Settings, forget_settings, settings
+from celery_idem import config
+from celery_idem.config import ACCELERATE_ENV, DEFAULT_PREFIX, Settings, forget_settings, settings
 
 PACKAGE = Path(config.__file__).parent
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(accel.ENV, raising=False)  # make test-plain sets it
+    monkeypatch.delenv(ACCELERATE_ENV, raising=False)  # make test-plain sets it
     app = Celery("test_settings_defaults", set_as_current=False)
     read = settings(app)
     assert read == Settings()

@@ -17,7 +17,6 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.sql.elements import ColumnElement
 
-from ... import accel
 from ...accel.sql_psycopg import PsycopgPath, RawSession, psycopg_path
 from ...accel.sql_taskmeta import TaskMetaWrite, build_fold, fold_params
 from ...config import DEFAULT_PREFIX
@@ -178,7 +177,7 @@ class SQLStore(Store):
         self._verbs = VerbStatements.build(self._table)
         # The seam: psycopg 3's connection (an acceleration), or None: SQLAlchemy's, the plain path.
         self._psycopg: PsycopgPath | None = (
-            psycopg_path(self._engine) if accel.enabled(accelerate) else None)
+            psycopg_path(self._engine) if accelerate is not False else None)
         # record_with's statements, per Celery result table and column set (accel.sql_taskmeta).
         self._folds: dict[tuple[sa.Table, tuple[str, ...]], sa.Select[Any]] = {}
         self._fold_refused = False

@@ -1,8 +1,5 @@
-"""Celery's result write, made in fewer round trips when the result backend is Redis.
-
-An acceleration (see :mod:`celery_idem.accel`); the plain path is Celery's own result write (the
-task returns its value and the tracer stores it), taken when accelerations are off or
-``idempotency_fold_results`` is False (:func:`celery_idem.results.result_writer`, the seam).
+"""Celery's Redis result backend, its result written in fewer round trips: the fast twin of
+:class:`celery_idem.results.ResultWriter` (Celery's own write).
 
 After a body, a plain Celery worker stores the result with two round trips (the Redis
 backend first ``GET``\\ s the old meta so a late duplicate cannot overwrite a success, then
@@ -28,6 +25,10 @@ writes the result itself as usual (its ``result_backend_always_retry`` included)
 shortcut is taken where Celery's own path is needed: eager runs, ignored results, callbacks,
 chains and chords (Celery stores those after it has sent the next tasks, so the meta can list
 them as children), or a backend class that overrides how results are stored.
+
+What it buys (``python -m bench.accel``, the worker's side of a task through Celery's tracer):
+about 30% of an ``IdempotentTask``'s time per task against Celery writing the result itself
+(docs/benchmarks.md, "Each fast path alone").
 """
 
 from __future__ import annotations
@@ -37,23 +38,11 @@ from typing import Any
 
 from celery.states import SUCCESS
 
-from ..stores.base import BackendWrite, Store
-from .celery_compat import get_actual_ignore_result
+from .results import ResultWriter
+from .stores.base import BackendWrite, Store
 
-__all__ = ["RedisResultWriter", "celery_writes_itself", "redis_result_writer"]
+__all__ = ["RedisResultWriter", "redis_result_writer"]
 
-
-def celery_writes_itself(task: Any, request: Any) -> bool:
-    """Whether Celery's own result path is needed for ``request``: no writer folds it.
-
-    A direct or eager call stores nothing; callbacks, a chain or a chord are published by
-    Celery's tracer with the result; an ignored result is not written at all.
-    """
-    return bool(
-        request.is_eager or request.called_directly or not request.id
-        or request.callbacks or request.chain or request.chord
-        or get_actual_ignore_result(task, request)
-    )
 
 logger = logging.getLogger("celery_idem")
 
@@ -61,11 +50,11 @@ logger = logging.getLogger("celery_idem")
 #: them stores results its own way, so its results are left to Celery.
 _STORE_PATH = ("mark_as_done", "store_result", "_store_result", "_set_with_state", "set",
                "_get_result_meta", "encode_result", "get_key_for_task")
-#: Celery's private names the writer calls (listed in celery_idem.accel.PRIVATE_NAMES).
+#: Celery's private names the writer calls (listed in celery_idem.compat.PRIVATE_NAMES).
 _PRIVATE = ("_get_result_meta", "_set_with_state")
 
 
-class RedisResultWriter:
+class RedisResultWriter(ResultWriter):
     """Builds a task's result writes and makes the direct one.
 
     Attributes:
@@ -73,10 +62,10 @@ class RedisResultWriter:
     """
 
     def __init__(self, task: Any, backend: Any, folds: bool) -> None:
-        self._task = task
+        super().__init__(task)
         self._backend = backend
         self.folds = folds
-        self._expires = int(backend.expires or 0)
+        self._expiry = int(backend.expires or 0)
         self._limit = getattr(backend, "_MAX_STR_VALUE_SIZE", None)
 
     def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
@@ -87,7 +76,7 @@ class RedisResultWriter:
             result: The value, or for ``FAILURE`` the exception.
             state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
         """
-        if celery_writes_itself(self._task, request):
+        if self.left_to_celery(request):
             return None
         backend = self._backend
         meta = backend._get_result_meta(
@@ -100,7 +89,7 @@ class RedisResultWriter:
             return None  # the backend refuses it with its own error
         key = backend.get_key_for_task(request.id)
         return BackendWrite(key=key.decode() if isinstance(key, bytes) else key, value=value,
-                            expires=self._expires)
+                            expires=self._expiry)
 
     def write(self, write: BackendWrite, state: str = SUCCESS) -> bool:
         """Make ``write`` with the backend's own ``set`` (no ``GET`` first).
@@ -121,9 +110,8 @@ class RedisResultWriter:
 def redis_result_writer(task: Any, store: Store) -> RedisResultWriter | None:
     """``task``'s writer when its result backend is Celery's Redis backend, else None.
 
-    :func:`celery_idem.accel.db_results.result_writer` chooses a task's writer: Celery's
-    database backend's first, else this one (that module builds on this one, not the other
-    way round).
+    :func:`celery_idem.paths.result_writer` asks for it when Celery's database backend's
+    writer does not apply.
 
     Args:
         task: The Celery task (its ``backend`` is read).
@@ -137,14 +125,13 @@ def redis_result_writer(task: Any, store: Store) -> RedisResultWriter | None:
     try:
         from celery.backends.redis import RedisBackend
 
-        from ..stores.redis import RedisStore
-        from .redis_enqueue import same_server
+        from .stores.redis import RedisStore, same_server
     except ImportError:  # no redis-py: the backend is not Redis
         return None
     backend = task.backend
     cls = type(backend)
     if not all(hasattr(RedisBackend, name) for name in _PRIVATE):
-        return None  # a Celery without them: results are left to Celery (accel.PRIVATE_NAMES)
+        return None  # a Celery without them: results are left to Celery (compat.PRIVATE_NAMES)
     if not isinstance(backend, RedisBackend) or any(
         getattr(cls, name, None) is not getattr(RedisBackend, name) for name in _STORE_PATH
     ):

@@ -1,0 +1,358 @@
+"""The enqueue check within the Redis publish, and the memory of this process's own messages.
+
+The fast twin of :class:`celery_idem.enqueue.ReadFirst` (the record read, or the key reserved,
+then the message published: two round trips). When the broker is kombu's Redis transport on the
+same server and database as a plain :class:`~celery_idem.stores.redis.RedisStore`, the check
+rides on the publish: the message is pushed by a script (``lua/publish.lua``) that pushes it
+only when the record is not done or failed (and, for an enqueue that may attach, reserves the
+key), and otherwise hands back what it found. One round trip, and the check and the push are
+one atomic step. What it buys (``python -m bench.accel``, ``delay()`` of a unique key): 8% of
+the producer's time per message against reading first, more with the store farther away
+(docs/benchmarks.md, "Each fast path alone").
+
+The hook is the channel's ``_put`` (where kombu's Redis transport pushes a message to its
+queue list), replaced on the channel *instance* the task publishes on, never on kombu's class.
+It acts only on the message whose ``idempotency_key`` header is the key being enqueued in this
+context, and notes what it found on that enqueue's :class:`_Pending` instead of pushing; every
+other publish goes to kombu's own ``_put``. A publish kombu would make in more than one command
+(a publish batch, a queue with ``x-expires``) reads the record first inside the hook.
+
+The price falls on an enqueue that *is* answered from the record: Celery has built and encoded
+its message by then (and subscribed to its result when the backend is Redis: undone here). So
+the check rides on the publish while few of a task's enqueues are answered (a running share,
+:attr:`WithinPublish.THRESHOLD`), and reads first when many are (duplicates).
+
+:meth:`WithinPublish.mine` remembers, for a moment, the keys this process reserved for the
+messages it published: a copy enqueued while its own message is in flight attaches to it with
+no store round trip: on the duplicates workload, 3.4x plain Celery against 2.6x when every
+copy asks the store (docs/benchmarks.md, "In-flight copies").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import weakref
+from contextvars import ContextVar
+from dataclasses import dataclass
+from importlib import resources
+from types import MethodType
+from typing import TYPE_CHECKING, Any
+from uuid import uuid4 as uuid
+
+import redis
+from celery.signals import after_task_publish, before_task_publish
+from kombu.exceptions import EncodeError
+from kombu.utils.json import dumps
+
+from .attach import add_to_parent
+from .enqueue import Answer, Decision, EnqueueRequest, Publish, ReadFirst
+from .exceptions import StoreUnavailable
+from .identity import HEADER
+from .records import Record, Reservation, State
+from .stores.redis import RESERVED, RedisStore, same_server
+
+try:  # the join guard Celery's own result handles use (celery/result.py)
+    from celery._state import task_join_will_block
+except ImportError:  # pragma: no cover - a Celery without it: the record is read first
+    task_join_will_block = None  # type: ignore[assignment, unused-ignore]
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from celery.result import AsyncResult
+
+__all__ = ["WithinPublish", "fuse"]
+
+_LUA = resources.files("celery_idem.stores").joinpath("lua", "publish.lua").read_text("utf-8")
+_SHA = hashlib.sha1(_LUA.encode()).hexdigest()
+_CHECK = b"check"
+#: On a channel: whether it takes the hook, per store checked against it.
+_ATTR = "_celery_idem_stores"
+
+#: The Celery backends whose ``on_task_call`` leaves nothing to undo when a publish turns out
+#: to be answered from the record (by name: importing them needs their client libraries).
+_NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
+
+
+@dataclass
+class _Pending:
+    """The enqueue whose message the hooked ``_put`` checks; ``found`` is what stopped it."""
+
+    store: RedisStore
+    key: str
+    #: When the enqueue may attach: (task id, fingerprint or "", reservation lease in ms).
+    reserve: tuple[str, str, int] | None = None
+    found: Record | Reservation | None = None
+
+
+_PENDING: ContextVar[_Pending | None] = ContextVar("celery_idem_pending_publish", default=None)
+
+
+class WithinPublish(ReadFirst):
+    """The enqueue check within the Redis publish, where it pays; else read first."""
+
+    #: The weight of each enqueue in the running share of enqueues answered from the record.
+    WEIGHT = 1 / 16
+    #: At or above this share the record is read first. An answered enqueue costs about five
+    #: times more within the publish (the message built and encoded for nothing) than a read
+    #: first costs every enqueue: break-even near 0.2 (docs/benchmarks.md).
+    THRESHOLD = 0.2
+    #: Seconds a message this process published under its reservation of a key answers a copy
+    #: of that key from this process without asking the store (:meth:`mine`), while the caller
+    #: holds the message's result and has not seen it finish. Kept short so that what can
+    #: change the store's answer (an operator's ``forget``, a store that lost its data) is not
+    #: hidden.
+    RECENT = 1.0
+    #: At most this many remembered keys (a larger burst starts the memory over).
+    MAX_RECENT = 4096
+
+    def __init__(self) -> None:
+        self.answered = 0.0
+        self.possible = True  # False once the broker turned out not to take the hook
+        self._backend: Any = None
+        self._undo: Callable[[str], None] | None = None
+        self._mine: dict[str, tuple[Reservation, weakref.ref[AsyncResult], float]] = {}
+
+    def decide(self, req: EnqueueRequest) -> Decision:
+        """Answer a copy of this process's own message, or publish with the check within;
+        else read first."""
+        attaching = self.attaching(req)
+        if attaching and req.gate.store.reserves:
+            found = self.mine(req.key)
+            if found is not None:
+                answer = self.answer(req, found, attaching)
+                return Answer(answer) if answer is not None else Publish(req.task_id)
+        if self.within_publish(req):
+            decision = self.publish(req, attaching)
+            if decision is not None:
+                return decision
+        decision = super().decide(req)
+        self.saw(isinstance(decision, Answer))
+        return decision
+
+    def published(self, req: EnqueueRequest, decision: Publish, result: AsyncResult) -> None:
+        """Remember a message published under this process's reservation of its key."""
+        if decision.reserved:
+            self.remember(req.key, result, req.fingerprint(), req.task.idempotency_config.lease)
+
+    def remember(self, key: str, result: AsyncResult, fingerprint: str | None,
+                 lease: float) -> None:
+        """Note that this process published ``result`` under its reservation of ``key``."""
+        mine = self._mine
+        if len(mine) >= self.MAX_RECENT:
+            mine.clear()  # each entry lives a moment: a burst this large only starts over
+        mine[key] = (Reservation(result.id, fingerprint or None), weakref.ref(result),
+                     time.monotonic() + min(self.RECENT, lease))
+
+    def mine(self, key: str) -> Reservation | None:
+        """The reservation of ``key`` for this process's own message in flight, or None.
+
+        In flight: published less than :attr:`RECENT` ago, its result still held by the caller
+        and not seen finished. Once the caller has seen the outcome (or let go of the result),
+        a copy asks the store, and a done action is answered as a ``CachedResult``.
+        """
+        found = self._mine.get(key)
+        if found is None:
+            return None
+        reservation, ref, deadline = found
+        result = ref()
+        # AsyncResult._cache: its outcome, once this process has read it (get(), ready(), a
+        # join); reading the state any other way would be the round trip saved here.
+        if result is None or getattr(result, "_cache", None) or deadline <= time.monotonic():
+            self._mine.pop(key, None)
+            return None
+        return reservation
+
+    def saw(self, answered: bool) -> None:
+        """Count one checked enqueue (answered from the record, or published)."""
+        self.answered += ((1.0 if answered else 0.0) - self.answered) * self.WEIGHT
+
+    def within_publish(self, req: EnqueueRequest) -> bool:
+        """Whether this enqueue tries the check within the publish.
+
+        Not in eager mode, not with a publish signal receiver or task-sent events (they would
+        hear of a message that is never sent), not with a result backend whose
+        ``on_task_call`` does something this cannot undo.
+        """
+        if not self.possible or self.answered >= self.THRESHOLD:
+            return False
+        if type(req.gate.store) is not RedisStore:
+            self.possible = False
+            return False
+        app = req.task.app
+        conf = app.conf
+        if conf.task_always_eager or conf.task_send_sent_event or before_task_publish.receivers \
+                or after_task_publish.receivers:
+            return False
+        return self._undo_for(app.backend) is not None
+
+    def _undo_for(self, backend: Any) -> Callable[[str], None] | None:
+        if backend is not self._backend:  # the app's backend is built once (thread-local)
+            self._backend, self._undo = backend, _undo_for(backend)
+        return self._undo
+
+    def publish(self, req: EnqueueRequest, attaching: bool) -> Decision | None:
+        """Publish with the check within; None when the broker cannot take it or the message
+        cannot be encoded (nothing was sent: read first)."""
+        store: Any = req.gate.store
+        task = req.task
+        reserving = attaching and store.reserves
+        with task.app.producer_or_acquire(req.producer) as prod:
+            if not fuse(prod.channel, store):
+                self.possible = False
+                return None
+            sent_id = req.task_id or str(uuid())
+            lease = max(int(task.idempotency_config.lease * 1000), 1)
+            pending = _Pending(store, req.key, (sent_id, req.fingerprint() or "", lease)
+                               if reserving else None)
+            token = _PENDING.set(pending)
+            try:
+                # Celery lists the result among a running task's children only once sent.
+                result = req.publish(prod, sent_id, add_to_parent=False)
+            except EncodeError:
+                pending.found = None
+                result = None
+            finally:
+                _PENDING.reset(token)
+        if result is None or pending.found is not None:
+            # Not sent: the result subscription Celery made for it is not wanted.
+            undo = self._undo_for(task.app.backend)
+            if undo is not None:
+                undo(sent_id)
+            if result is None:
+                return None  # the caller reads first; a done key is still answered
+            self.saw(True)
+            answer = self.answer(req, pending.found, attaching)
+            return Answer(answer) if answer is not None else Publish(req.task_id)
+        self.saw(False)
+        add_to_parent(task, result, req.options)
+        if reserving:
+            self.published(req, Publish(sent_id, True), result)
+        return Answer(result)
+
+
+def fuse(channel: Any, store: Any) -> bool:
+    """Hook ``channel`` so the enqueue check rides on the publish; False if it cannot.
+
+    It can when ``channel`` is kombu's Redis transport channel on the same server and
+    database as ``store``, a plain :class:`RedisStore` (no replica wait: a read needs none).
+    The verdict is kept on the channel, per store: a channel's connection does not change
+    server, and kombu's producer pools (so their channels) are shared by every app in the
+    process with the same broker URL.
+    """
+    verdicts = channel.__dict__.get(_ATTR)
+    if verdicts is None:
+        verdicts = weakref.WeakKeyDictionary()
+        setattr(channel, _ATTR, verdicts)
+    ok: bool | None = verdicts.get(store)
+    if ok is None:
+        ok = verdicts[store] = _compatible(channel, store)
+        if ok and "_put" not in channel.__dict__:
+            channel._put = MethodType(_put, channel)
+    return ok
+
+
+def _compatible(channel: Any, store: Any) -> bool:
+    try:
+        from kombu.transport.redis import Channel
+    except ImportError:  # pragma: no cover - kombu without redis-py
+        return False
+    if type(store) is not RedisStore or store.wait_replicas or not isinstance(channel, Channel):
+        return False
+    if not store.accelerated:
+        return False  # the store keeps to its plain path
+    # Every method the hook calls, as kombu 5.4-5.7 define them (5.7 added queue expiry,
+    # ``_expires``, and publish batches: both optional here).
+    if not all(hasattr(channel, name) for name in
+               ("_get_message_priority", "_q_for_pri", "conn_or_acquire")):
+        return False
+    try:
+        broker = channel.client
+    except Exception:  # a transport that builds its client its own way
+        return False
+    if type(broker.connection_pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return False  # Sentinel's managed pool
+    return same_server(broker, store.client)
+
+
+def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+    pending = _PENDING.get()
+    put = type(self)._put
+    if pending is None or (message.get("headers") or {}).get(HEADER) != pending.key:
+        return put(self, queue, message, **kwargs)  # type: ignore[no-any-return]
+    store = pending.store
+    expires = getattr(self, "_expires", None)
+    if kwargs.get("_publish_batch") is not None or (expires and queue in expires):
+        # kombu sends this one in several commands: read first, then let kombu push it.
+        if not _found_first(pending):
+            put(self, queue, message, **kwargs)
+        return None
+    name = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+    record = store.name_of(pending.key)
+    payload = dumps(message)  # type: ignore[no-untyped-call]
+    # EVALSHA names the queue first: kombu's global_keyprefix client prefixes exactly that
+    # key, as it does for LPUSH; the record's and the reservation's names are the store's own.
+    if pending.reserve is None:
+        keys: tuple[str, ...] = (name, record)
+        args: tuple[Any, ...] = (payload, "0")
+    else:
+        keys, args = (name, record, record + RESERVED), (payload, "1", *pending.reserve)
+    with self.conn_or_acquire() as client:
+        try:
+            reply = client.evalsha(_SHA, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            client.script_load(_LUA)  # a new or restarted server
+            reply = client.evalsha(_SHA, len(keys), *keys, *args)
+    if reply is None:
+        return None  # pushed
+    if reply == _CHECK:
+        # Not a plain record (another program's value): nothing was pushed. The store's read
+        # raises what it raises without the hook (CorruptRecord), or finds the key gone.
+        if not _found_first(pending):
+            put(self, queue, message, **kwargs)
+    elif isinstance(reply, list):
+        task_id, _, fingerprint = reply[0].decode().partition("\0")
+        pending.found = Reservation(task_id, fingerprint or None)
+    else:
+        pending.found = store._decode(pending.key, reply)
+    return None
+
+
+def _found_first(pending: _Pending) -> bool:
+    """The enqueue check in two steps: read the record; note it when it answers the enqueue
+    (done or failed, or in progress when the enqueue may attach)."""
+    try:
+        record = pending.store.get(pending.key)
+    except StoreUnavailable:
+        return False  # as the check does: the worker's gate still guards the body; publish
+    if record is not None and (record.state in (State.DONE, State.FAILED) or (
+            pending.reserve is not None and record.state is State.IN_PROGRESS)):
+        pending.found = record
+    return pending.found is not None
+
+
+def _undo_for(backend: Any) -> Callable[[str], None] | None:
+    """What undoes ``backend.on_task_call`` for a message that was not sent.
+
+    None for an ``on_task_call`` this does not know: the check is then made before publishing.
+    """
+    on_task_call = getattr(type(backend), "on_task_call", None)
+    if on_task_call is None or getattr(on_task_call, "__module__", "") in _NOTHING_TO_UNDO:
+        return _nothing
+    from celery.backends.redis import RedisBackend
+
+    if on_task_call is RedisBackend.on_task_call and task_join_will_block is not None:
+        consumer = backend.result_consumer
+
+        def undo(task_id: str) -> None:
+            # As on_task_call subscribed (not from within a worker's task: it would block).
+            if not task_join_will_block():
+                consumer.cancel_for(task_id)
+
+        return undo
+    return None
+
+
+def _nothing(task_id: str) -> None:
+    """Undo an ``on_task_call`` that did nothing (or only declared a reply queue)."""

@@ -3,8 +3,9 @@
 A key is ``f"{operation}:{sha256(canonical_json)[:32]}"`` where the canonical JSON is
 ``json.dumps({"op": operation, "id": business_id, **fields}, sort_keys=True, separators=(",", ":"))``
 after each value has been put into its canonical form (:func:`canonical`; the forms are in
-docs/concepts.md, "Key"). Anything without a form raises ``TypeError`` naming the field, so a
-key is never built from ``repr()`` (which differs between processes).
+docs/concepts.md, "Key"). Numbers follow JSON's one number type, as RFC 8785 does: ``4200``,
+``4200.0`` and ``4.2e3`` are one action. Anything without a form raises ``TypeError`` (a NaN or
+an infinity ``ValueError``) naming the field, so a key is never built from ``repr()``.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _digest(text: str) -> str:
 
 #: Types whose values are their own canonical form (exact types: a subclass such as an
 #: IntEnum goes through :func:`canonical`'s dispatch).
-_SCALARS = frozenset({str, int, float, bool, type(None)})
+_SCALARS = frozenset({str, int, bool, type(None)})
 
 
 #: The canonical JSON text of a canonical value (not switched: it decides key text).
@@ -145,17 +146,22 @@ def canonical(value: Any, path: str = "value") -> Any:
 
     Raises:
         TypeError: The value (or a value inside it) has no canonical form.
+        ValueError: A number is NaN or infinite (JSON has neither).
     """
     if type(value) in _SCALARS:
         return value
+    if type(value) is float:  # before the isinstance chain: the common case after str and int
+        return _number(value, path)
     # Order matters: bool before int (bool is an int), Enum before its mixin types (an IntEnum
     # is an int), datetime before date (a datetime is a date).
     if isinstance(value, (str, bool)):
         return value
     if isinstance(value, enum.Enum):
         return canonical(value.value, path)
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
         return value
+    if isinstance(value, (float, decimal.Decimal)):
+        return _number(value, path)
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for name, item in value.items():
@@ -182,15 +188,6 @@ def canonical(value: Any, path: str = "value") -> Any:
         return value.isoformat()
     if isinstance(value, (dt.date, dt.time)):
         return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        if not value.is_finite():
-            return str(value)
-        if not value:
-            return "0"  # Decimal("-0") == Decimal("0.00") == 0
-        # Strip trailing zeros without rounding: normalize() rounds to the context's precision,
-        # so give it a context exactly as precise as the value (the thread's context is ignored).
-        exact = decimal.Context(prec=max(len(value.as_tuple().digits), 1))
-        return format(value.normalize(exact), "f")
     if isinstance(value, uuid.UUID):
         return str(value)
     # pydantic is looked up, not imported: it is optional, and a program that never imported it
@@ -218,6 +215,24 @@ def canonical(value: Any, path: str = "value") -> Any:
         f"canonical form (supported: {_SUPPORTED}); pass idempotency_fields to leave it out of "
         f"the key, or idempotency_key_func to build the key yourself"
     )
+
+
+def _number(value: float | decimal.Decimal, path: str) -> int | float | str:
+    """A number as JSON has it, one value whatever its spelling: an integral value is its
+    ``int`` with every digit (``4200.0``, ``4.2e3`` and ``Decimal("4200.00")`` are ``4200``), a
+    float otherwise, and a Decimal the float written with its digits, else its exact text."""
+    if not (math.isfinite(value) if isinstance(value, float) else value.is_finite()):
+        raise ValueError(f"idempotency key field {path!r} is {value}; JSON has no NaN or "
+                         f"infinity, so it has no canonical form")
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else float(value)  # float(): not a subclass
+    if value == value.to_integral_value():
+        return int(value)
+    if decimal.Decimal(repr(float(value))) == value:
+        return float(value)
+    # More digits than a float holds: fixed-point text, never rounded (to the thread's context
+    # precision, as normalize() would without a context of its own).
+    return format(value.normalize(decimal.Context(prec=len(value.as_tuple().digits))), "f")
 
 
 def bind_arguments(

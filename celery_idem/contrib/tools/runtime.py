@@ -23,9 +23,9 @@ from ...app import get_store
 from ...exceptions import IdempotencyKeyMismatch, InvalidKey, StoreUnavailable, TerminalError
 from ...keys import canonical, check_scope
 from ...task import IdempotentTask
-from . import formats
+from . import action, formats
 from .outcome import MAX_ARGUMENT_DEPTH, MAX_ARGUMENTS_SIZE, ToolKind, short
-from .validation import check_bounds, validate
+from .validation import check_bounds, integral, validate
 
 __all__ = ["Pending", "Tool"]
 
@@ -197,7 +197,10 @@ class Tool:
                 f"error id {error_id}). Calling it again with the same arguments is safe.",
                 retryable=True, key=key, error_id=error_id))
         key = getattr(result, "idempotency_key", None) or key
-        return Pending(self, result=result, key=key, per_call=own is not None)
+        pending = Pending(self, result=result, key=key, per_call=own is not None, arguments=parsed)
+        if gated and not (pending.attached or pending.answered_at_enqueue):
+            action.remember(self, pending.task_id, parsed)  # this call starts the action
+        return pending
 
     def _own_key(self, parsed: dict[str, Any]) -> Any:
         """The caller's own key from :attr:`key_argument` (taken out of ``parsed`` when the
@@ -245,7 +248,8 @@ class Tool:
         if problem is not None:
             return {}, [f"the arguments are refused: {problem}"]
         parsed = {n: v for n, v in arguments.items() if v is not None or not self._null_is_default(n)}
-        return parsed, validate(self.parameters, parsed)
+        problems = validate(self.parameters, parsed)
+        return (parsed if problems else integral(self.parameters, parsed)), problems
 
     def _null_is_default(self, name: str) -> bool:
         """Whether a null for ``name`` means "not given": OpenAI's strict mode sends null for
@@ -271,7 +275,8 @@ class Tool:
                 "idempotency_key": key, "task_id": task_id}
 
     def _success(self, status: str, value: Any, key: str | None, task_id: str | None,
-                 original: str | None = None) -> dict[str, Any]:
+                 original: str | None = None, arguments: Mapping[str, Any] | None = None
+                 ) -> dict[str, Any]:
         try:
             value = json.loads(json.dumps(value, default=canonical))
         except (TypeError, ValueError):
@@ -279,8 +284,7 @@ class Tool:
                                f"({type(value).__name__}) cannot be shown as JSON.",
                                retryable=False, key=key, task_id=task_id)
         if status == "duplicate":
-            message = (f"{self.name} had already been done with these arguments (task "
-                       f"{original}); this is its recorded result. It was not done again.")
+            message = action.duplicate_message(self, original, arguments or {})
         else:
             message = f"{self.name} succeeded."
         return self._outcome(status, value, message, key, task_id)
@@ -457,8 +461,9 @@ class Pending:
 
     def __init__(self, tool: Tool, *, result: AsyncResult | None = None,
                  key: str | None = None, outcome: dict[str, Any] | None = None,
-                 per_call: bool = False) -> None:
+                 per_call: bool = False, arguments: Mapping[str, Any] | None = None) -> None:
         self.tool = tool
+        self._arguments = arguments or {}
         self.result = result
         self.idempotency_key = key
         # Whether the key is the caller's own (key_argument): a mismatch then asks for a new key.
@@ -507,7 +512,7 @@ class Pending:
             else:
                 original = self._original_task_id()
                 status = "duplicate" if original and original != self.task_id else "ok"
-            return tool._success(status, value, key, self.task_id, original)
+            return tool._success(status, value, key, self.task_id, original, self._arguments)
         if state == FAILURE and isinstance(value, BaseException):
             return tool._failure(value, key, self.task_id, per_call=self._per_call,
                                  traceback=self._traceback())

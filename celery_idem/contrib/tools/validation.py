@@ -2,8 +2,9 @@
 
 The check is ``jsonschema``'s (Draft 2020-12 unless the schema names another), against the very
 document the model was shown, so a hand-written ``parameters=`` is checked as fully as a derived
-one. Two type rules are this library's, as before: ``integer`` is an ``int`` (not ``1.0``,
-whose key would differ from ``1``'s) and never a ``bool``, and ``object`` is any mapping.
+one. Two type rules are this library's: ``integer`` is an ``int`` or an integral float (``4200.0``:
+JSON has one number type), never a ``bool``, and ``object`` is any mapping. :func:`integral`
+then makes such a float the ``int`` the body expects.
 ``format`` is not checked (a ``datetime`` argument is text the body parses). Each error is put
 in one sentence that names the argument (``argument 'items[1]' must be integer, got "2"``).
 jsonschema is imported on the first check, not with this module (the ``[tools]`` extra).
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from jsonschema.exceptions import ValidationError
     from jsonschema.protocols import Validator
 
-__all__ = ["check_bounds", "check_schema", "validate"]
+__all__ = ["check_bounds", "check_schema", "integral", "validate"]
 
 
 def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> list[str]:
@@ -40,6 +41,23 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> list[str]
     kept = [e for e in errors if e.validator == "type" or tuple(e.absolute_path) not in mistyped]
     kept.sort(key=lambda e: len(e.absolute_path))  # stable: the schema's own order otherwise
     return list(dict.fromkeys(_sentence(e, path) for e in kept))  # one per missing name, etc.
+
+
+def integral(schema: Mapping[str, Any], value: Any) -> Any:
+    """``value`` (valid for ``schema``) with each float that stands for an ``integer`` made an
+    ``int``: ``4200.0`` is ``4200`` to the body, as to the key."""
+    if isinstance(value, float):
+        kinds = [schema.get("type")] + [s.get("type") for s in schema.get("anyOf", ())]
+        named = {k for t in kinds for k in (t if isinstance(t, list) else [t])}
+        whole = value.is_integer() and "integer" in named and "number" not in named
+        return int(value) if whole else value
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        return [integral(schema["items"], item) for item in value]
+    if isinstance(value, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        return {n: integral(props.get(n, extra if isinstance(extra, Mapping) else {}), v)
+                for n, v in value.items()}
+    return value
 
 
 def check_bounds(value: Any, max_depth: int, max_size: int) -> str | None:
@@ -115,7 +133,8 @@ def _with_our_types(base: type[Validator]) -> type[Validator]:
     from jsonschema.validators import extend
 
     checker = base.TYPE_CHECKER.redefine_many({
-        "integer": lambda _, v: isinstance(v, int) and not isinstance(v, bool),
+        "integer": lambda _, v: (isinstance(v, int) and not isinstance(v, bool))
+        or (isinstance(v, float) and v.is_integer()),
         "object": lambda _, v: isinstance(v, Mapping),
     })
     extended: type[Validator] = extend(base, type_checker=checker)

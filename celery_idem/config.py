@@ -368,12 +368,9 @@ def settings(app: Any) -> Settings:
 
 
 def check_app_settings(conf: Any) -> None:
-    """Reject an unknown ``idempotency_*`` setting of ``conf`` (an app's ``app.conf``, with its
-    ``namespace=`` prefix, if any) with ``ImproperlyConfigured``, naming the setting meant.
-
-    Celery keeps any setting without a word, so a misspelt ``idempotency_store`` would quietly
-    leave the records in the result backend.
-    """
+    """Raise ``ImproperlyConfigured``, naming the setting meant, for an unknown ``idempotency_*``
+    setting of ``conf`` (an ``app.conf``, under its ``namespace=`` too): Celery keeps any setting
+    without a word, so a misspelt ``idempotency_store`` would leave the records elsewhere."""
     written_names = list(conf.keys())  # first: it loads the configuration, and its namespace
     prefix = conf.prefix or ""
     for written in written_names:

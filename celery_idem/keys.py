@@ -81,12 +81,8 @@ def key_from_fields(operation: str, fields: Mapping[str, Any], business_id: Any 
 
 def canonical_json(payload: Mapping[str, Any]) -> str:
     """Return the canonical JSON text of ``payload`` (see the module docstring for the forms)."""
-    out: dict[str, Any] = {}
-    for name, value in payload.items():
-        if type(name) is not str:
-            name = str(name)
-        out[name] = value if type(value) in _SCALARS else canonical(value, name)
-    return _ENCODE(out)
+    return _ENCODE({str(name): value if type(value) in _SCALARS else canonical(value, str(name))
+                    for name, value in payload.items()})
 
 
 def payload_hash(arguments: Mapping[str, Any]) -> str:
@@ -125,10 +121,8 @@ _SCALARS = frozenset({str, int, bool, type(None)})
 #: The canonical JSON text of a canonical value (not switched: it decides key text).
 _ENCODE = make_encode()
 
-_SUPPORTED = (
-    "str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, datetime, "
-    "date, time, Decimal, UUID, Enum, dataclass, bytes, bytearray, pydantic model"
-)
+_SUPPORTED = ("str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, "
+              "datetime, date, time, Decimal, UUID, Enum, dataclass, bytes, bytearray, pydantic model")
 
 #: Tag of the bytes form, and the tag that escapes a user dict that would look like a tagged
 #: form. JSON has no bytes, so bytes need a tag; the escape keeps the forms one-to-one.
@@ -153,7 +147,7 @@ def canonical(value: Any, path: str = "value") -> Any:
     if type(value) is float:  # before the isinstance chain: the common case after str and int
         return _number(value, path)
     # Order matters: bool before int (bool is an int), Enum before its mixin types (an IntEnum
-    # is an int), datetime before date (a datetime is a date).
+    # is an int).
     if isinstance(value, (str, bool)):
         return value
     if isinstance(value, enum.Enum):
@@ -168,8 +162,7 @@ def canonical(value: Any, path: str = "value") -> Any:
             if not isinstance(name, str):
                 raise TypeError(
                     f"idempotency key field {path!r} has a dict key {name!r} of type "
-                    f"{type(name).__name__}; only str keys have a canonical form"
-                )
+                    f"{type(name).__name__}; only str keys have a canonical form")
             out[name] = canonical(item, f"{path}.{name}")
         if len(out) == 1 and next(iter(out)) in _TAGS:
             # {"$bytes": "AP8="} passed as a dict must not be the same action as b"\x00\xff".
@@ -180,12 +173,9 @@ def canonical(value: Any, path: str = "value") -> Any:
     if isinstance(value, (list, tuple)):
         return [canonical(item, f"{path}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, (set, frozenset)):
-        items = [canonical(item, f"{path}{{}}") for item in value]
-        return sorted(items, key=_ENCODE)
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is not None and value.utcoffset() is not None:
-            value = value.astimezone(dt.timezone.utc)
-        return value.isoformat()
+        return sorted((canonical(item, f"{path}{{}}") for item in value), key=_ENCODE)
+    if isinstance(value, dt.datetime) and value.utcoffset() is not None:  # aware: in UTC
+        value = value.astimezone(dt.timezone.utc)
     if isinstance(value, (dt.date, dt.time)):
         return value.isoformat()
     if isinstance(value, uuid.UUID):
@@ -202,19 +192,15 @@ def canonical(value: Any, path: str = "value") -> Any:
             raise TypeError(
                 f"idempotency key field {path!r}: the {type(value).__qualname__} model cannot be "
                 f"dumped to JSON ({exc}); pass idempotency_fields to leave it out of the key, or "
-                f"idempotency_key_func to build the key yourself"
-            ) from exc
+                f"idempotency_key_func to build the key yourself") from exc
         return canonical(dumped, path)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.name: canonical(getattr(value, f.name), f"{path}.{f.name}")
-            for f in dataclasses.fields(value)
-        }
+        return {f.name: canonical(getattr(value, f.name), f"{path}.{f.name}")
+                for f in dataclasses.fields(value)}
     raise TypeError(
         f"idempotency key field {path!r} has type {type(value).__qualname__}, which has no "
         f"canonical form (supported: {_SUPPORTED}); pass idempotency_fields to leave it out of "
-        f"the key, or idempotency_key_func to build the key yourself"
-    )
+        f"the key, or idempotency_key_func to build the key yourself")
 
 
 def _number(value: float | decimal.Decimal, path: str) -> int | float | str:
@@ -224,12 +210,10 @@ def _number(value: float | decimal.Decimal, path: str) -> int | float | str:
     if not (math.isfinite(value) if isinstance(value, float) else value.is_finite()):
         raise ValueError(f"idempotency key field {path!r} is {value}; JSON has no NaN or "
                          f"infinity, so it has no canonical form")
-    if isinstance(value, float):
-        return int(value) if value.is_integer() else float(value)  # float(): not a subclass
-    if value == value.to_integral_value():
-        return int(value)
-    if decimal.Decimal(repr(float(value))) == value:
-        return float(value)
+    if (whole := int(value)) == value:
+        return whole
+    if isinstance(value, float) or decimal.Decimal(repr(float(value))) == value:
+        return float(value)  # float(): a plain float, not a subclass the encoder would not know
     # More digits than a float holds: fixed-point text, never rounded (to the thread's context
     # precision, as normalize() would without a context of its own).
     return format(value.normalize(decimal.Context(prec=len(value.as_tuple().digits))), "f")

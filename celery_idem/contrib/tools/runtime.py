@@ -115,21 +115,11 @@ class Tool:
     async def ainvoke(self, arguments: str | Mapping[str, Any] | None,
                       timeout: float | None = None, *, scope: str | None = None
                       ) -> dict[str, Any]:
-        """Async :meth:`invoke`: the enqueue and every poll of the result run in a thread.
+        """Async :meth:`invoke` (the same arguments, outcome and ``InvalidKey``): the enqueue
+        and every poll of the result run in a thread.
 
         Cancelling the awaiting coroutine stops only the wait: the task goes on running and
         its key stays claimed, so a later call with the same arguments gets its result.
-
-        Args:
-            arguments: The model's arguments (JSON text or a mapping; None for none).
-            timeout: Seconds to wait for the result (default :attr:`timeout`).
-            scope: The caller's scope (see :meth:`start`).
-
-        Returns:
-            The outcome dict, as :meth:`invoke` returns it.
-
-        Raises:
-            InvalidKey: ``scope`` is not a valid scope.
         """
         # The enqueue talks to the store and the broker (blocking sockets): off the loop. A
         # cancellation while it runs leaves the thread to finish the publish.

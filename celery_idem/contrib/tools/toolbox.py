@@ -55,17 +55,9 @@ class Toolbox:
 
     def start(self, name: str, arguments: str | Mapping[str, Any] | None, *,
               scope: str | None = None) -> Pending:
-        """Start a model's tool call by name (see :meth:`Tool.start`); an unknown name gives
-        a finished :class:`Pending` with an error outcome.
-
-        Args:
-            name: The tool's name, as the model gave it.
-            arguments: The model's arguments (JSON text or a mapping; None for none).
-            scope: The call's scope (default: the toolbox's :attr:`scope`).
-
-        Raises:
-            InvalidKey: ``scope`` is not a valid scope.
-        """
+        """Start a model's tool call by name, as :meth:`call` takes it, without waiting (see
+        :meth:`Tool.start`); an unknown name gives a finished :class:`Pending` with an error
+        outcome."""
         scope = self.scope if scope is None else check_scope(scope)
         t = self._tools.get(name)
         if t is None:
@@ -99,17 +91,8 @@ class Toolbox:
     async def acall(self, name: str, arguments: str | Mapping[str, Any] | None = None,
                     timeout: float | None = None, *, scope: str | None = None
                     ) -> dict[str, Any]:
-        """Async :meth:`call`: never blocks the event loop (see :meth:`Tool.ainvoke`).
-
-        Args:
-            name: The tool's name, as the model gave it.
-            arguments: The model's arguments (JSON text or a mapping; None for none).
-            timeout: Seconds to wait for the result (default: the tool's).
-            scope: The caller's scope (default: the toolbox's :attr:`scope`).
-
-        Raises:
-            InvalidKey: ``scope`` is not a valid scope.
-        """
+        """Async :meth:`call` (the same arguments, outcome and ``InvalidKey``): never blocks the
+        event loop (see :meth:`Tool.ainvoke`)."""
         scope = self.scope if scope is None else scope
         t = self._tools.get(name)
         if t is None:

@@ -241,7 +241,7 @@ def test_every_spelling_of_a_number_is_one_charge_and_text_is_refused(live: Env)
         "charge_id": f"ch_{oid}_4200", "amount_cents": 4200, "currency": "usd", "effects": 1}
     # And text for an int is refused before anything is sent, naming the type expected
     assert as_text["status"] == "error" and as_text["error"] == "InvalidArguments", as_text
-    assert "argument 'amount_cents' must be integer" in as_text["message"]
+    assert "argument 'amount_cents' must be integer (a JSON number, not text)" in as_text["message"]
     assert "Nothing was done" in as_text["message"]
     assert live.effects(f"charge:{oid}") == [first["task_id"]]
 

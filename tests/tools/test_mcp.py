@@ -341,5 +341,5 @@ def test_every_spelling_of_a_number_is_one_charge_over_mcp(live: Env) -> None:
     assert as_float.structured_content["result"]["amount_cents"] == 4200
     # "4200" is text, refused before anything is sent, with the type the model must send
     assert as_text.is_error is True
-    assert "argument 'amount_cents' must be integer" in as_text.content[0].text  # type: ignore[union-attr]
+    assert "argument 'amount_cents' must be integer (a JSON number, not text)" in as_text.content[0].text  # type: ignore[union-attr]
     assert live.effects(f"charge:{oid}") == [first.structured_content["task_id"]]

@@ -96,7 +96,7 @@ def test_models_dataclasses_and_typed_dicts_are_described_inline() -> None:
                                  "lines": [{"sku": "a", "quantity": "2"}], "count": 11})
     assert problems == ["argument 'count': 11 is greater than the maximum of 10",
                         "argument 'to.zip_code': '1' is too short",
-                        "argument 'lines[0].quantity' must be integer, got \"2\""]
+                        "argument 'lines[0].quantity' must be integer (a JSON number, not text), got \"2\""]
 
 
 def test_what_json_cannot_carry_is_still_refused() -> None:

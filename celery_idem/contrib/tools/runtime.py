@@ -459,7 +459,7 @@ class Pending:
         # Whether the key is the caller's own (key_argument): a mismatch then asks for a new key.
         self._per_call = per_call
         self.task_id: str | None = result.id if result is not None else None
-        #: The enqueue attached to the action under way (issue 26): nothing was sent, and
+        #: The enqueue attached to the action under way: nothing was sent, and
         #: ``task_id`` is the running attempt's.
         self.attached = bool(getattr(result, "attached", False))
         self.answered_at_enqueue = not self.attached and \

@@ -164,11 +164,9 @@ def _names(what: str, names: list[str]) -> str:
 
 def _type(e: ValidationError, name: str) -> str:
     kinds = [e.validator_value] if isinstance(e.validator_value, str) else list(e.validator_value)
-    return f"{_where(name)} must be {' or '.join(kinds)}, got {_show(e.instance)}"
-
-
-def _enum(e: ValidationError, name: str) -> str:
-    return f"{_where(name)} must be one of {json.dumps(e.validator_value)}, got {_show(e.instance)}"
+    number = isinstance(e.instance, str) and not {"integer", "number"}.isdisjoint(kinds)
+    text = " (a JSON number, not text)" if number else ""
+    return f"{_where(name)} must be {' or '.join(kinds)}{text}, got {_show(e.instance)}"
 
 
 def _required(e: ValidationError, name: str) -> str:
@@ -183,18 +181,15 @@ def _unknown(e: ValidationError, name: str) -> str:
     return _names("unknown argument", unknown) + f" (expected: {', '.join(known) or 'none'})"
 
 
-def _any_of(e: ValidationError, name: str) -> str:
-    return f"{_where(name)}: {_show(e.instance)} matches none of the allowed types"
-
-
 #: One sentence per keyword the derived schemas use; any other keyword gets jsonschema's text.
 _SENTENCES: dict[str, Callable[[ValidationError, str], str]] = {
     "type": _type,
-    "enum": _enum,
+    "enum": lambda e, name: f"{_where(name)} must be one of {json.dumps(e.validator_value)}, "
+                            f"got {_show(e.instance)}",
     "required": _required,
     "additionalProperties": _unknown,
-    "anyOf": _any_of,
-    "oneOf": _any_of,
+    **dict.fromkeys(("anyOf", "oneOf"), lambda e, name: f"{_where(name)}: {_show(e.instance)} "
+                                                        f"matches none of the allowed types"),
     "minItems": lambda e, name: f"{_where(name)} needs at least {e.validator_value} items",
     "maxItems": lambda e, name: f"{_where(name)} takes at most {e.validator_value} items",
 }

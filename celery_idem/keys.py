@@ -117,7 +117,6 @@ def _digest(text: str) -> str:
 #: IntEnum goes through :func:`canonical`'s dispatch).
 _SCALARS = frozenset({str, int, bool, type(None)})
 
-
 #: The canonical JSON text of a canonical value (not switched: it decides key text).
 _ENCODE = make_encode()
 
@@ -146,13 +145,9 @@ def canonical(value: Any, path: str = "value") -> Any:
         return value
     if type(value) is float:  # before the isinstance chain: the common case after str and int
         return _number(value, path)
-    # Order matters: bool before int (bool is an int), Enum before its mixin types (an IntEnum
-    # is an int).
-    if isinstance(value, (str, bool)):
-        return value
-    if isinstance(value, enum.Enum):
+    if isinstance(value, enum.Enum):  # before its mixin types: an IntEnum is an int
         return canonical(value.value, path)
-    if isinstance(value, int):
+    if isinstance(value, (str, int)):  # a bool too: it stays true/false
         return value
     if isinstance(value, (float, decimal.Decimal)):
         return _number(value, path)
@@ -180,8 +175,7 @@ def canonical(value: Any, path: str = "value") -> Any:
         return value.isoformat()
     if isinstance(value, uuid.UUID):
         return str(value)
-    # pydantic is looked up, not imported: it is optional, and a program that never imported it
-    # cannot pass a model.
+    # Looked up, not imported: pydantic is optional, and a program that never imported it has no model.
     model = getattr(sys.modules.get("pydantic"), "BaseModel", None)
     if model is not None and isinstance(value, model):
         try:

@@ -29,8 +29,7 @@ from .validation import check_bounds, integral, validate
 
 __all__ = ["Pending", "Tool"]
 
-# The name users configure logging by (the module was celery_idem.tools); a child of the
-# library's "celery_idem" logger, so configuring that one covers it.
+# A child of the library's "celery_idem" logger, so configuring that one covers it.
 logger = logging.getLogger("celery_idem.tools")
 
 #: An exception class with this attribute set to True may be shown to the model (its type and

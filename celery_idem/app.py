@@ -256,6 +256,11 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None:
         return
+    try:
+        settings(app)  # read first: an unknown idempotency_* setting stops the worker too
+    except ImproperlyConfigured as exc:
+        logger.critical("celery_idem: %s", exc)
+        raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
     if getattr(sender, "task_events", False) or settings(app).events \
             or app.conf.worker_send_task_events:
         _events_on.add(app)

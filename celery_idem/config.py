@@ -29,6 +29,7 @@ __all__ = [
     "MIN_PERIOD",
     "IdempotencyConfig",
     "Settings",
+    "check_app_settings",
     "check_options",
     "default_release_on",
     "forget_settings",
@@ -134,11 +135,11 @@ def _distance(a: str, b: str) -> int:
     return previous[-1]
 
 
-def _close_suffix(tail: str) -> str | None:
+def _close_suffix(tail: str, options: Iterable[str] = KNOWN_OPTIONS) -> str | None:
     """The option whose suffix (after ``idempotency_``) ``tail`` is, give or take one typo for a
     suffix of up to four letters (two edits from ``ttl`` reach many ordinary words), two else."""
     best: tuple[int, str] | None = None
-    for option in sorted(KNOWN_OPTIONS):
+    for option in sorted(options):
         suffix = option.removeprefix(f"{_PREFIX}_")
         d = _distance(tail, suffix)
         if d <= (1 if len(suffix) <= 4 else 2) and (best is None or d < best[0]):
@@ -365,6 +366,7 @@ def settings(app: Any) -> Settings:
     found = _settings.get(app)
     if found is None:
         conf = app.conf
+        check_app_settings(conf)
         options = conf.get("idempotency_store_options")
         found = _settings[app] = Settings(
             store=conf.get("idempotency_store"),
@@ -378,6 +380,28 @@ def settings(app: Any) -> Settings:
             accelerate=accelerate_switch(conf.get("idempotency_accelerate", True) is not False),
         )
     return found
+
+
+def check_app_settings(conf: Any) -> None:
+    """Raise ``ImproperlyConfigured``, naming the setting meant, for an unknown ``idempotency_*``
+    setting of ``conf`` (an ``app.conf``, under its ``namespace=`` too): Celery keeps any setting
+    without a word, so a misspelt ``idempotency_store`` would leave the records elsewhere."""
+    written_names = list(conf.keys())  # first: it loads the configuration, and its namespace
+    prefix = conf.prefix or ""
+    for written in written_names:
+        name = written[len(prefix):].lower() if prefix and written.startswith(prefix) else written
+        if not name.startswith(f"{_PREFIX}_") or name in _APP_SETTINGS:
+            continue
+        if name in KNOWN_OPTIONS:
+            raise ImproperlyConfigured(
+                f"app setting {written!r}: {name} is a task option, not an app setting; set "
+                f"it on the task (@app.task(..., {name}=...)) or on an IdempotentTask subclass")
+        meant = _close_suffix(name.removeprefix(f"{_PREFIX}_"), _APP_SETTINGS)
+        spelt = f"{prefix}{meant.upper()}" if meant and prefix and written.isupper() else meant
+        hint = f" Did you mean {spelt!r}?" if meant else ""
+        raise ImproperlyConfigured(
+            f"unknown app setting {written!r}.{hint} celery_idem would ignore it and use the "
+            f"default. App settings: {', '.join(sorted(_APP_SETTINGS))}")
 
 
 def forget_settings(app: Any) -> None:

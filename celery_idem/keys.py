@@ -3,8 +3,9 @@
 A key is ``f"{operation}:{sha256(canonical_json)[:32]}"`` where the canonical JSON is
 ``json.dumps({"op": operation, "id": business_id, **fields}, sort_keys=True, separators=(",", ":"))``
 after each value has been put into its canonical form (:func:`canonical`; the forms are in
-docs/concepts.md, "Key"). Anything without a form raises ``TypeError`` naming the field, so a
-key is never built from ``repr()`` (which differs between processes).
+docs/concepts.md, "Key"). Numbers follow JSON's one number type, as RFC 8785 does: ``4200``,
+``4200.0`` and ``4.2e3`` are one action. Anything without a form raises ``TypeError`` (a NaN or
+an infinity ``ValueError``) naming the field, so a key is never built from ``repr()``.
 """
 
 from __future__ import annotations
@@ -80,12 +81,8 @@ def key_from_fields(operation: str, fields: Mapping[str, Any], business_id: Any 
 
 def canonical_json(payload: Mapping[str, Any]) -> str:
     """Return the canonical JSON text of ``payload`` (see the module docstring for the forms)."""
-    out: dict[str, Any] = {}
-    for name, value in payload.items():
-        if type(name) is not str:
-            name = str(name)
-        out[name] = value if type(value) in _SCALARS else canonical(value, name)
-    return _ENCODE(out)
+    return _ENCODE({str(name): value if type(value) in _SCALARS else canonical(value, str(name))
+                    for name, value in payload.items()})
 
 
 def payload_hash(arguments: Mapping[str, Any]) -> str:
@@ -118,17 +115,14 @@ def _digest(text: str) -> str:
 
 #: Types whose values are their own canonical form (exact types: a subclass such as an
 #: IntEnum goes through :func:`canonical`'s dispatch).
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-
+_SCALARS = frozenset({str, int, bool, type(None)})
 
 #: The canonical JSON text of a canonical value (no cycle check: a canonical value is built fresh).
 _ENCODE: Callable[[Any], str] = json.JSONEncoder(
     sort_keys=True, separators=(",", ":"), check_circular=False).encode
 
-_SUPPORTED = (
-    "str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, datetime, "
-    "date, time, Decimal, UUID, Enum, dataclass, bytes, bytearray, pydantic model"
-)
+_SUPPORTED = ("str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, "
+              "datetime, date, time, Decimal, UUID, Enum, dataclass, bytes, bytearray, pydantic model")
 
 #: Tag of the bytes form, and the tag that escapes a user dict that would look like a tagged
 #: form. JSON has no bytes, so bytes need a tag; the escape keeps the forms one-to-one.
@@ -146,25 +140,25 @@ def canonical(value: Any, path: str = "value") -> Any:
 
     Raises:
         TypeError: The value (or a value inside it) has no canonical form.
+        ValueError: A number is NaN or infinite (JSON has neither).
     """
     if type(value) in _SCALARS:
         return value
-    # Order matters: bool before int (bool is an int), Enum before its mixin types (an IntEnum
-    # is an int), datetime before date (a datetime is a date).
-    if isinstance(value, (str, bool)):
-        return value
-    if isinstance(value, enum.Enum):
+    if type(value) is float:  # before the isinstance chain: the common case after str and int
+        return _number(value, path)
+    if isinstance(value, enum.Enum):  # before its mixin types: an IntEnum is an int
         return canonical(value.value, path)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (str, int)):  # a bool too: it stays true/false
         return value
+    if isinstance(value, (float, decimal.Decimal)):
+        return _number(value, path)
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for name, item in value.items():
             if not isinstance(name, str):
                 raise TypeError(
                     f"idempotency key field {path!r} has a dict key {name!r} of type "
-                    f"{type(name).__name__}; only str keys have a canonical form"
-                )
+                    f"{type(name).__name__}; only str keys have a canonical form")
             out[name] = canonical(item, f"{path}.{name}")
         if len(out) == 1 and next(iter(out)) in _TAGS:
             # {"$bytes": "AP8="} passed as a dict must not be the same action as b"\x00\xff".
@@ -175,27 +169,14 @@ def canonical(value: Any, path: str = "value") -> Any:
     if isinstance(value, (list, tuple)):
         return [canonical(item, f"{path}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, (set, frozenset)):
-        items = [canonical(item, f"{path}{{}}") for item in value]
-        return sorted(items, key=_ENCODE)
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is not None and value.utcoffset() is not None:
-            value = value.astimezone(dt.timezone.utc)
-        return value.isoformat()
+        return sorted((canonical(item, f"{path}{{}}") for item in value), key=_ENCODE)
+    if isinstance(value, dt.datetime) and value.utcoffset() is not None:  # aware: in UTC
+        value = value.astimezone(dt.timezone.utc)
     if isinstance(value, (dt.date, dt.time)):
         return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        if not value.is_finite():
-            return str(value)
-        if not value:
-            return "0"  # Decimal("-0") == Decimal("0.00") == 0
-        # Strip trailing zeros without rounding: normalize() rounds to the context's precision,
-        # so give it a context exactly as precise as the value (the thread's context is ignored).
-        exact = decimal.Context(prec=max(len(value.as_tuple().digits), 1))
-        return format(value.normalize(exact), "f")
     if isinstance(value, uuid.UUID):
         return str(value)
-    # pydantic is looked up, not imported: it is optional, and a program that never imported it
-    # cannot pass a model.
+    # Looked up, not imported: pydantic is optional, and a program that never imported it has no model.
     model = getattr(sys.modules.get("pydantic"), "BaseModel", None)
     if model is not None and isinstance(value, model):
         try:
@@ -206,19 +187,31 @@ def canonical(value: Any, path: str = "value") -> Any:
             raise TypeError(
                 f"idempotency key field {path!r}: the {type(value).__qualname__} model cannot be "
                 f"dumped to JSON ({exc}); pass idempotency_fields to leave it out of the key, or "
-                f"idempotency_key_func to build the key yourself"
-            ) from exc
+                f"idempotency_key_func to build the key yourself") from exc
         return canonical(dumped, path)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.name: canonical(getattr(value, f.name), f"{path}.{f.name}")
-            for f in dataclasses.fields(value)
-        }
+        return {f.name: canonical(getattr(value, f.name), f"{path}.{f.name}")
+                for f in dataclasses.fields(value)}
     raise TypeError(
         f"idempotency key field {path!r} has type {type(value).__qualname__}, which has no "
         f"canonical form (supported: {_SUPPORTED}); pass idempotency_fields to leave it out of "
-        f"the key, or idempotency_key_func to build the key yourself"
-    )
+        f"the key, or idempotency_key_func to build the key yourself")
+
+
+def _number(value: float | decimal.Decimal, path: str) -> int | float | str:
+    """A number as JSON has it, one value whatever its spelling: an integral value is its
+    ``int`` with every digit (``4200.0``, ``4.2e3`` and ``Decimal("4200.00")`` are ``4200``), a
+    float otherwise, and a Decimal the float written with its digits, else its exact text."""
+    if not (math.isfinite(value) if isinstance(value, float) else value.is_finite()):
+        raise ValueError(f"idempotency key field {path!r} is {value}; JSON has no NaN or "
+                         f"infinity, so it has no canonical form")
+    if (whole := int(value)) == value:
+        return whole
+    if isinstance(value, float) or decimal.Decimal(repr(float(value))) == value:
+        return float(value)  # float(): a plain float, not a subclass the encoder would not know
+    # More digits than a float holds: fixed-point text, never rounded (to the thread's context
+    # precision, as normalize() would without a context of its own).
+    return format(value.normalize(decimal.Context(prec=len(value.as_tuple().digits))), "f")
 
 
 def bind_arguments(

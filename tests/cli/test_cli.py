@@ -284,6 +284,17 @@ def test_key_prints_the_key_a_call_would_get(idem_redis: Idem) -> None:
     assert bad.returncode == EXIT_REFUSED and "idempotency_scope" in bad.stderr
 
 
+def test_key_is_one_for_every_spelling_of_a_number(idem_redis: Idem) -> None:
+    # JSON has one number type: 4200, 4200.0 and 4.2e3 are one action, as the worker keys them
+    keys = {idem_redis.run("key", CHARGE, '"ord_x"', n).stdout.strip()
+            for n in ("4200", "4200.0", "4.2e3")}
+    assert keys == {tasks.charge.idempotency_key_for(("ord_x", 4200))}
+    # A string is not a number, and NaN (which Python's JSON reads) has no key
+    assert idem_redis.run("key", CHARGE, '"ord_x"', '"4200"').stdout.strip() not in keys
+    nan = idem_redis.run("key", CHARGE, '"ord_x"', "NaN")
+    assert nan.returncode == EXIT_REFUSED and "JSON has no NaN or infinity" in nan.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [

@@ -163,9 +163,17 @@ def _toolbox() -> Toolbox:
         tool(refund, timeout=wait),
         tool(stock_level, kind="read", timeout=wait, open_world=False),
         tool(charge_with_key, timeout=wait, key_argument="request_key", destructive=False),
-        tool(echo_types, timeout=wait, open_world=False),
+        tool(echo_types, timeout=wait, open_world=False, untyped=True),
         tool(sync_ledger, timeout=wait, open_world=False),
     ])
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id", "amount_cents"))
+def charge_untyped(self, order_id, amount_cents, note=""):
+    """The README's ``charge_card``: no type hints (a tool needs ``untyped=True``)."""
+    if amount_cents > 100_000:  # a model's "4200" would fail here: str > int
+        raise TerminalError("card declined")
+    return {"charged": amount_cents, "effects": effect(f"untyped:{order_id}", self.request.id)}
 
 
 @app.task(base=IdempotentTask, bind=True)

@@ -11,11 +11,18 @@ from typing import Any
 
 import pytest
 
-from celery_idem.contrib.tools import Toolbox, tool
+from celery_idem.contrib.tools import Toolbox, ToolError, tool
 from celery_idem.records import State
 from celery_idem.task import get_store
 from tests.integration.harness import wait_for
-from tests.tools.app import cancel_order, charge_card, create_shipment, refund, stock_level
+from tests.tools.app import (
+    cancel_order,
+    charge_card,
+    charge_untyped,
+    create_shipment,
+    refund,
+    stock_level,
+)
 from tests.tools.conftest import Env
 
 pytestmark = pytest.mark.worker
@@ -214,3 +221,58 @@ def test_the_langchain_tool_runs_the_same_call(live: Env) -> None:
     assert again["status"] == "duplicate"
     assert len(live.effects(f"charge:{oid}")) == 1
 
+
+
+# -- a number's spelling, untyped arguments, and what a duplicate says ---------------------------
+
+
+def test_every_spelling_of_a_number_is_one_charge_and_text_is_refused(live: Env) -> None:
+    oid, tools = order(), box()
+    # Given the spellings a model, an HTTP client or another SDK may send for 4200 cents
+    first = tools.call("charge_card", {"order_id": oid, "amount_cents": 4200})
+    as_float = tools.call("charge_card", {"order_id": oid, "amount_cents": 4200.0})
+    as_exponent = tools.call("charge_card", f'{{"order_id": "{oid}", "amount_cents": 4.2e3}}')
+    as_text = tools.call("charge_card", {"order_id": oid, "amount_cents": "4200"})
+    # Then the numbers are one action, charged once; its body got an int
+    assert first["status"] == "ok", first
+    assert as_float["status"] == as_exponent["status"] == "duplicate", (as_float, as_exponent)
+    assert as_float["idempotency_key"] == first["idempotency_key"]
+    assert as_float["result"] == first["result"] == {
+        "charge_id": f"ch_{oid}_4200", "amount_cents": 4200, "currency": "usd", "effects": 1}
+    # And text for an int is refused before anything is sent, naming the type expected
+    assert as_text["status"] == "error" and as_text["error"] == "InvalidArguments", as_text
+    assert "argument 'amount_cents' must be integer (a JSON number, not text)" in as_text["message"]
+    assert "Nothing was done" in as_text["message"]
+    assert live.effects(f"charge:{oid}") == [first["task_id"]]
+
+
+def test_a_write_tool_refuses_untyped_arguments_unless_told(live: Env) -> None:
+    # The README's task has no type hints: a model's "4200" would reach its body
+    with pytest.raises(ToolError, match=r"parameters order_id, amount_cents, note have no type "
+                                        r"annotation.*amount_cents: int.*untyped=True"):
+        tool(charge_untyped)
+    # Told so, it takes any JSON value; the numbers are still one action (the key's number form)
+    untyped = tool(charge_untyped, untyped=True, timeout=WAIT)
+    oid = order()
+    first = untyped(order_id=oid, amount_cents=4200)
+    again = untyped(order_id=oid, amount_cents=4200.0)
+    assert [first["status"], again["status"]] == ["ok", "duplicate"], (first, again)
+    assert len(live.effects(f"untyped:{oid}")) == 1
+
+
+def test_a_duplicate_says_what_defined_the_action_and_what_differs(live: Env) -> None:
+    # Given the quick start's task: the key is the order and the amount, not the currency
+    oid, tools = order(), box()
+    usd = tools.call("charge_card", {"order_id": oid, "amount_cents": 4200})
+    # When the same order and amount come again in another currency
+    eur = tools.call("charge_card", {"order_id": oid, "amount_cents": 4200, "currency": "eur"})
+    # Then the answer is the recorded USD charge, and the message says so truthfully
+    assert eur["status"] == "duplicate" and eur["result"]["currency"] == "usd", eur
+    assert f'already been done for order_id="{oid}", amount_cents=4200' in eur["message"]
+    assert "with these arguments" not in eur["message"]
+    assert "currency differs from the recorded call; it is not part of this action's key" \
+        in eur["message"]
+    # And a repeat that spells the default out differs in nothing
+    same = tools.call("charge_card", {"order_id": oid, "amount_cents": 4200, "currency": "usd"})
+    assert same["status"] == "duplicate" and "differs" not in same["message"], same
+    assert live.effects(f"charge:{oid}") == [usd["task_id"]]

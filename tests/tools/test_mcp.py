@@ -322,3 +322,24 @@ def test_the_command_refuses_a_bad_http_address_and_a_bad_toolbox() -> None:
     bad_box = subprocess.run([*base, "--toolbox", "tests.tools.app:nope"], cwd=ROOT,
                              capture_output=True, text=True, timeout=STEP)
     assert bad_box.returncode == 2 and "no attribute 'nope'" in bad_box.stderr
+
+
+def test_every_spelling_of_a_number_is_one_charge_over_mcp(live: Env) -> None:
+    oid = order()
+
+    async def main() -> list[Any]:
+        async with Client(server(toolbox)) as client:
+            return [await client.call_tool("charge_card", {"order_id": oid, "amount_cents": n})
+                    for n in (4200, 4200.0, "4200")]
+
+    first, as_float, as_text = anyio.run(main)
+    assert first.structured_content["status"] == "ok", first.structured_content
+    # 4200.0 is the same number: the same action, answered from the first call
+    assert as_float.structured_content["status"] == "duplicate", as_float.structured_content
+    assert as_float.structured_content["idempotency_key"] == \
+        first.structured_content["idempotency_key"]
+    assert as_float.structured_content["result"]["amount_cents"] == 4200
+    # "4200" is text, refused before anything is sent, with the type the model must send
+    assert as_text.is_error is True
+    assert "argument 'amount_cents' must be integer (a JSON number, not text)" in as_text.content[0].text  # type: ignore[union-attr]
+    assert live.effects(f"charge:{oid}") == [first.structured_content["task_id"]]

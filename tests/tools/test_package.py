@@ -19,6 +19,7 @@ from typing_extensions import TypedDict  # pydantic needs it below Python 3.12
 
 import celery_idem.contrib.tools as contrib_tools
 from celery_idem.contrib.tools import ToolError, tool, validate
+from celery_idem.contrib.tools.validation import integral
 from tests.tools.app import charge_card
 
 PACKAGE = Path(contrib_tools.__file__).parent
@@ -95,7 +96,7 @@ def test_models_dataclasses_and_typed_dicts_are_described_inline() -> None:
                                  "lines": [{"sku": "a", "quantity": "2"}], "count": 11})
     assert problems == ["argument 'count': 11 is greater than the maximum of 10",
                         "argument 'to.zip_code': '1' is too short",
-                        "argument 'lines[0].quantity' must be integer, got \"2\""]
+                        "argument 'lines[0].quantity' must be integer (a JSON number, not text), got \"2\""]
 
 
 def test_what_json_cannot_carry_is_still_refused() -> None:
@@ -110,8 +111,14 @@ def test_what_json_cannot_carry_is_still_refused() -> None:
 
 def test_an_integer_stays_an_int_and_a_hand_written_schema_is_checked_in_full() -> None:
     schema = tool(charge_card).parameters
-    assert validate(schema, {"order_id": "o", "amount_cents": 1.0}) == [
-        "argument 'amount_cents' must be integer, got 1.0"]  # 1.0 would key differently from 1
+    # JSON has one number type: 1.0 is the integer 1 (and the body gets an int); 1.5 and a bool
+    # are not integers
+    assert validate(schema, {"order_id": "o", "amount_cents": 1.0}) == []
+    assert type(integral(schema, {"order_id": "o", "amount_cents": 1.0})["amount_cents"]) is int
+    assert validate(schema, {"order_id": "o", "amount_cents": 1.5}) == [
+        "argument 'amount_cents' must be integer, got 1.5"]
+    assert validate(schema, {"order_id": "o", "amount_cents": True}) == [
+        "argument 'amount_cents' must be integer, got true"]
     hand: dict[str, Any] = {"type": "object", "properties": {"code": {"type": "string",
                                                                       "pattern": "^[A-Z]{3}$"}}}
 

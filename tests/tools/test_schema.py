@@ -207,7 +207,8 @@ def test_a_hand_written_schema_replaces_the_derived_one() -> None:
     ({"order_id": "o"}, "missing required argument 'amount_cents'"),
     ({"order_id": "o", "amount_cents": 1, "amount": 2}, "unknown argument 'amount' (expected: "
                                                         "order_id, amount_cents, currency, hold)"),
-    ({"order_id": "o", "amount_cents": "12"}, "argument 'amount_cents' must be integer, got \"12\""),
+    ({"order_id": "o", "amount_cents": "12"},
+     "argument 'amount_cents' must be integer (a JSON number, not text), got \"12\""),
     ({"order_id": "o", "amount_cents": True}, "argument 'amount_cents' must be integer, got true"),
     ({"order_id": "o", "amount_cents": 1, "currency": "gbp"},
      "argument 'currency' must be one of [\"usd\", \"eur\"], got \"gbp\""),
@@ -218,8 +219,9 @@ def test_validation_names_the_argument(arguments: dict[str, Any], problem: str) 
 
 def test_nested_values_are_validated() -> None:
     schema = tool(every_type, kind="read").parameters["properties"]
-    assert validate(schema["e"], [1, "2"], "e") == ["argument 'e[1]' must be integer, got \"2\""]
-    assert validate(schema["f"], {"k": "v"}, "f") == ["argument 'f.k' must be number, got \"v\""]
+    text = "(a JSON number, not text)"
+    assert validate(schema["e"], [1, "2"], "e") == [f"argument 'e[1]' must be integer {text}, got \"2\""]
+    assert validate(schema["f"], {"k": "v"}, "f") == [f"argument 'f.k' must be number {text}, got \"v\""]
     assert validate(schema["n"], [1.5], "n") == ["argument 'n' needs at least 2 items",
                                                "argument 'n[0]': 1.5 matches none of the allowed types"]
     assert validate(schema["y"], None, "y") == []

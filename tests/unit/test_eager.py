@@ -429,10 +429,12 @@ def test_canonical_values_give_one_action_across_equal_forms(app: Celery, ledger
         ledger.runs.append({"amount": amount})
         return "paid"
 
-    pay.delay({"value": "42.5", "currency": "EUR"})
+    pay.delay({"value": 42.5, "currency": "EUR"})
     pay.delay(Amount(decimal.Decimal("42.50"), "EUR"))
 
     assert len(ledger) == 1
+    pay.delay({"value": "42.5", "currency": "EUR"})  # text is not a number
+    assert len(ledger) == 2
 
 
 def test_a_terminal_error_is_answered_from_the_record_without_running(

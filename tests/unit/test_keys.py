@@ -90,10 +90,22 @@ GOLDEN: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str]] = [
         "op:22b6e66c3ecee91f66dc3e764841d5e3",
     ),
     (
-        "floats in repr form",
-        ("op", None), {"rate": 0.1, "big": 1.5e300},
-        '{"big":1.5e+300,"id":null,"op":"op","rate":0.1}',
-        "op:d14d88b76b2b4aee3cf663c9e36d74d1",
+        "non-integral floats in repr form",
+        ("op", None), {"rate": 0.1, "small": 1.5e-07},
+        '{"id":null,"op":"op","rate":0.1,"small":1.5e-07}',
+        "op:e00895fe99df14f3d9e72ec7e787c89e",
+    ),
+    (
+        "an integral float is its int: 4200.0 is the README example's 4200",
+        ("charge_card", "ord_8891"), {"amount_cents": 4200.0},
+        '{"amount_cents":4200,"id":"ord_8891","op":"charge_card"}',
+        "charge_card:024bfa09f722232c800ff9095d3ba39a",
+    ),
+    (
+        "a Decimal with more digits than a float is its exact text",
+        ("op", None), {"amount": decimal.Decimal("0.10000000000000000000001")},
+        '{"amount":"0.10000000000000000000001","id":null,"op":"op"}',
+        "op:f75ffdc9fcf0a2a03799e05f60a9fb4a",
     ),
     (
         "bools stay true/false",
@@ -150,16 +162,16 @@ GOLDEN: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str]] = [
         "op:bb6d9cf7eb4c4e5b05d0186a876eb30c",
     ),
     (
-        "Decimal normalized",
+        "Decimal a number: 42.50 is 42.5",
         ("op", None), {"amount": decimal.Decimal("42.50")},
-        '{"amount":"42.5","id":null,"op":"op"}',
-        "op:e9922fcfd557003f5262a27b7d79c43e",
+        '{"amount":42.5,"id":null,"op":"op"}',
+        "op:ef430c3101edaffcca0869d314649fd9",
     ),
     (
-        "Decimal with an exponent in fixed-point",
+        "an integral Decimal is its int",
         ("op", None), {"amount": decimal.Decimal("1E+2")},
-        '{"amount":"100","id":null,"op":"op"}',
-        "op:76272e8598af40577ae736057da40dea",
+        '{"amount":100,"id":null,"op":"op"}',
+        "op:aa9ab56eb2839000e01de7a09636aa50",
     ),
     (
         "UUID lower-case hyphenated",
@@ -176,9 +188,9 @@ GOLDEN: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str]] = [
     (
         "nested dataclasses become objects of their fields",
         ("op", None), {"line": Line("sku-1", Money(decimal.Decimal("9.90"), "EUR"))},
-        '{"id":null,"line":{"price":{"amount":"9.9","currency":"EUR"},"qty":1,"sku":"sku-1"},'
+        '{"id":null,"line":{"price":{"amount":9.9,"currency":"EUR"},"qty":1,"sku":"sku-1"},'
         '"op":"op"}',
-        "op:e1ca0439d0697738c3d478fd7806e545",
+        "op:847f7108b29442c22305e3681497a623",
     ),
     (
         "non-ASCII text is \\u-escaped",
@@ -329,7 +341,7 @@ def test_distinct_decimals_with_more_than_28_digits_have_distinct_keys() -> None
     assert idempotency_key("op", amount=a) != idempotency_key("op", amount=b)
     # And a long integral Decimal keeps every digit
     big = decimal.Decimal("12345678901234567890123456789012345")
-    assert canonical(big) == "12345678901234567890123456789012345"
+    assert canonical(big) == 12345678901234567890123456789012345
 
 
 def test_a_decimal_key_does_not_depend_on_the_threads_decimal_context() -> None:
@@ -519,7 +531,47 @@ def test_binding_is_inspects_bind_for_every_call_shape() -> None:
 
 
 def test_canonical_json_is_json_dumps_sorted_and_compact() -> None:
-    payload = {"b": [1.5, None, True, "é"], "a": "x\n\"", "c": {"y": 2, "x": -0.0}, 1: float("inf")}
+    payload = {"b": [1.5, None, True, "é"], "a": "x\n\"", "c": {"y": 2, "x": -2.5}, 1: 1e-300}
     expected = json.dumps({str(k): v for k, v in payload.items()}, sort_keys=True,
                           separators=(",", ":"))
     assert canonical_json(payload) == expected
+
+
+# -- numbers: JSON's one number type ---------------------------------------------------------
+
+
+def test_a_number_is_one_action_whatever_its_spelling() -> None:
+    # Given the spellings of 4200 a model, an HTTP client or another SDK may send
+    spellings = [4200, 4200.0, json.loads("4.2e3"), json.loads("4200.000"),
+                 decimal.Decimal("4200.00"), decimal.Decimal("4.2E+3")]
+    # Then each is the same action, at the top level and nested
+    assert len({idempotency_key("charge", "ord_1", amount_cents=n) for n in spellings}) == 1
+    assert len({idempotency_key("charge", lines=[{"cents": n}]) for n in spellings}) == 1
+    # And so are the spellings of a fraction, and the two zeros
+    assert idempotency_key("op", rate=42.5) == idempotency_key("op", rate=decimal.Decimal("42.50"))
+    assert idempotency_key("op", x=-0.0) == idempotency_key("op", x=0)
+    assert idempotency_key("op", x=0.1) != idempotency_key("op", x=0.10000000000000002)
+
+
+def test_booleans_and_strings_stay_apart_from_numbers() -> None:
+    assert len({idempotency_key("op", x=v) for v in (True, 1, 1.0)}) == 2
+    assert len({idempotency_key("op", x=v) for v in (False, 0, 0.0)}) == 2
+    assert idempotency_key("op", x="4200") != idempotency_key("op", x=4200)
+
+
+def test_big_integers_keep_every_digit() -> None:
+    # Beyond 2**53 a float cannot tell neighbours apart; an int keeps them apart
+    assert idempotency_key("op", n=2**53 + 1) != idempotency_key("op", n=2**53)
+    assert canonical(10**30 + 1) == 10**30 + 1
+    # And a float is the integer it exactly is
+    assert idempotency_key("op", n=float(2**60)) == idempotency_key("op", n=2**60)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"),
+                                   decimal.Decimal("NaN"), decimal.Decimal("-Infinity"),
+                                   decimal.Decimal("sNaN")])
+def test_nan_and_infinity_are_refused_naming_the_field(value: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        idempotency_key("op", items=[1, {"cents": value}])
+    assert "'items[1].cents'" in str(info.value)
+    assert "JSON has no NaN or infinity" in str(info.value)

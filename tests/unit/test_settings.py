@@ -5,11 +5,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from celery import Celery
 
-from celery_idem import config
+from celery_idem import IdempotentTask, ImproperlyConfigured, config
+from celery_idem.app import check_worker
 from celery_idem.config import ACCELERATE_ENV, DEFAULT_PREFIX, Settings, forget_settings, settings
 
 PACKAGE = Path(config.__file__).parent
@@ -149,3 +151,69 @@ def test_the_default_prefix_is_written_once() -> None:
         if literal in path.read_text() or literal.replace('"', "'") in path.read_text()
     )
     assert holders == ["celery_idem/config.py"], "use celery_idem.config.DEFAULT_PREFIX"
+
+
+# -- unknown app settings ------------------------------------------------------------------------
+
+
+def test_a_misspelt_app_setting_is_refused_with_the_setting_meant() -> None:
+    app = Celery("test_settings_typo", set_as_current=False)
+    app.conf.idempotency_stroe = "redis://127.0.0.1:6379/7"
+    with pytest.raises(ImproperlyConfigured) as info:
+        settings(app)
+    assert "'idempotency_stroe'" in str(info.value)
+    assert "Did you mean 'idempotency_store'?" in str(info.value)
+
+
+def test_a_task_option_set_as_an_app_setting_is_refused() -> None:
+    app = Celery("test_settings_option", set_as_current=False)
+    app.conf.update(idempotency_ttl=60)
+    with pytest.raises(ImproperlyConfigured, match="idempotency_ttl is a task option"):
+        settings(app)
+
+
+def test_an_unknown_app_setting_without_a_near_name_lists_the_settings() -> None:
+    app = Celery("test_settings_unknown", set_as_current=False)
+    app.conf.update(idempotency_colour="blue")
+    with pytest.raises(ImproperlyConfigured) as info:
+        settings(app)
+    assert "Did you mean" not in str(info.value)
+    assert "idempotency_store_options" in str(info.value)
+
+
+def test_a_misspelt_setting_under_a_namespace_is_named_as_written() -> None:
+    class DjangoSettings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_IDEMPOTENCY_STORE = "memory://"
+        CELERY_IDEMPOTENCY_KEY_PREFXI = "shop:"
+
+    app = Celery("test_settings_namespace", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    with pytest.raises(ImproperlyConfigured) as info:
+        settings(app)
+    assert "'CELERY_IDEMPOTENCY_KEY_PREFXI'" in str(info.value)
+    assert "Did you mean 'CELERY_IDEMPOTENCY_KEY_PREFIX'?" in str(info.value)
+    del DjangoSettings.CELERY_IDEMPOTENCY_KEY_PREFXI
+    app = Celery("test_settings_namespace_ok", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    assert settings(app).store == "memory://"
+
+
+def test_the_first_enqueue_refuses_a_misspelt_setting() -> None:
+    app = Celery("test_settings_enqueue", broker="memory://", set_as_current=False)
+    app.conf.update(task_always_eager=True, idempotency_stroe="memory://")
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order_id: str) -> str:
+        return order_id
+
+    with pytest.raises(ImproperlyConfigured, match="Did you mean 'idempotency_store'"):
+        charge.delay("ord_1")
+
+
+def test_a_worker_with_a_misspelt_setting_does_not_start(caplog: pytest.LogCaptureFixture) -> None:
+    app = Celery("test_settings_worker", set_as_current=False)
+    app.conf.idempotency_stroe = "memory://"
+    with pytest.raises(SystemExit, match=r"cannot start.*Did you mean 'idempotency_store'"):
+        check_worker(SimpleNamespace(app=app))
+    assert "idempotency_stroe" in caplog.text

@@ -42,6 +42,7 @@ def tool(
     key_argument: str | None = None,
     title: str | None = None,
     expose_errors: tuple[type[BaseException], ...] = (),
+    untyped: bool = False,
 ) -> Tool:
     """Make an agent tool from a Celery task or, for ``kind="read"``, a plain function.
 
@@ -75,11 +76,15 @@ def tool(
             text, which can hold secrets or other callers' data, goes to the log), except
             for a :class:`~celery_idem.TerminalError` or a class with
             ``expose_to_model = True``.
+        untyped: Let a write tool take parameters without a type annotation (any JSON value,
+            passed on as the model sends it). By default it is refused: the annotation is
+            what refuses a model's ``"4200"`` for an ``int`` before the body runs.
 
     Raises:
         ToolError: ``target`` cannot be this kind of tool, its signature cannot be
-            described in JSON Schema (the message names the parameter), or ``parameters`` is
-            not a valid JSON Schema.
+            described in JSON Schema (the message names the parameter), a write tool has
+            parameters without annotations (the message names them) and ``untyped`` is not
+            set, or ``parameters`` is not a valid JSON Schema.
         ImportError: The ``[tools]`` extra (pydantic, jsonschema) is not installed.
         ValueError: ``kind``, ``name``, ``timeout``, ``key_argument`` or ``expose_errors``
             is invalid.
@@ -100,6 +105,8 @@ def tool(
     if parameters is None:
         if signature is None:
             raise ToolError(f"{label}: its signature cannot be read; pass parameters=")
+        if kind == "write" and not untyped:
+            _check_typed(signature, label)
         schema = schema_for(fn, signature, arg_docs, label)
     else:
         schema = _hand_written(parameters, label)
@@ -160,6 +167,16 @@ def _check_task(target: Task, kind: ToolKind, label: str) -> None:
         )
     if target.ignore_result:
         raise ToolError(f"{label}: ignore_result=True, so the tool could never see a result")
+
+
+def _check_typed(signature: inspect.Signature, label: str) -> None:
+    bare = [p.name for p in signature.parameters.values() if p.annotation is p.empty]
+    if bare:
+        these = f"parameter {bare[0]} has" if len(bare) == 1 else f"parameters {', '.join(bare)} have"
+        raise ToolError(
+            f"{label}: the {these} no type annotation, so a model's \"4200\" for a number "
+            f"would reach the body as text; annotate each (amount_cents: int), or pass "
+            f"untyped=True to take any JSON value as it comes")
 
 
 def _with_write_note(description: str) -> str:

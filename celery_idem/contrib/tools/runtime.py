@@ -23,14 +23,13 @@ from ...app import get_store
 from ...exceptions import IdempotencyKeyMismatch, InvalidKey, StoreUnavailable, TerminalError
 from ...keys import canonical, check_scope
 from ...task import IdempotentTask
-from . import formats
+from . import action, formats
 from .outcome import MAX_ARGUMENT_DEPTH, MAX_ARGUMENTS_SIZE, ToolKind, short
-from .validation import check_bounds, validate
+from .validation import check_bounds, integral, validate
 
 __all__ = ["Pending", "Tool"]
 
-# The name users configure logging by (the module was celery_idem.tools); a child of the
-# library's "celery_idem" logger, so configuring that one covers it.
+# A child of the library's "celery_idem" logger, so configuring that one covers it.
 logger = logging.getLogger("celery_idem.tools")
 
 #: An exception class with this attribute set to True may be shown to the model (its type and
@@ -115,21 +114,11 @@ class Tool:
     async def ainvoke(self, arguments: str | Mapping[str, Any] | None,
                       timeout: float | None = None, *, scope: str | None = None
                       ) -> dict[str, Any]:
-        """Async :meth:`invoke`: the enqueue and every poll of the result run in a thread.
+        """Async :meth:`invoke` (the same arguments, outcome and ``InvalidKey``): the enqueue
+        and every poll of the result run in a thread.
 
         Cancelling the awaiting coroutine stops only the wait: the task goes on running and
         its key stays claimed, so a later call with the same arguments gets its result.
-
-        Args:
-            arguments: The model's arguments (JSON text or a mapping; None for none).
-            timeout: Seconds to wait for the result (default :attr:`timeout`).
-            scope: The caller's scope (see :meth:`start`).
-
-        Returns:
-            The outcome dict, as :meth:`invoke` returns it.
-
-        Raises:
-            InvalidKey: ``scope`` is not a valid scope.
         """
         # The enqueue talks to the store and the broker (blocking sockets): off the loop. A
         # cancellation while it runs leaves the thread to finish the publish.
@@ -197,7 +186,10 @@ class Tool:
                 f"error id {error_id}). Calling it again with the same arguments is safe.",
                 retryable=True, key=key, error_id=error_id))
         key = getattr(result, "idempotency_key", None) or key
-        return Pending(self, result=result, key=key, per_call=own is not None)
+        pending = Pending(self, result=result, key=key, per_call=own is not None, arguments=parsed)
+        if gated and not (pending.attached or pending.answered_at_enqueue):
+            action.remember(self, pending.task_id, parsed)  # this call starts the action
+        return pending
 
     def _own_key(self, parsed: dict[str, Any]) -> Any:
         """The caller's own key from :attr:`key_argument` (taken out of ``parsed`` when the
@@ -245,7 +237,8 @@ class Tool:
         if problem is not None:
             return {}, [f"the arguments are refused: {problem}"]
         parsed = {n: v for n, v in arguments.items() if v is not None or not self._null_is_default(n)}
-        return parsed, validate(self.parameters, parsed)
+        problems = validate(self.parameters, parsed)
+        return (parsed if problems else integral(self.parameters, parsed)), problems
 
     def _null_is_default(self, name: str) -> bool:
         """Whether a null for ``name`` means "not given": OpenAI's strict mode sends null for
@@ -271,7 +264,8 @@ class Tool:
                 "idempotency_key": key, "task_id": task_id}
 
     def _success(self, status: str, value: Any, key: str | None, task_id: str | None,
-                 original: str | None = None) -> dict[str, Any]:
+                 original: str | None = None, arguments: Mapping[str, Any] | None = None
+                 ) -> dict[str, Any]:
         try:
             value = json.loads(json.dumps(value, default=canonical))
         except (TypeError, ValueError):
@@ -279,8 +273,7 @@ class Tool:
                                f"({type(value).__name__}) cannot be shown as JSON.",
                                retryable=False, key=key, task_id=task_id)
         if status == "duplicate":
-            message = (f"{self.name} had already been done with these arguments (task "
-                       f"{original}); this is its recorded result. It was not done again.")
+            message = action.duplicate_message(self, original, arguments or {})
         else:
             message = f"{self.name} succeeded."
         return self._outcome(status, value, message, key, task_id)
@@ -457,14 +450,15 @@ class Pending:
 
     def __init__(self, tool: Tool, *, result: AsyncResult | None = None,
                  key: str | None = None, outcome: dict[str, Any] | None = None,
-                 per_call: bool = False) -> None:
+                 per_call: bool = False, arguments: Mapping[str, Any] | None = None) -> None:
         self.tool = tool
+        self._arguments = arguments or {}
         self.result = result
         self.idempotency_key = key
         # Whether the key is the caller's own (key_argument): a mismatch then asks for a new key.
         self._per_call = per_call
         self.task_id: str | None = result.id if result is not None else None
-        #: The enqueue attached to the action under way (issue 26): nothing was sent, and
+        #: The enqueue attached to the action under way: nothing was sent, and
         #: ``task_id`` is the running attempt's.
         self.attached = bool(getattr(result, "attached", False))
         self.answered_at_enqueue = not self.attached and \
@@ -507,7 +501,7 @@ class Pending:
             else:
                 original = self._original_task_id()
                 status = "duplicate" if original and original != self.task_id else "ok"
-            return tool._success(status, value, key, self.task_id, original)
+            return tool._success(status, value, key, self.task_id, original, self._arguments)
         if state == FAILURE and isinstance(value, BaseException):
             return tool._failure(value, key, self.task_id, per_call=self._per_call,
                                  traceback=self._traceback())

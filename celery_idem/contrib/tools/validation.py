@@ -2,8 +2,9 @@
 
 The check is ``jsonschema``'s (Draft 2020-12 unless the schema names another), against the very
 document the model was shown, so a hand-written ``parameters=`` is checked as fully as a derived
-one. Two type rules are this library's, as before: ``integer`` is an ``int`` (not ``1.0``,
-whose key would differ from ``1``'s) and never a ``bool``, and ``object`` is any mapping.
+one. Two type rules are this library's: ``integer`` is an ``int`` or an integral float (``4200.0``:
+JSON has one number type), never a ``bool``, and ``object`` is any mapping. :func:`integral`
+then makes such a float the ``int`` the body expects.
 ``format`` is not checked (a ``datetime`` argument is text the body parses). Each error is put
 in one sentence that names the argument (``argument 'items[1]' must be integer, got "2"``).
 jsonschema is imported on the first check, not with this module (the ``[tools]`` extra).
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from jsonschema.exceptions import ValidationError
     from jsonschema.protocols import Validator
 
-__all__ = ["check_bounds", "check_schema", "validate"]
+__all__ = ["check_bounds", "check_schema", "integral", "validate"]
 
 
 def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> list[str]:
@@ -40,6 +41,23 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> list[str]
     kept = [e for e in errors if e.validator == "type" or tuple(e.absolute_path) not in mistyped]
     kept.sort(key=lambda e: len(e.absolute_path))  # stable: the schema's own order otherwise
     return list(dict.fromkeys(_sentence(e, path) for e in kept))  # one per missing name, etc.
+
+
+def integral(schema: Mapping[str, Any], value: Any) -> Any:
+    """``value`` (valid for ``schema``) with each float that stands for an ``integer`` made an
+    ``int``: ``4200.0`` is ``4200`` to the body, as to the key."""
+    if isinstance(value, float):
+        kinds = [schema.get("type")] + [s.get("type") for s in schema.get("anyOf", ())]
+        named = {k for t in kinds for k in (t if isinstance(t, list) else [t])}
+        whole = value.is_integer() and "integer" in named and "number" not in named
+        return int(value) if whole else value
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        return [integral(schema["items"], item) for item in value]
+    if isinstance(value, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        return {n: integral(props.get(n, extra if isinstance(extra, Mapping) else {}), v)
+                for n, v in value.items()}
+    return value
 
 
 def check_bounds(value: Any, max_depth: int, max_size: int) -> str | None:
@@ -115,7 +133,8 @@ def _with_our_types(base: type[Validator]) -> type[Validator]:
     from jsonschema.validators import extend
 
     checker = base.TYPE_CHECKER.redefine_many({
-        "integer": lambda _, v: isinstance(v, int) and not isinstance(v, bool),
+        "integer": lambda _, v: (isinstance(v, int) and not isinstance(v, bool))
+        or (isinstance(v, float) and v.is_integer()),
         "object": lambda _, v: isinstance(v, Mapping),
     })
     extended: type[Validator] = extend(base, type_checker=checker)
@@ -145,11 +164,9 @@ def _names(what: str, names: list[str]) -> str:
 
 def _type(e: ValidationError, name: str) -> str:
     kinds = [e.validator_value] if isinstance(e.validator_value, str) else list(e.validator_value)
-    return f"{_where(name)} must be {' or '.join(kinds)}, got {_show(e.instance)}"
-
-
-def _enum(e: ValidationError, name: str) -> str:
-    return f"{_where(name)} must be one of {json.dumps(e.validator_value)}, got {_show(e.instance)}"
+    number = isinstance(e.instance, str) and not {"integer", "number"}.isdisjoint(kinds)
+    text = " (a JSON number, not text)" if number else ""
+    return f"{_where(name)} must be {' or '.join(kinds)}{text}, got {_show(e.instance)}"
 
 
 def _required(e: ValidationError, name: str) -> str:
@@ -164,18 +181,15 @@ def _unknown(e: ValidationError, name: str) -> str:
     return _names("unknown argument", unknown) + f" (expected: {', '.join(known) or 'none'})"
 
 
-def _any_of(e: ValidationError, name: str) -> str:
-    return f"{_where(name)}: {_show(e.instance)} matches none of the allowed types"
-
-
 #: One sentence per keyword the derived schemas use; any other keyword gets jsonschema's text.
 _SENTENCES: dict[str, Callable[[ValidationError, str], str]] = {
     "type": _type,
-    "enum": _enum,
+    "enum": lambda e, name: f"{_where(name)} must be one of {json.dumps(e.validator_value)}, "
+                            f"got {_show(e.instance)}",
     "required": _required,
     "additionalProperties": _unknown,
-    "anyOf": _any_of,
-    "oneOf": _any_of,
+    **dict.fromkeys(("anyOf", "oneOf"), lambda e, name: f"{_where(name)}: {_show(e.instance)} "
+                                                        f"matches none of the allowed types"),
     "minItems": lambda e, name: f"{_where(name)} needs at least {e.validator_value} items",
     "maxItems": lambda e, name: f"{_where(name)} takes at most {e.validator_value} items",
 }

@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
+from uuid import uuid4
 
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
-from celery.states import FAILURE, READY_STATES
+from celery.states import FAILURE, READY_STATES, REVOKED
 
 from .app import emit_answer
 from .events import Outcome
@@ -97,7 +99,9 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
     the backend, else to the outcome in the action's record (a takeover records it under the
     key, whatever its task id); when the action has no attempt left (no claim, reservation or
     outcome) for a whole lease, the handle publishes the call itself, once, under its id, and
-    follows that message. Revoking it revokes the shared action.
+    follows that message. When the attempt ends without an outcome (see
+    :meth:`_attempt_ended`), the handle publishes the call under a task id of its own and
+    follows that. Revoking it revokes the shared action.
 
     Attributes:
         id: The task id of the attempt it attached to (the holder's, or the reserved message's).
@@ -122,20 +126,21 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         self._call = (tuple(args or ()), dict(kwargs or {}), dict(options))
         self._gone_since: float | None = None
         self._found: tuple[str, Any] | None = None  # the Celery state and value recorded
+        self._attached_at = datetime.now(timezone.utc)
 
     @property
     def state(self) -> str:
         """The holder's state in the result backend; once the action's outcome is only in its
         record (a takeover under another task id), ``SUCCESS`` or ``FAILURE`` from there."""
-        if self.followed is not None:
-            return str(self.followed.state)
-        state = str(super().state)
-        if state in READY_STATES:
-            return state
-        found = self._found or self._look()
-        if found is None:
-            return str(self.followed.state) if self.followed is not None else state
-        return found[0]
+        state = ""
+        if self.followed is None:
+            state = str(super().state)
+            if state in READY_STATES and not self._attempt_ended():
+                return state
+            found = self._found or (self._look() if self.followed is None else None)
+            if found is not None:
+                return found[0]
+        return str(self.followed.state) if self.followed is not None else state
 
     status = state
 
@@ -167,15 +172,21 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
                 step = FOLLOW_STEP if deadline is None else \
                     max(0.0, min(FOLLOW_STEP, deadline - time.monotonic()))
                 try:
-                    return super().get(timeout=step, propagate=propagate, interval=interval,
-                                       **kwargs)
+                    value = super().get(timeout=step, propagate=propagate, interval=interval,
+                                        **kwargs)
                 except CeleryTimeoutError:
                     self._look()
+                except Exception:
+                    if not self._attempt_ended():
+                        raise
+                else:
+                    if not self._attempt_ended():
+                        return value
             if self._found is not None:
-                state, value = self._found
+                state, found = self._found
                 if state == FAILURE and propagate:
-                    raise value
-                return value
+                    raise found
+                return found
             if deadline is not None and time.monotonic() >= deadline:
                 raise CeleryTimeoutError("The operation timed out.")
 
@@ -204,12 +215,52 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
             return None
         if now - self._gone_since >= self._gate.config.lease:
             # The message it attached to is gone (lost, or expired): send the call itself; the
-            # gate still runs the body at most once if that message turns up after all.
-            args, kwargs, options = self._call
-            headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
-            logger.warning("celery_idem attached result: the action of key=%s has no attempt "
-                           "left (task %s); publishing the call again", key, self.id)
-            # Under the id it attached to, so whoever waits on that id gets the outcome too.
-            self.followed = self._task.apply_async(
-                args, kwargs, task_id=self.id, **{**options, "headers": headers})
+            # gate still runs the body at most once if that message turns up after all. Under
+            # the id it attached to, so whoever waits on that id gets the outcome too.
+            self._publish(self.id, "has no attempt left")
         return None
+
+    def _attempt_ended(self) -> bool:
+        """Whether the attempt this handle follows ended without an outcome, so the handle now
+        follows the action's record or a message of its own instead (no round trip otherwise).
+
+        The holder's result is FAILURE or REVOKED while the action's record holds no outcome: a
+        time limit, a release, a lost lease or a crash ended it, or a revoke stored before this
+        copy attached (a revoke after that cancels the copy too: it revoked the shared action).
+        The handle then publishes the call under a task id of its own (the holder's id keeps
+        its error, and the workers remember it as revoked); the gate still runs the action's
+        body at most once. A record with an outcome (a takeover's) is followed instead.
+        """
+        if self.followed is not None or self._found is not None:
+            return True
+        meta = self._get_task_meta()
+        status = meta.get("status")
+        if status not in (FAILURE, REVOKED):
+            return False
+        if status == REVOKED:
+            done = self.date_done
+            if done is not None and done.tzinfo is None:
+                done = done.replace(tzinfo=timezone.utc)  # an older Celery's naive UTC time
+            if done is None or done >= self._attached_at:
+                return False
+        key = self.idempotency_key
+        try:
+            rec = self._gate.store.get(key)
+        except StoreUnavailable as exc:
+            logger.debug("celery_idem attached result: store unreachable key=%s: %s", key, exc)
+            return False
+        if rec is not None and rec.state in (State.DONE, State.FAILED):
+            self._found = recorded_outcome(self._gate.codec, rec)
+            return True
+        self._publish(str(uuid4()), f"ended as {status} with no outcome")
+        return True
+
+    def _publish(self, task_id: str, why: str) -> None:
+        """Publish the call this handle stands for under ``task_id``, and follow it."""
+        args, kwargs, options = self._call
+        key = self.idempotency_key
+        headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
+        logger.warning("celery_idem attached result: the action of key=%s %s (task %s); "
+                       "publishing the call again as task %s", key, why, self.id, task_id)
+        self.followed = self._task.apply_async(
+            args, kwargs, task_id=task_id, **{**options, "headers": headers})

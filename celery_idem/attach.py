@@ -99,9 +99,8 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
     the backend, else to the outcome in the action's record (a takeover records it under the
     key, whatever its task id); when the action has no attempt left (no claim, reservation or
     outcome) for a whole lease, the handle publishes the call itself, once, under its id, and
-    follows that message. When the attempt ends without an outcome (see
-    :meth:`_attempt_ended`), the handle publishes the call under a task id of its own and
-    follows that. Revoking it revokes the shared action.
+    follows that message; when the holder ends without an outcome, under a new task id
+    (:meth:`_attempt_ended`). Revoking it revokes the shared action.
 
     Attributes:
         id: The task id of the attempt it attached to (the holder's, or the reserved message's).
@@ -109,7 +108,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         idempotency_key: The key.
         attached: True (a published call's result has no such attribute).
         followed: The result of the call this handle published itself, once the action had
-            no attempt left; None until then.
+            no attempt left or the holder ended without an outcome; None until then.
     """
 
     attached = True
@@ -126,7 +125,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         self._call = (tuple(args or ()), dict(kwargs or {}), dict(options))
         self._gone_since: float | None = None
         self._found: tuple[str, Any] | None = None  # the Celery state and value recorded
-        self._attached_at = datetime.now(timezone.utc)
+        self._attached = datetime.now(timezone.utc)
 
     @property
     def state(self) -> str:
@@ -221,38 +220,25 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         return None
 
     def _attempt_ended(self) -> bool:
-        """Whether the attempt this handle follows ended without an outcome, so the handle now
-        follows the action's record or a message of its own instead (no round trip otherwise).
+        """Whether the holder ended without an outcome, so the handle now follows the record's
+        outcome or a message of its own.
 
-        The holder's result is FAILURE or REVOKED while the action's record holds no outcome: a
-        time limit, a release, a lost lease or a crash ended it, or a revoke stored before this
-        copy attached (a revoke after that cancels the copy too: it revoked the shared action).
-        The handle then publishes the call under a task id of its own (the holder's id keeps
-        its error, and the workers remember it as revoked); the gate still runs the action's
-        body at most once. A record with an outcome (a takeover's) is followed instead.
+        The holder's result is FAILURE, or REVOKED before this copy attached (a revoke after
+        that cancels the copy too), and the record holds no outcome (a time limit, a release, a
+        crash): the call is published under a new task id (the holder's keeps its error, and
+        stays revoked in the workers); the gate still runs the body at most once.
         """
         if self.followed is not None or self._found is not None:
             return True
-        meta = self._get_task_meta()
-        status = meta.get("status")
-        if status not in (FAILURE, REVOKED):
-            return False
+        status = self._get_task_meta().get("status")
         if status == REVOKED:
-            done = self.date_done
-            if done is not None and done.tzinfo is None:
-                done = done.replace(tzinfo=timezone.utc)  # an older Celery's naive UTC time
-            if done is None or done >= self._attached_at:
+            done = self.date_done  # UTC (naive in older Celery versions)
+            if done is None or done.replace(tzinfo=done.tzinfo or timezone.utc) >= self._attached:
                 return False
-        key = self.idempotency_key
-        try:
-            rec = self._gate.store.get(key)
-        except StoreUnavailable as exc:
-            logger.debug("celery_idem attached result: store unreachable key=%s: %s", key, exc)
+        elif status != FAILURE:
             return False
-        if rec is not None and rec.state in (State.DONE, State.FAILED):
-            self._found = recorded_outcome(self._gate.codec, rec)
-            return True
-        self._publish(str(uuid4()), f"ended as {status} with no outcome")
+        if self._look() is None and self.followed is None:
+            self._publish(str(uuid4()), f"ended as {status} with no outcome")
         return True
 
     def _publish(self, task_id: str, why: str) -> None:

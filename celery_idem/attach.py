@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
@@ -125,21 +124,20 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         self._call = (tuple(args or ()), dict(kwargs or {}), dict(options))
         self._gone_since: float | None = None
         self._found: tuple[str, Any] | None = None  # the Celery state and value recorded
-        self._attached = datetime.now(timezone.utc)
+        self._attached = time.time()  # a revoke stored before it is not this copy's
 
     @property
     def state(self) -> str:
         """The holder's state in the result backend; once the action's outcome is only in its
         record (a takeover under another task id), ``SUCCESS`` or ``FAILURE`` from there."""
-        state = ""
         if self.followed is None:
             state = str(super().state)
             if state in READY_STATES and not self._attempt_ended():
                 return state
-            found = self._found or (self._look() if self.followed is None else None)
-            if found is not None:
-                return found[0]
-        return str(self.followed.state) if self.followed is not None else state
+            found = self._found or (None if self.followed else self._look())
+            if found is not None or self.followed is None:
+                return found[0] if found is not None else state
+        return str(self.followed.state)
 
     status = state
 
@@ -148,9 +146,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         """The outcome's value (or error), as ``AsyncResult.result`` gives it."""
         if self.followed is not None:
             return self.followed.result
-        if self._found is not None:
-            return self._found[1]
-        return super().result
+        return self._found[1] if self._found is not None else super().result
 
     info = result
 
@@ -171,8 +167,8 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
                 step = FOLLOW_STEP if deadline is None else \
                     max(0.0, min(FOLLOW_STEP, deadline - time.monotonic()))
                 try:
-                    value = super().get(timeout=step, propagate=propagate, interval=interval,
-                                        **kwargs)
+                    out = super().get(timeout=step, propagate=propagate, interval=interval,
+                                      **kwargs)
                 except CeleryTimeoutError:
                     self._look()
                 except Exception:
@@ -180,12 +176,12 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
                         raise
                 else:
                     if not self._attempt_ended():
-                        return value
+                        return out
             if self._found is not None:
-                state, found = self._found
+                state, value = self._found
                 if state == FAILURE and propagate:
-                    raise found
-                return found
+                    raise value
+                return value
             if deadline is not None and time.monotonic() >= deadline:
                 raise CeleryTimeoutError("The operation timed out.")
 
@@ -196,23 +192,19 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         store, key = self._gate.store, self.idempotency_key
         try:
             rec = store.get(key)
-            live = rec is not None and rec.state is State.IN_PROGRESS and _live(rec)
             if rec is not None and rec.state in (State.DONE, State.FAILED):
                 self._found = recorded_outcome(self._gate.codec, rec)
                 return self._found
-            if not live:
-                live = store.reservation(key) is not None
+            live = (rec is not None and rec.state is State.IN_PROGRESS and _live(rec)) \
+                or store.reservation(key) is not None
         except StoreUnavailable as exc:
             logger.debug("celery_idem attached result: store unreachable key=%s: %s", key, exc)
             return None
-        now = time.monotonic()
         if live:
             self._gone_since = None
-            return None
-        if self._gone_since is None:
-            self._gone_since = now
-            return None
-        if now - self._gone_since >= self._gate.config.lease:
+        elif self._gone_since is None:
+            self._gone_since = time.monotonic()
+        elif time.monotonic() - self._gone_since >= self._gate.config.lease:
             # The message it attached to is gone (lost, or expired): send the call itself; the
             # gate still runs the body at most once if that message turns up after all. Under
             # the id it attached to, so whoever waits on that id gets the outcome too.
@@ -220,22 +212,16 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         return None
 
     def _attempt_ended(self) -> bool:
-        """Whether the holder ended without an outcome, so the handle now follows the record's
-        outcome or a message of its own.
-
-        The holder's result is FAILURE, or REVOKED before this copy attached (a revoke after
-        that cancels the copy too), and the record holds no outcome (a time limit, a release, a
-        crash): the call is published under a new task id (the holder's keeps its error, and
-        stays revoked in the workers); the gate still runs the body at most once.
-        """
+        """Whether the holder ended without an outcome: its result is FAILURE, or REVOKED before
+        this copy attached (a later revoke cancels the copy too), and the record holds none (a
+        time limit, a release, a crash). The handle then follows the record's outcome, or the
+        call published under a new id (the holder's keeps its error, and stays revoked in the
+        workers); the gate still runs the body at most once."""
         if self.followed is not None or self._found is not None:
             return True
-        status = self._get_task_meta().get("status")
-        if status == REVOKED:
-            done = self.date_done  # UTC (naive in older Celery versions)
-            if done is None or done.replace(tzinfo=done.tzinfo or timezone.utc) >= self._attached:
-                return False
-        elif status != FAILURE:
+        status = str(super().state)
+        done = self.date_done if status == REVOKED else None
+        if status != FAILURE and (done is None or done.timestamp() >= self._attached):
             return False
         if self._look() is None and self.followed is None:
             self._publish(str(uuid4()), f"ended as {status} with no outcome")
@@ -243,10 +229,9 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
 
     def _publish(self, task_id: str, why: str) -> None:
         """Publish the call this handle stands for under ``task_id``, and follow it."""
-        args, kwargs, options = self._call
-        key = self.idempotency_key
-        headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
+        (args, kwargs, options), key = self._call, self.idempotency_key
         logger.warning("celery_idem attached result: the action of key=%s %s (task %s); "
                        "publishing the call again as task %s", key, why, self.id, task_id)
-        self.followed = self._task.apply_async(
-            args, kwargs, task_id=task_id, **{**options, "headers": headers})
+        headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
+        self.followed = self._task.apply_async(args, kwargs, task_id=task_id,
+                                               **{**options, "headers": headers})

@@ -8,11 +8,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+from uuid import uuid4
 
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
-from celery.states import FAILURE, READY_STATES
+from celery.states import FAILURE, READY_STATES, REVOKED
 
 from .app import emit_answer
 from .events import Outcome
@@ -97,7 +98,8 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
     the backend, else to the outcome in the action's record (a takeover records it under the
     key, whatever its task id); when the action has no attempt left (no claim, reservation or
     outcome) for a whole lease, the handle publishes the call itself, once, under its id, and
-    follows that message. Revoking it revokes the shared action.
+    follows that message; when the holder ends without an outcome, under a new task id
+    (:meth:`_attempt_ended`). Revoking it revokes the shared action.
 
     Attributes:
         id: The task id of the attempt it attached to (the holder's, or the reserved message's).
@@ -105,7 +107,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         idempotency_key: The key.
         attached: True (a published call's result has no such attribute).
         followed: The result of the call this handle published itself, once the action had
-            no attempt left; None until then.
+            no attempt left or the holder ended without an outcome; None until then.
     """
 
     attached = True
@@ -122,20 +124,20 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         self._call = (tuple(args or ()), dict(kwargs or {}), dict(options))
         self._gone_since: float | None = None
         self._found: tuple[str, Any] | None = None  # the Celery state and value recorded
+        self._attached = time.time()  # a revoke stored before it is not this copy's
 
     @property
     def state(self) -> str:
         """The holder's state in the result backend; once the action's outcome is only in its
         record (a takeover under another task id), ``SUCCESS`` or ``FAILURE`` from there."""
-        if self.followed is not None:
-            return str(self.followed.state)
-        state = str(super().state)
-        if state in READY_STATES:
-            return state
-        found = self._found or self._look()
-        if found is None:
-            return str(self.followed.state) if self.followed is not None else state
-        return found[0]
+        if self.followed is None:
+            state = str(super().state)
+            if state in READY_STATES and not self._attempt_ended():
+                return state
+            found = self._found or (None if self.followed else self._look())
+            if found is not None or self.followed is None:
+                return found[0] if found is not None else state
+        return str(self.followed.state)
 
     status = state
 
@@ -144,9 +146,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         """The outcome's value (or error), as ``AsyncResult.result`` gives it."""
         if self.followed is not None:
             return self.followed.result
-        if self._found is not None:
-            return self._found[1]
-        return super().result
+        return self._found[1] if self._found is not None else super().result
 
     info = result
 
@@ -167,10 +167,16 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
                 step = FOLLOW_STEP if deadline is None else \
                     max(0.0, min(FOLLOW_STEP, deadline - time.monotonic()))
                 try:
-                    return super().get(timeout=step, propagate=propagate, interval=interval,
-                                       **kwargs)
+                    out = super().get(timeout=step, propagate=propagate, interval=interval,
+                                      **kwargs)
                 except CeleryTimeoutError:
                     self._look()
+                except Exception:
+                    if not self._attempt_ended():
+                        raise
+                else:
+                    if not self._attempt_ended():
+                        return out
             if self._found is not None:
                 state, value = self._found
                 if state == FAILURE and propagate:
@@ -186,30 +192,46 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         store, key = self._gate.store, self.idempotency_key
         try:
             rec = store.get(key)
-            live = rec is not None and rec.state is State.IN_PROGRESS and _live(rec)
             if rec is not None and rec.state in (State.DONE, State.FAILED):
                 self._found = recorded_outcome(self._gate.codec, rec)
                 return self._found
-            if not live:
-                live = store.reservation(key) is not None
+            live = (rec is not None and rec.state is State.IN_PROGRESS and _live(rec)) \
+                or store.reservation(key) is not None
         except StoreUnavailable as exc:
             logger.debug("celery_idem attached result: store unreachable key=%s: %s", key, exc)
             return None
-        now = time.monotonic()
         if live:
             self._gone_since = None
-            return None
-        if self._gone_since is None:
-            self._gone_since = now
-            return None
-        if now - self._gone_since >= self._gate.config.lease:
+        elif self._gone_since is None:
+            self._gone_since = time.monotonic()
+        elif time.monotonic() - self._gone_since >= self._gate.config.lease:
             # The message it attached to is gone (lost, or expired): send the call itself; the
-            # gate still runs the body at most once if that message turns up after all.
-            args, kwargs, options = self._call
-            headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
-            logger.warning("celery_idem attached result: the action of key=%s has no attempt "
-                           "left (task %s); publishing the call again", key, self.id)
-            # Under the id it attached to, so whoever waits on that id gets the outcome too.
-            self.followed = self._task.apply_async(
-                args, kwargs, task_id=self.id, **{**options, "headers": headers})
+            # gate still runs the body at most once if that message turns up after all. Under
+            # the id it attached to, so whoever waits on that id gets the outcome too.
+            self._publish(self.id, "has no attempt left")
         return None
+
+    def _attempt_ended(self) -> bool:
+        """Whether the holder ended without an outcome: its result is FAILURE, or REVOKED before
+        this copy attached (a later revoke cancels the copy too), and the record holds none (a
+        time limit, a release, a crash). The handle then follows the record's outcome, or the
+        call published under a new id (the holder's keeps its error, and stays revoked in the
+        workers); the gate still runs the body at most once."""
+        if self.followed is not None or self._found is not None:
+            return True
+        status = str(super().state)
+        done = self.date_done if status == REVOKED else None
+        if status != FAILURE and (done is None or done.timestamp() >= self._attached):
+            return False
+        if self._look() is None and self.followed is None:
+            self._publish(str(uuid4()), f"ended as {status} with no outcome")
+        return True
+
+    def _publish(self, task_id: str, why: str) -> None:
+        """Publish the call this handle stands for under ``task_id``, and follow it."""
+        (args, kwargs, options), key = self._call, self.idempotency_key
+        logger.warning("celery_idem attached result: the action of key=%s %s (task %s); "
+                       "publishing the call again as task %s", key, why, self.id, task_id)
+        headers = {**dict(options.get("headers") or {}), "idempotency_key": key}
+        self.followed = self._task.apply_async(args, kwargs, task_id=task_id,
+                                               **{**options, "headers": headers})

@@ -260,6 +260,13 @@ def limited_hard(self, order_id, marker, hold=0.0, die=False):
     return _limited(self, order_id, marker, hold, die)
 
 
+@app.task(**{**_LIMITED, "idempotency_operation": "limited_attach", "idempotency_wait": 0,
+             "idempotency_check_on_enqueue": True}, time_limit=3)
+def limited_attach(self, order_id, marker, hold=0.0, die=False):
+    """``limited_hard`` whose copies attach at enqueue (tests/integration/test_attach_ended.py)."""
+    return _limited(self, order_id, marker, hold, die)
+
+
 @app.task(**{**_LIMITED, "idempotency_lease": 9}, soft_time_limit=3)
 def limited_soft_redelivered(self, order_id, marker, hold=0.0, die=False):
     """``limited_soft`` with a 9 s lease: the pool notices a SIGKILLed child within about 5 s

@@ -56,20 +56,6 @@ SEAM = {
     "celery_idem.durability", "celery_idem.probe",
 }
 
-#: Imports from a lower group into a higher one, each named on the page: the core loads a
-#: bundled add-on by name when it is asked for (an observer, a ``django://``, ``sentinel://`` or
-#: ``redis+cluster://`` store), and ``idempotent_transaction()`` imports its receipt inside the
-#: call: the Django one without a session, the SQLAlchemy one (``contrib.receipts``, which needs
-#: sqlalchemy) with one.
-UPWARD = {
-    ("celery_idem.app", "celery_idem.contrib.otel"),
-    ("celery_idem.stores", "celery_idem.contrib.django.store"),
-    ("celery_idem.stores", "celery_idem.contrib.redis_ha"),
-    ("celery_idem.task", "celery_idem.contrib.django.receipts"),
-    ("celery_idem.task", "celery_idem.contrib.receipts"),
-}
-
-
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its own name), migrations left out."""
     found: dict[str, Path] = {}

@@ -44,7 +44,7 @@ from ..exceptions import LeaseLost
 from ..records import Receipt
 from ..stores.sql import data_type, db_now, new_metadata, text_type
 
-__all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "purge_receipts",
+__all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "open_receipt", "purge_receipts",
            "receipts_table"]
 
 logger = logging.getLogger("celery_idem")
@@ -321,6 +321,13 @@ class ReceiptTransaction:
         )
         if self.commit:
             self.target.commit()
+
+
+def open_receipt(target: Session | Connection, *, commit: bool, using: str,
+                 **attempt: Any) -> ReceiptTransaction:
+    """The ``celery_idem.receipts`` entry ``sqlalchemy``: the receipt of one attempt on
+    ``target`` (``using`` is Django's and does not apply)."""
+    return ReceiptTransaction(target, commit=commit, **attempt)
 
 
 def purge_receipts(bind: Engine | Connection, *, table: str = DEFAULT_RECEIPTS_TABLE,

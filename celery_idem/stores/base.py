@@ -32,7 +32,8 @@ from ..config import DEFAULT_PREFIX
 from ..exceptions import ImproperlyConfigured, LeaseLost
 from ..records import Claim, Record, Reservation, State
 
-__all__ = ["BackendWrite", "DurabilityFinding", "Store", "lease_lost", "new_claim_id", "next_token"]
+__all__ = ["BackendWrite", "DurabilityFinding", "Fence", "Store", "lease_lost", "new_claim_id",
+           "next_token"]
 
 #: Tokens are the store clock in microseconds (see :func:`next_token`).
 TOKEN_CLOCK_SCALE = 1_000_000
@@ -68,6 +69,21 @@ def lease_lost(verb: str, key: str, token: int, current: Record | None,
     else:
         why = f"{verb} of {key!r} refused: it is {current.state.value}"
     return LeaseLost(why, key=key, token=token)
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """What names one claim to the fenced verbs (``record``, ``release``, ``renew``).
+
+    Attributes:
+        token: The claim's fencing token.
+        claim_id: The claim's random id (:attr:`Claim.claim_id`): a token number may be issued
+            again after the store lost data, the id is not. Empty: the token alone is checked
+            (an operator's release by token, say).
+    """
+
+    token: int
+    claim_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,9 @@ class Store(abc.ABC):
 
     #: Whether ``from_url`` takes an ``accelerate`` option (see :mod:`celery_idem.accel`).
     accelerates: ClassVar[bool] = False
+    #: Whether ``from_url`` takes the app's ``result_backend_transport_options``
+    #: (``backend_transport_options``), as a Sentinel store does for its master's name.
+    reads_transport_options: ClassVar[bool] = False
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix
@@ -132,15 +151,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def claim(
-        self,
-        key: str,
-        *,
-        owner: str,
-        task_id: str,
-        attempt: int,
-        lease: float,
-        ttl: float,
-        payload_hash: str | None = None,
+        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+        payload_hash: str | None = None
     ) -> Claim:
         """Atomically claim ``key`` for one attempt, or say why not.
 
@@ -177,15 +189,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def record(
-        self,
-        key: str,
-        token: int,
-        *,
-        state: State,
-        content_type: str,
-        data: bytes,
-        ttl: float,
-        claim_id: str | None = None,
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+        claim_id: str | None = None
     ) -> None:
         """Atomically turn the caller's IN_PROGRESS record into DONE or FAILED. Fenced.
 
@@ -204,16 +209,8 @@ class Store(abc.ABC):
         """
 
     def record_with(
-        self,
-        key: str,
-        token: int,
-        *,
-        state: State,
-        content_type: str,
-        data: bytes,
-        ttl: float,
-        also: BackendWrite,
-        claim_id: str | None = None,
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float, also:
+        BackendWrite, claim_id: str | None = None
     ) -> bool:
         """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can.
 
@@ -334,6 +331,11 @@ class Store(abc.ABC):
         Raises:
             StoreUnavailable: The store could not be reached.
         """
+        return []
+
+    def replication_warnings(self) -> list[str]:
+        """What an operator must hear at worker start about the store's replicas (a store that
+        waits for too few connected ones fails every write); none by default."""
         return []
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores have nothing to close

@@ -40,7 +40,7 @@ from ...records import Receipt
 from .models import RECEIPTS_TABLE
 from .sql import Dialect
 
-__all__ = ["DjangoReceiptTransaction", "Receipt", "purge_receipts"]
+__all__ = ["DjangoReceiptTransaction", "Receipt", "open_receipt", "purge_receipts"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -226,6 +226,13 @@ class DjangoReceiptTransaction:
                 f"UPDATE {q(self.table)} SET {q('content_type')} = %s, {q('data')} = %s "
                 f"WHERE {q('key')} = %s AND {q('token')} = %s",
                 [ctype, data, self.key, self.token])
+
+
+def open_receipt(target: None, *, commit: bool, using: str, **attempt: Any) -> DjangoReceiptTransaction:
+    """The ``celery_idem.receipts`` entry ``django``: the receipt of one attempt in
+    ``transaction.atomic(using=using)`` (Django commits the outermost atomic: ``commit`` and
+    ``target`` do not apply)."""
+    return DjangoReceiptTransaction(using=using, **attempt)
 
 
 def purge_receipts(using: str = "default", *, table: str = RECEIPTS_TABLE, limit: int = 1000) -> int:

@@ -240,15 +240,8 @@ class DjangoStore(Store):
     # -- claim --------------------------------------------------------------------------------
 
     def claim(
-        self,
-        key: str,
-        *,
-        owner: str,
-        task_id: str,
-        attempt: int,
-        lease: float,
-        ttl: float,
-        payload_hash: str | None = None,
+        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+        payload_hash: str | None = None
     ) -> Claim:
         """Atomically claim ``key`` for one attempt, or say why not (see :meth:`Store.claim`).
 

@@ -156,13 +156,8 @@ class SQLStore(Store):
     accelerates = True
 
     def __init__(
-        self,
-        url: str,
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        table_name: str = DEFAULT_TABLE_NAME,
-        engine_options: Mapping[str, Any] | None = None,
-        accelerate: bool | None = None,
+        self, url: str, *, prefix: str = DEFAULT_PREFIX, table_name: str = DEFAULT_TABLE_NAME, engine_options:
+        Mapping[str, Any] | None = None, accelerate: bool | None = None
     ) -> None:
         super().__init__(prefix)
         self._engine = build_engine(sqlalchemy_url(url), engine_options or {})
@@ -289,15 +284,8 @@ class SQLStore(Store):
     # -- claim --------------------------------------------------------------------------------
 
     def claim(
-        self,
-        key: str,
-        *,
-        owner: str,
-        task_id: str,
-        attempt: int,
-        lease: float,
-        ttl: float,
-        payload_hash: str | None = None,
+        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+        payload_hash: str | None = None
     ) -> Claim:
         """Claim ``key`` (see :meth:`Store.claim`), deciding on the database clock.
 
@@ -350,15 +338,8 @@ class SQLStore(Store):
     # -- fenced writes ------------------------------------------------------------------------
 
     def record(
-        self,
-        key: str,
-        token: int,
-        *,
-        state: State,
-        content_type: str,
-        data: bytes,
-        ttl: float,
-        claim_id: str | None = None,
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+        claim_id: str | None = None
     ) -> None:
         """One fenced UPDATE (see :meth:`Store.record`)."""
         params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
@@ -366,16 +347,8 @@ class SQLStore(Store):
             self._unmatched_record(key, token, state, claim_id)
 
     def record_with(
-        self,
-        key: str,
-        token: int,
-        *,
-        state: State,
-        content_type: str,
-        data: bytes,
-        ttl: float,
-        also: BackendWrite,
-        claim_id: str | None = None,
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float, also:
+        BackendWrite, claim_id: str | None = None
     ) -> bool:
         """:meth:`record`, and Celery's database result row in the same statement (PostgreSQL).
 

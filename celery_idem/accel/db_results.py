@@ -48,15 +48,15 @@ _STORE_PATH: Final = ("mark_as_done", "store_result", "_store_result", "_update_
 _SAME_DATABASE: Final = ("host", "database", "username", "password")
 
 
-class DatabaseResultWriter(RedisResultWriter):
-    """Builds Celery's result row for the record's statement; never writes it itself.
+class DatabaseResultWriter:
+    """Builds Celery's result row for the record's statement; never writes it itself
+    (a :class:`celery_idem.results.ResultWriter`).
 
     Attributes:
         folds: Always True: the store writes the row in the record's statement.
     """
 
     def __init__(self, task: Any, backend: Any) -> None:
-        # Not RedisResultWriter.__init__: its expiry and size limit are the Redis backend's.
         self._task = task
         self._backend = backend
         self.folds = True
@@ -140,7 +140,7 @@ def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | No
     return DatabaseResultWriter(task, backend)
 
 
-def result_writer(task: Any, store: Store) -> RedisResultWriter | None:
+def result_writer(task: Any, store: Store) -> DatabaseResultWriter | RedisResultWriter | None:
     """``task``'s result writer for ``store``, or None when results are left to Celery.
 
     Args:

@@ -43,6 +43,7 @@ from ..codec import Codec
 from ..exceptions import LeaseLost
 from ..records import Receipt
 from ..stores.sql import data_type, db_now, new_metadata, text_type
+from ..stores.sql.schema import add_missing_columns
 
 __all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "open_receipt", "purge_receipts",
            "receipts_table"]
@@ -111,6 +112,7 @@ def _ensure_table(conn: Connection, table: sa.Table) -> None:
         except sa_exc.DBAPIError:
             if not sa.inspect(engine).has_table(table.name):
                 raise  # not the race with another worker's CREATE: a real error
+        add_missing_columns(engine, table)  # MySQL/MariaDB: the byte-for-byte collation
     names.add(table.name)
 
 

@@ -24,16 +24,16 @@ import base64
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import DEFAULT_PREFIX
-from ..exceptions import ImproperlyConfigured, LeaseLost
+from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost
 from ..records import Claim, Record, Reservation, State
 
-__all__ = ["BackendWrite", "DurabilityFinding", "Fence", "Store", "lease_lost", "new_claim_id",
-           "next_token"]
+__all__ = ["BackendWrite", "ClaimRaced", "DurabilityFinding", "Fence", "Store", "lease_lost",
+           "mysql_byte_collation", "new_claim_id", "next_token", "record_from_row"]
 
 #: Tokens are the store clock in microseconds (see :func:`next_token`).
 TOKEN_CLOCK_SCALE = 1_000_000
@@ -69,6 +69,42 @@ def lease_lost(verb: str, key: str, token: int, current: Record | None,
     else:
         why = f"{verb} of {key!r} refused: it is {current.state.value}"
     return LeaseLost(why, key=key, token=token)
+
+
+def mysql_byte_collation(mariadb: bool, version: tuple[int | str, ...]) -> str:
+    """The collation under which MySQL or MariaDB compare keys byte for byte.
+
+    A NO PAD binary one: ``utf8mb4_bin`` ignores trailing spaces, so ``K`` and ``K `` would be
+    one key. MySQL before 8.0.17 has none: ``utf8mb4_bin`` is the closest there.
+    """
+    if mariadb:
+        return "utf8mb4_nopad_bin"
+    return "utf8mb4_0900_bin" if tuple(version[:3]) >= (8, 0, 17) else "utf8mb4_bin"
+
+
+class ClaimRaced(Exception):
+    """Raised inside a SQL store when the row a claim decided on changed before its write,
+    which wrote nothing (typically two first claims of an absent key: the loser's INSERT meets
+    the winner's row); the claim runs again on the winner's row."""
+
+
+def record_from_row(row: Mapping[str, Any], prefix: str, table: str) -> Record:
+    """The record of one SQL row by column name; CorruptRecord when it cannot be read (an
+    unknown state, a NULL where a value belongs)."""
+    key = str(row["key"])[len(prefix):]
+    try:
+        data, lease_expires = row["data"], row["lease_expires"]
+        return Record(
+            key=key, state=State(row["state"]), token=int(row["token"]), owner=str(row["owner"]),
+            task_id=str(row["task_id"]), attempt=int(row["attempt"]),
+            lease_expires=None if lease_expires is None else float(lease_expires),
+            payload_hash=row["payload_hash"], content_type=row["content_type"],
+            data=None if data is None else bytes(data), updated=float(row["updated"]),
+            claim_id=row["claim_id"] or "",
+        )
+    except (ValueError, TypeError) as exc:
+        raise CorruptRecord(f"the record of {key!r} in SQL table {table!r} cannot be read: {exc}",
+                            key=key) from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,10 +22,10 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.selectable import FromClause
 
 from ...records import ClaimStatus, State
-from ..base import next_token
+from ..base import ClaimRaced, next_token
 from .schema import db_now, token_for
 
-__all__ = ["HOLDS", "ClaimArgs", "ClaimRaced", "build_pg_claim", "select_then_write"]
+__all__ = ["HOLDS", "ClaimArgs", "build_pg_claim", "select_then_write"]
 
 #: The claim statuses under which the caller holds the key (the claim wrote its row).
 HOLDS: Final = (ClaimStatus.CLAIMED.value, ClaimStatus.TAKEOVER.value)
@@ -105,11 +105,6 @@ class ClaimArgs:
             "expires": now + self.ttl,
             "claim_id": self.claim_id,
         }
-
-
-class ClaimRaced(Exception):
-    """The row a claim decided on changed before its write, which wrote nothing (typically two
-    first claims of an absent key: the loser's INSERT meets the winner's row)."""
 
 
 def _decide(t: sa.Table, args: ClaimArgs) -> sa.Select[Any]:

@@ -21,10 +21,10 @@ from ... import accel
 from ...accel.sql_psycopg import PsycopgPath, RawSession, psycopg_path
 from ...accel.sql_taskmeta import TaskMetaWrite, build_fold, fold_params
 from ...config import DEFAULT_PREFIX
-from ...exceptions import CorruptRecord, StoreUnavailable
+from ...exceptions import StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
-from ..base import BackendWrite, Store, lease_lost, new_claim_id
-from .claims import HOLDS, ClaimArgs, ClaimRaced, build_pg_claim, select_then_write
+from ..base import BackendWrite, ClaimRaced, Store, lease_lost, new_claim_id, record_from_row
+from .claims import HOLDS, ClaimArgs, build_pg_claim, select_then_write
 from .engine import build_engine, sqlalchemy_url
 from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, records_table
 
@@ -256,30 +256,7 @@ class SQLStore(Store):
         return self.prefix + key
 
     def _record(self, row: Row) -> Record:
-        """The record of one row; CorruptRecord when it cannot be read (an unknown state, a NULL)."""
-        key = str(row["key"])[len(self.prefix) :]
-        try:
-            data = row["data"]
-            lease_expires = row["lease_expires"]
-            return Record(
-                key=key,
-                state=State(row["state"]),
-                token=int(row["token"]),
-                owner=str(row["owner"]),
-                task_id=str(row["task_id"]),
-                attempt=int(row["attempt"]),
-                lease_expires=None if lease_expires is None else float(lease_expires),
-                payload_hash=row["payload_hash"],
-                content_type=row["content_type"],
-                data=None if data is None else bytes(data),
-                updated=float(row["updated"]),
-                claim_id=row["claim_id"] or "",
-            )
-        except (ValueError, TypeError) as exc:
-            raise CorruptRecord(
-                f"the record of {key!r} in SQL table {self._table.name!r} cannot be read: {exc}",
-                key=key,
-            ) from exc
+        return record_from_row(row, self.prefix, self._table.name)
 
     # -- claim --------------------------------------------------------------------------------
 

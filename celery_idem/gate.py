@@ -124,10 +124,11 @@ class Gate:
     poll_max = 0.5
 
     def __init__(
-        self, store: Store, config: IdempotencyConfig, codec: Codec, *, emit: Emit = _no_emit, retry_signals:
-        tuple[type[BaseException], ...] = (), handover_signals: tuple[type[BaseException], ...] = (),
+        self, store: Store, config: IdempotencyConfig, codec: Codec, *, emit: Emit = _no_emit,
+        retry_signals: tuple[type[BaseException], ...] = (),
+        handover_signals: tuple[type[BaseException], ...] = (),
         interrupts: tuple[type[BaseException], ...] = (), sleep: Callable[[float], None] = time.sleep,
-        monotonic: Callable[[], float] = time.monotonic, lease_keeper: LeaseKeeper | None = None
+        monotonic: Callable[[], float] = time.monotonic, lease_keeper: LeaseKeeper | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -141,8 +142,8 @@ class Gate:
         self.lease_keeper = lease_keeper
 
     def run(
-        self, attempt: Attempt, body: Callable[[int], T], fold: Callable[[T], BackendWrite | None] | None =
-        None, *, deadline: float | None = None
+        self, attempt: Attempt, body: Callable[[int], T],
+        fold: Callable[[T], BackendWrite | None] | None = None, *, deadline: float | None = None,
     ) -> RunOutcome[T]:
         """Run ``body(token)`` if and only if this attempt wins the key.
 

@@ -1,19 +1,11 @@
-"""The registries add-ons fill: stores by URL scheme, receipts by connection kind, observers.
+"""The entry point groups add-ons fill, bundled ones (``pyproject.toml``) and others alike.
 
-Each is an entry point group, so a bundled add-on (``celery_idem.contrib``) and a third-party
-package register the same way, in their ``pyproject.toml``::
-
-    [project.entry-points."celery_idem.stores"]
-    "myscheme" = "mypackage.store:MyStore [extra]"
-
-* ``celery_idem.stores``: a URL scheme -> a :class:`~celery_idem.stores.Store` class; the
-  extra in brackets is the pip extra named when its client library is missing.
-* ``celery_idem.receipts``: ``sqlalchemy`` or ``django`` -> the callable that opens the
-  receipt transaction of ``IdempotentTask.idempotent_transaction``.
-* ``celery_idem.observers``: modules loaded when the app module is, to register decision
-  observers (:func:`celery_idem.events.add_observer`) if their dependency is installed.
-
-The core names none of them: it asks the group for a name.
+* ``celery_idem.stores`` (named in :mod:`celery_idem.stores`): a URL scheme -> a
+  :class:`~celery_idem.stores.Store` class, ``"module:Class [pip extra]"``.
+* ``celery_idem.receipts``: ``sqlalchemy`` or ``django`` -> the callable that opens the receipt
+  of ``IdempotentTask.idempotent_transaction``.
+* ``celery_idem.observers``: modules loaded with the app module, to register decision observers
+  (:func:`celery_idem.events.add_observer`) if their dependency is installed.
 """
 
 from __future__ import annotations
@@ -23,7 +15,6 @@ from importlib.metadata import EntryPoint, entry_points
 
 __all__ = ["OBSERVERS", "RECEIPTS", "registered"]
 
-# The stores' group is named in celery_idem.stores, the package it fills.
 RECEIPTS = "celery_idem.receipts"
 OBSERVERS = "celery_idem.observers"
 

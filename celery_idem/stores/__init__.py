@@ -23,18 +23,13 @@ __all__ = ["STORES", "Store", "store_from_url", "supported_schemes"]
 STORES = "celery_idem.stores"
 
 
-def _builtin(value: str, extra: str | None) -> EntryPoint:
-    return EntryPoint("", value + (f" [{extra}]" if extra else ""), STORES)
-
-
 # The core's own stores; every other scheme is registered in the entry point group.
-_BUILTIN = {
-    **dict.fromkeys(("redis", "rediss", "unix"),
-                    _builtin("celery_idem.stores.redis:RedisStore", "redis")),
+_BUILTIN = {scheme: EntryPoint(scheme, value, STORES) for scheme, value in {
+    **dict.fromkeys(("redis", "rediss", "unix"), "celery_idem.stores.redis:RedisStore [redis]"),
     **dict.fromkeys(("db+postgresql", "db+sqlite", "db+mysql", "db+mariadb"),
-                    _builtin("celery_idem.stores.sql:SQLStore", "sql")),
-    "memory": _builtin("celery_idem.stores.memory:MemoryStore", None),
-}
+                    "celery_idem.stores.sql:SQLStore [sql]"),
+    "memory": "celery_idem.stores.memory:MemoryStore",
+}.items()}
 
 
 def _backends() -> dict[str, EntryPoint]:

@@ -91,18 +91,11 @@ class ClaimArgs:
     def values(self, *, now: ColumnElement[float], token: Any) -> dict[str, Any]:
         """The IN_PROGRESS row a taking claim writes, in column order."""
         return {
-            "key": self.key,
-            "state": sa.literal(State.IN_PROGRESS.value, sa.String),
-            "token": token,
-            "owner": self.owner,
-            "task_id": self.task_id,
-            "attempt": self.attempt,
+            "key": self.key, "state": sa.literal(State.IN_PROGRESS.value, sa.String), "token": token,
+            "owner": self.owner, "task_id": self.task_id, "attempt": self.attempt,
             "lease_expires": now + self.lease,
             "payload_hash": sa.null() if self.payload_hash is None else self.payload_hash,
-            "content_type": sa.null(),
-            "data": sa.null(),
-            "updated": now,
-            "expires": now + self.ttl,
+            "content_type": sa.null(), "data": sa.null(), "updated": now, "expires": now + self.ttl,
             "claim_id": self.claim_id,
         }
 

@@ -91,12 +91,9 @@ class VerbStatements:
         claim_id: sa.BindParameter[str] = sa.bindparam("idem_claim_id", type_=t.c.claim_id.type)
         # Only the holder's live IN_PROGRESS row: the fence of record, release and renew. The
         # claim id names the claim beside the token ('' = a caller that checks the token alone).
-        fenced = sa.and_(
-            *live,
-            t.c.token == sa.bindparam("idem_token"),
-            sa.or_(claim_id == "", t.c.claim_id == claim_id),
-            t.c.state == State.IN_PROGRESS.value,
-        )
+        fenced = sa.and_(*live, t.c.token == sa.bindparam("idem_token"),
+                         sa.or_(claim_id == "", t.c.claim_id == claim_id),
+                         t.c.state == State.IN_PROGRESS.value)
         lease = sa.bindparam("idem_lease", type_=sa.Double)
         # The record must outlive the lease too: a body running past the TTL keeps its record
         # (and with it the token that fences every earlier holder).
@@ -110,12 +107,9 @@ class VerbStatements:
                      "data": None, "updated": db_now()}
         return cls(
             record=sa.update(t).where(fenced).values(
-                state=sa.bindparam("idem_state"),
-                content_type=sa.bindparam("idem_content_type"),
-                data=sa.bindparam("idem_data", type_=t.c.data.type),
-                lease_expires=None,
-                updated=db_now(),
-                expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
+                state=sa.bindparam("idem_state"), content_type=sa.bindparam("idem_content_type"),
+                data=sa.bindparam("idem_data", type_=t.c.data.type), lease_expires=None,
+                updated=db_now(), expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
             ),
             release=sa.update(t).where(fenced).values(**tombstone, claim_id=None),
             renew=renew,
@@ -124,8 +118,7 @@ class VerbStatements:
             get=sa.select(t).where(*live),
             expires=sa.select(t.c.expires).where(*live),
             forget=sa.update(t).where(
-                *live,
-                t.c.token == sa.bindparam("idem_token"),
+                *live, t.c.token == sa.bindparam("idem_token"),
                 sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
             ).values(**tombstone),
         )

@@ -4,7 +4,8 @@ from typing import Any
 
 from django.db import migrations
 
-from celery_idem.contrib.django.fields import KeyTextField, byte_collation
+from celery_idem.contrib.django.fields import byte_collation
+from celery_idem.contrib.django.models import RECEIPTS_TABLE, RECORDS_TABLE
 
 
 def byte_for_byte(apps: Any, schema_editor: Any) -> None:
@@ -12,20 +13,17 @@ def byte_for_byte(apps: Any, schema_editor: Any) -> None:
     if connection.vendor != "mysql":
         return  # the other databases compare bytes already
     collation = byte_collation(connection)
-    for name in ("IdempotencyRecord", "IdempotencyReceipt"):
-        model = apps.get_model("celery_idem", name)
-        table = model._meta.db_table
+    for table in (RECORDS_TABLE, RECEIPTS_TABLE):
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() "
-                "AND TABLE_NAME = %s AND COLLATION_NAME IS NOT NULL AND COLLATION_NAME <> %s",
-                [table, collation])
-            stale = {row[0] for row in cursor.fetchall()}
+                "SELECT COLUMN_NAME, CHARACTER_MAXIMUM_LENGTH, IS_NULLABLE FROM information_schema.COLUMNS "
+                "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s AND DATA_TYPE = 'varchar' "
+                "AND COLLATION_NAME <> %s", [table, collation])
+            stale = cursor.fetchall()
         changes = [
-            f"MODIFY COLUMN {schema_editor.quote_name(field.column)} VARCHAR({field.max_length}) "
-            f"CHARACTER SET utf8mb4 COLLATE {collation} {'NULL' if field.null else 'NOT NULL'}"
-            for field in model._meta.local_fields
-            if isinstance(field, KeyTextField) and field.column in stale
+            f"MODIFY COLUMN {schema_editor.quote_name(name)} VARCHAR({length}) CHARACTER SET utf8mb4 "
+            f"COLLATE {collation} {'NULL' if nullable == 'YES' else 'NOT NULL'}"
+            for name, length, nullable in stale
         ]
         if changes:
             schema_editor.execute(f"ALTER TABLE {schema_editor.quote_name(table)} {', '.join(changes)}")

@@ -164,7 +164,7 @@ def _flowchart() -> tuple[dict[str, str], dict[str, set[str]], list[tuple[str, s
             node, label = m.groups()
             paths = re.findall(r"([\w/]+(?:\.py|/))", label.split(":")[0])
             mods: set[str] = set()
-            directory = ""  # `contrib/cli.py + cli_support.py`: the second in the first's
+            directory = ""  # `contrib/cli.py + cli_output.py`: the second in the first's
             for path in paths:
                 if "/" in path.rstrip("/"):
                     directory = path.rstrip("/").rpartition("/")[0] + "/"

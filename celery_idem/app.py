@@ -43,7 +43,10 @@ logger = logging.getLogger("celery_idem")
 # The ``celery_idem.observers`` entry points (OpenTelemetry's among them) are loaded with the
 # core; each registers itself in ``celery_idem.events.OBSERVERS`` if its dependency is installed.
 for _point in registered(OBSERVERS).values():
-    _point.load()
+    try:
+        _point.load()
+    except Exception:  # another package's broken observer must not stop every task
+        logger.exception("celery_idem could not load the observer %s (%s)", _point.name, _point.value)
 
 _stores: weakref.WeakKeyDictionary[Celery, Store] = weakref.WeakKeyDictionary()
 _events_on: weakref.WeakSet[Celery] = weakref.WeakSet()

@@ -72,11 +72,8 @@ def lease_lost(verb: str, key: str, token: int, current: Record | None,
 
 
 def mysql_byte_collation(mariadb: bool, version: tuple[int | str, ...]) -> str:
-    """The collation under which MySQL or MariaDB compare keys byte for byte.
-
-    A NO PAD binary one: ``utf8mb4_bin`` ignores trailing spaces, so ``K`` and ``K `` would be
-    one key. MySQL before 8.0.17 has none: ``utf8mb4_bin`` is the closest there.
-    """
+    """The NO PAD binary collation of MySQL or MariaDB (``utf8mb4_bin`` ignores trailing spaces:
+    ``K`` and ``K `` would be one key); MySQL before 8.0.17 has none, ``utf8mb4_bin`` is closest."""
     if mariadb:
         return "utf8mb4_nopad_bin"
     return "utf8mb4_0900_bin" if tuple(version[:3]) >= (8, 0, 17) else "utf8mb4_bin"

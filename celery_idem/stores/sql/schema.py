@@ -75,8 +75,7 @@ class KeyText(sa.String):
 @compiles(KeyText, "mysql")
 @compiles(KeyText, "mariadb")
 def _key_text_mysql(element: KeyText, compiler: Any, **kw: Any) -> str:
-    dialect = compiler.dialect
-    collation = mysql_byte_collation(dialect.is_mariadb, dialect.server_version_info or ())
+    collation = mysql_byte_collation(compiler.dialect.is_mariadb, compiler.dialect.server_version_info or ())
     return f"VARCHAR({element.length}) CHARACTER SET utf8mb4 COLLATE {collation}"
 
 

@@ -19,9 +19,8 @@ What counts as an import (the edges of the graph):
   it) is an edge, whatever loads it. Naming a module in a string instead of importing it does
   not hide the dependency. The bare ``"celery_idem"`` is the package's logger name everywhere
   and is not counted (``from .. import x`` is).
-* Imports under ``if TYPE_CHECKING:`` are not edges: they never run. (Counting them would show
-  ``contrib.tools.runtime <-> formats`` and ``stores.sql.store <-> claims/fastpath``: type
-  annotations only.)
+* Imports under ``if TYPE_CHECKING:`` are not edges: they never run (and none of them closes
+  a cycle either).
 * Django migrations are left out (generated code, imported by Django only).
 """
 

@@ -1,8 +1,8 @@
 """Exactly-once effects for Celery tasks.
 
 Public API: :class:`IdempotentTask`, :func:`idempotency_key` and the exceptions. This module
-imports no store backend, and no Celery until :class:`IdempotentTask`, :class:`CachedResult` or
-:class:`ImproperlyConfigured` is first used (they load ``celery_idem.task``), so
+imports no store backend, and no Celery until :class:`IdempotentTask` or :class:`CachedResult`
+is first used (they load ``celery_idem.task``), so
 ``import celery_idem.gate`` (or any other core module) stays Celery-free.
 """
 
@@ -14,6 +14,7 @@ from .exceptions import (
     CorruptRecord,
     IdempotencyError,
     IdempotencyKeyMismatch,
+    ImproperlyConfigured,
     InvalidKey,
     LeaseLost,
     StoreUnavailable,
@@ -23,7 +24,6 @@ from .keys import idempotency_key
 from .version import __version__
 
 if _typing.TYPE_CHECKING:
-    from .exceptions import ImproperlyConfigured
     from .task import CachedResult, IdempotentTask
 
 __all__ = [
@@ -41,16 +41,14 @@ __all__ = [
     "idempotency_key",
 ]
 
-#: Names served by the Celery seam, loaded on first access (ImproperlyConfigured gets Celery's
-#: class as a base then: see exceptions.py).
-_SEAM_NAMES = ("CachedResult", "IdempotentTask", "ImproperlyConfigured")
+#: Names served by the Celery seam, loaded on first access.
+_SEAM_NAMES = ("CachedResult", "IdempotentTask")
 
 
 def __getattr__(name: str) -> _typing.Any:
     if name in _SEAM_NAMES:
-        from . import exceptions, task
+        from . import task
 
-        globals().update(CachedResult=task.CachedResult, IdempotentTask=task.IdempotentTask,
-                         ImproperlyConfigured=exceptions.ImproperlyConfigured)
+        globals().update(CachedResult=task.CachedResult, IdempotentTask=task.IdempotentTask)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import socket
@@ -20,6 +19,7 @@ from .config import forget_settings, settings
 from .durability import check_replication, check_store
 from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers
 from .exceptions import ImproperlyConfigured, StoreUnavailable
+from .plugins import OBSERVERS, registered
 from .stores import store_from_url
 from .stores.base import Store
 
@@ -40,11 +40,13 @@ __all__ = [
 
 logger = logging.getLogger("celery_idem")
 
-#: Add-ons loaded with the core, which register themselves in ``celery_idem.events.OBSERVERS``
-#: when their optional dependency is installed. Named, so the core imports nothing of contrib.
-BUNDLED_OBSERVERS = ("celery_idem.contrib.otel",)
-for _name in BUNDLED_OBSERVERS:
-    importlib.import_module(_name)
+# The ``celery_idem.observers`` entry points (OpenTelemetry's among them) are loaded with the
+# core; each registers itself in ``celery_idem.events.OBSERVERS`` if its dependency is installed.
+for _point in registered(OBSERVERS).values():
+    try:
+        _point.load()
+    except Exception:  # another package's broken observer must not stop every task
+        logger.exception("celery_idem could not load the observer %s (%s)", _point.name, _point.value)
 
 _stores: weakref.WeakKeyDictionary[Celery, Store] = weakref.WeakKeyDictionary()
 _events_on: weakref.WeakSet[Celery] = weakref.WeakSet()

@@ -58,11 +58,8 @@ def check_store(store: Store, *, require: bool = False) -> None:
 def check_replication(store: Store) -> None:
     """Warn when a store that waits for replicas (``wait_replicas``) has too few connected:
     every write fails, and the gate re-queues every task until one connects."""
-    warnings = getattr(store, "replication_warnings", None)
-    if warnings is None:
-        return
     try:
-        found = list(warnings())
+        found = store.replication_warnings()
     except StoreUnavailable as exc:
         logger.warning("celery_idem could not check the store's replicas at worker start: %s", exc)
         return

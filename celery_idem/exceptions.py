@@ -14,15 +14,15 @@ Every exception derives from one root, so ``except IdempotencyError`` catches th
 Each class passes only its message to ``Exception.__init__`` and keeps the rest as attributes,
 so ``str()`` is the message and pickling (Celery's result backend) keeps type and attributes.
 
-This module imports no Celery. Still, :class:`ImproperlyConfigured` is Celery's
-``ImproperlyConfigured`` wherever users catch it: :func:`adopt_celery_base` adds Celery's class
-to its bases when ``celery_idem.task`` is imported, when this module is imported after
-``celery.exceptions``, or when one is created in a process that has imported it (as whoever
-writes ``except celery.exceptions.ImproperlyConfigured`` has). It is one class object throughout.
+This module imports no Celery. Still, every :class:`ImproperlyConfigured` raised in a process
+that has loaded ``celery.exceptions`` (as whoever writes ``except
+celery.exceptions.ImproperlyConfigured`` has) is Celery's ``ImproperlyConfigured`` too: it is an
+instance of a subclass of both, made once, on first need.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -99,22 +99,21 @@ class ImproperlyConfigured(IdempotencyError):
     """Raised when a task or app is configured in a way celery_idem cannot honour."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ImproperlyConfigured:
-        if "celery.exceptions" in sys.modules:  # who catches Celery's class has imported it
-            adopt_celery_base()
+        if cls is ImproperlyConfigured and "celery.exceptions" in sys.modules:
+            cls = _with_celerys()
         return super().__new__(cls, *args, **kwargs)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # By the public class: unpickled where Celery is loaded, it is Celery's too.
+        return ImproperlyConfigured, self.args, self.__dict__ or None
 
-def adopt_celery_base() -> None:
-    """Make :class:`ImproperlyConfigured` a subclass of Celery's ``ImproperlyConfigured`` too.
 
-    Idempotent; only the bases change, so exceptions raised before and after agree.
-    """
+@functools.cache
+def _with_celerys() -> type[ImproperlyConfigured]:
+    """The one subclass of :class:`ImproperlyConfigured` and Celery's ``ImproperlyConfigured``."""
     from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
 
-    if not issubclass(ImproperlyConfigured, CeleryImproperlyConfigured):
-        # Both are plain Exception subclasses (no __slots__): the layouts agree.
-        ImproperlyConfigured.__bases__ = (IdempotencyError, CeleryImproperlyConfigured)
-
-
-if "celery.exceptions" in sys.modules:
-    adopt_celery_base()
+    # Both are plain Exception subclasses (no __slots__): the layouts agree.
+    return type("ImproperlyConfigured", (ImproperlyConfigured, CeleryImproperlyConfigured),
+                {"__module__": __name__, "__qualname__": "ImproperlyConfigured",
+                 "__doc__": ImproperlyConfigured.__doc__})

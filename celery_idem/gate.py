@@ -33,7 +33,7 @@ from .events import Emit, Outcome
 from .exceptions import IdempotencyKeyMismatch, LeaseLost, StoreUnavailable, TerminalError
 from .lease import LeaseKeeper, keeper
 from .records import Claim, ClaimStatus, Record, State
-from .stores.base import BackendWrite, Store
+from .stores.base import BackendWrite, Fence, Store
 
 __all__ = ["Attempt", "Gate", "Requeue", "RunOutcome"]
 
@@ -124,18 +124,11 @@ class Gate:
     poll_max = 0.5
 
     def __init__(
-        self,
-        store: Store,
-        config: IdempotencyConfig,
-        codec: Codec,
-        *,
-        emit: Emit = _no_emit,
+        self, store: Store, config: IdempotencyConfig, codec: Codec, *, emit: Emit = _no_emit,
         retry_signals: tuple[type[BaseException], ...] = (),
         handover_signals: tuple[type[BaseException], ...] = (),
-        interrupts: tuple[type[BaseException], ...] = (),
-        sleep: Callable[[float], None] = time.sleep,
-        monotonic: Callable[[], float] = time.monotonic,
-        lease_keeper: LeaseKeeper | None = None,
+        interrupts: tuple[type[BaseException], ...] = (), sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic, lease_keeper: LeaseKeeper | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -149,12 +142,8 @@ class Gate:
         self.lease_keeper = lease_keeper
 
     def run(
-        self,
-        attempt: Attempt,
-        body: Callable[[int], T],
-        fold: Callable[[T], BackendWrite | None] | None = None,
-        *,
-        deadline: float | None = None,
+        self, attempt: Attempt, body: Callable[[int], T],
+        fold: Callable[[T], BackendWrite | None] | None = None, *, deadline: float | None = None,
     ) -> RunOutcome[T]:
         """Run ``body(token)`` if and only if this attempt wins the key.
 
@@ -260,9 +249,9 @@ class Gate:
         fold: Callable[[T], BackendWrite | None] | None,
     ) -> RunOutcome[T]:
         key, token = attempt.key, claim.token
-        # The claim id fences beside the token (a token number may be issued again after the
-        # store lost data); a store without claim ids gives none.
-        fence: dict[str, Any] = {"claim_id": claim.claim_id} if claim.claim_id else {}
+        # The claim id fences beside the token: a token number may be issued again after the
+        # store lost data.
+        fence = Fence(token, claim.claim_id)
         if claim.status is ClaimStatus.TAKEOVER:
             prev = claim.record
             self.emit(Outcome.TAKEOVER, key, token, attempt.task_id,
@@ -270,12 +259,11 @@ class Gate:
                        "previous_owner": prev.owner if prev else ""})
         else:
             self.emit(Outcome.CLAIMED, key, token, attempt.task_id, {})
-        with (self.lease_keeper or keeper()).hold(self.store, key, token, self.config.lease,
-                                                  claim.claim_id):
+        with (self.lease_keeper or keeper()).hold(self.store, key, fence, self.config.lease):
             try:
                 result = body(token)
             except BaseException as exc:
-                self._after_error(attempt, token, exc, fence)
+                self._after_error(attempt, fence, exc)
                 raise
             write = None
             if fold is not None:
@@ -283,20 +271,20 @@ class Gate:
                     write = fold(result)
                 except Exception as exc:  # the record must be written whatever happens here
                     logger.debug("celery_idem backend write not folded key=%s: %r", key, exc)
-            folded = self._record_result(attempt, token, result, write, fence)
+            folded = self._record_result(attempt, fence, result, write)
         return RunOutcome(result, ran=True, write=write, folded=folded)
 
-    def _after_error(self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any]) -> None:
-        cfg, key = self.config, attempt.key
+    def _after_error(self, attempt: Attempt, fence: Fence, exc: BaseException) -> None:
+        cfg, key, token = self.config, attempt.key, fence.token
         if isinstance(exc, self.handover_signals):
             # The replacement reports the outcome under this task id: nothing to record, and
             # holding the claim would only make a duplicate wait for the lease.
-            self._release(attempt, token, exc, fence, reason="handed_over")
+            self._release(attempt, fence, exc, reason="handed_over")
             return
         if isinstance(exc, cfg.terminal_on):
             ctype, data = self.codec.encode_error(exc)
             try:
-                written, _ = self._write(attempt, token, State.FAILED, ctype, data, fence=fence)
+                written, _ = self._write(attempt, fence, State.FAILED, ctype, data)
             except LeaseLost:
                 return  # reported by _write; the body's own error is what the caller sees
             if written:
@@ -305,7 +293,7 @@ class Gate:
             return
         retried = isinstance(exc, self.retry_signals)
         if retried or isinstance(exc, cfg.release_on):
-            self._release(attempt, token, exc, fence, retried=retried)
+            self._release(attempt, fence, exc, retried=retried)
             return
         # Not known to be safe to retry, not known to be final: the effect may have happened.
         # Keep the claim (no heartbeat) so no duplicate runs until the lease runs out.
@@ -313,13 +301,13 @@ class Gate:
                   {"error": type(exc).__name__, "held_for": f"{cfg.lease:g}s"})
 
     def _release(
-        self, attempt: Attempt, token: int, exc: BaseException, fence: dict[str, Any],
+        self, attempt: Attempt, fence: Fence, exc: BaseException,
         *, retried: bool = False, reason: str | None = None,
     ) -> None:
         """Release the claim; a lost or unreachable claim is reported, not raised."""
-        key = attempt.key
+        key, token = attempt.key, fence.token
         try:
-            self.store.release(key, token, **fence)
+            self.store.release(key, token, claim_id=fence.claim_id)
         except LeaseLost as lost:
             if retried:
                 # The re-published attempt already took its claim over: the hand-over working.
@@ -338,11 +326,9 @@ class Gate:
             extra["reason"] = reason
         self.emit(Outcome.RELEASED, key, token, attempt.task_id, extra)
 
-    def _record_result(
-        self, attempt: Attempt, token: int, result: Any, also: BackendWrite | None,
-        fence: dict[str, Any],
-    ) -> bool:
+    def _record_result(self, attempt: Attempt, fence: Fence, result: Any, also: BackendWrite | None) -> bool:
         """Record a body's result; return whether ``also`` was written in the same store call."""
+        token = fence.token
         try:
             ctype, data = self.codec.encode_result(result)
         except Exception as exc:
@@ -354,11 +340,11 @@ class Gate:
                 "failed so no duplicate runs the body again", attempt.key, attempt.task_id, token, exc,
             )
             err_type, err = self.codec.encode_error(failure)
-            if self._write(attempt, token, State.FAILED, err_type, err, fence=fence)[0]:
+            if self._write(attempt, fence, State.FAILED, err_type, err)[0]:
                 self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
                           {"error": "TypeError", "reason": "result_not_encodable"})
             raise
-        recorded, folded = self._write(attempt, token, State.DONE, ctype, data, also, fence=fence)
+        recorded, folded = self._write(attempt, fence, State.DONE, ctype, data, also)
         if recorded:
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
             return folded
@@ -371,7 +357,7 @@ class Gate:
         err_type, err = self.codec.encode_error(refused)
         try:
             self.store.record(attempt.key, token, state=State.FAILED, content_type=err_type,
-                              data=err, ttl=self.config.ttl, **fence)
+                              data=err, ttl=self.config.ttl, claim_id=fence.claim_id)
         except (StoreUnavailable, LeaseLost):
             return False  # a real outage: reported loudly by _write, the result goes to the caller
         self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
@@ -380,25 +366,25 @@ class Gate:
         raise refused
 
     def _write(
-        self, attempt: Attempt, token: int, state: State, ctype: str, data: bytes,
-        also: BackendWrite | None = None, *, fence: dict[str, Any],
+        self, attempt: Attempt, fence: Fence, state: State, ctype: str, data: bytes,
+        also: BackendWrite | None = None,
     ) -> tuple[bool, bool]:
         """Record, retrying for ``record_timeout`` (the lease is renewed meanwhile).
 
         Returns ``(recorded, folded)``: False when the store stayed unreachable (reported loudly);
         folded when ``also`` was written with it. Raises LeaseLost when another holder took over.
         """
-        key = attempt.key
+        key, token, claim_id = attempt.key, fence.token, fence.claim_id
         deadline = self.monotonic() + self.config.record_timeout
         delay = 0.05
         while True:
             try:
                 if also is None:
                     self.store.record(key, token, state=state, content_type=ctype, data=data,
-                                      ttl=self.config.ttl, **fence)
+                                      ttl=self.config.ttl, claim_id=claim_id)
                     return True, False
                 folded = self.store.record_with(key, token, state=state, content_type=ctype,
-                                                data=data, ttl=self.config.ttl, also=also, **fence)
+                                                data=data, ttl=self.config.ttl, also=also, claim_id=claim_id)
                 return True, bool(folded)
             except LeaseLost:
                 self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "record"})

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from .exceptions import LeaseLost, StoreUnavailable
-from .stores.base import Store
+from .stores.base import Fence, Store
 
 __all__ = ["Lease", "LeaseKeeper", "current_lease", "keeper"]
 
@@ -33,25 +33,27 @@ class Lease:
     Attributes:
         store: Where the claim lives.
         key: The claimed key.
-        token: The holder's fencing token.
+        fence: The holder's token and claim id, passed to each renewal.
         duration: Lease length in seconds.
         lost: Set when a renewal found that another holder took over (the body may check it
             through ``task.idempotency_lease_lost`` before a write it cannot take back).
         done: Set when the holder is finished; the keeper drops it.
         renewals: How many renewals succeeded.
-        claim_id: The claim's id (:attr:`Claim.claim_id`), passed with the token to each
-            renewal; empty for a store without claim ids.
     """
 
     store: Store
     key: str
-    token: int
+    fence: Fence
     duration: float
     done: bool = False
     renewals: int = 0
-    claim_id: str = ""
     # Made on first use: almost no lease is ever lost, and an Event costs CPU on every task.
     _lost: threading.Event | None = field(default=None, init=False, repr=False)
+
+    @property
+    def token(self) -> int:
+        """The holder's fencing token."""
+        return self.fence.token
 
     @property
     def lost(self) -> threading.Event:
@@ -83,10 +85,10 @@ class LeaseKeeper:
         self._wake_at = float("inf")
 
     def hold(
-        self, store: Store, key: str, token: int, duration: float, claim_id: str = ""
+        self, store: Store, key: str, fence: Fence, duration: float
     ) -> AbstractContextManager[Lease]:
         """Keep the lease of ``key`` alive until the ``with`` block ends."""
-        return _Held(self, Lease(store, key, token, duration, claim_id=claim_id))
+        return _Held(self, Lease(store, key, fence, duration))
 
     def _schedule(self, lease: Lease, due: float) -> None:
         with self._cond:
@@ -118,10 +120,8 @@ class LeaseKeeper:
             self._renew(lease)
 
     def _renew(self, lease: Lease) -> None:
-        # As the gate's fence: a store without claim ids may not take the argument.
-        fence = {"claim_id": lease.claim_id} if lease.claim_id else {}
         try:
-            lease.store.renew(lease.key, lease.token, lease.duration, **fence)
+            lease.store.renew(lease.key, lease.token, lease.duration, claim_id=lease.fence.claim_id)
         except LeaseLost as exc:
             if lease.done:  # a renewal delayed past the holder's own record, which fenced it
                 logger.debug("celery_idem late renewal refused key=%s token=%s: %s",

@@ -5,8 +5,7 @@
 * ``__call__`` (worker side, every pool and eager mode): read the key from the header (or derive
   it, for ``send_task`` by name), and run the body through the gate.
 
-The rest of the seam: ``app.py``, ``identity.py``, ``enqueue.py``, ``delivery.py``. Importing this
-module makes celery_idem's ``ImproperlyConfigured`` Celery's too (``adopt_celery_base``).
+The rest of the seam: ``app.py``, ``identity.py``, ``enqueue.py``, ``delivery.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
@@ -33,21 +32,17 @@ from .compat import push_fresh_request
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
 from .delivery import REQUEUES_HEADER, deliver
 from .enqueue import Answer, CachedResult, EnqueueRequest, Publish, ReadFirst, unsendable
-from .exceptions import adopt_celery_base
+from .exceptions import ImproperlyConfigured
 from .gate import Attempt, Gate
 from .identity import HEADER, failed_request, message_time
 from .keys import bind_arguments, signature_of
 from .lease import current_lease
 from .paths import enqueue_check, result_writer
+from .plugins import RECEIPTS, registered
 from .results import ResultWriter
-
-if TYPE_CHECKING:
-    from .contrib.django.receipts import DjangoReceiptTransaction
-    from .contrib.receipts import Receipt, ReceiptTransaction
 
 __all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 
-adopt_celery_base()
 
 logger = logging.getLogger("celery_idem")
 
@@ -55,7 +50,7 @@ class ReceiptFound(BaseException):
     """Raised out of ``idempotent_transaction`` when an earlier attempt committed the receipt
     (a BaseException, so a body's ``except Exception`` cannot swallow it)."""
 
-    def __init__(self, receipt: Receipt) -> None:
+    def __init__(self, receipt: Any) -> None:
         super().__init__(f"receipt found: {receipt!r}")
         self.receipt = receipt
 
@@ -223,7 +218,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def idempotent_transaction(
         self, session_or_connection: Any = None, *, commit: bool = True, table: str | None = None,
         using: str | None = None,
-    ) -> ReceiptTransaction | DjangoReceiptTransaction:
+    ) -> Any:
         """Write this action's receipt in the same SQL transaction as the body's own writes.
 
         Use it inside a bound body (``bind=True``)::
@@ -280,20 +275,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "codec": self._gate.codec, "ttl": self.idempotency_config.ttl,
             "lease_lost": lambda: self.idempotency_lease_lost, "on_found": ReceiptFound,
         }
-        tx: ReceiptTransaction | DjangoReceiptTransaction
-        # The receipts are add-ons (Django, or sqlalchemy), imported only when asked for.
-        if session_or_connection is None:
-            from .contrib.django.receipts import DjangoReceiptTransaction
-
-            tx = DjangoReceiptTransaction(
-                using=using or "default",
-                table=table or read.receipts_table or "celery_idem_receipts", **common)
-        else:
-            from .contrib.receipts import DEFAULT_RECEIPTS_TABLE, ReceiptTransaction
-
-            tx = ReceiptTransaction(
-                session_or_connection, commit=commit,
-                table=table or read.receipts_table or DEFAULT_RECEIPTS_TABLE, **common)
+        # The receipts are add-ons (Django's connection, or a SQLAlchemy one), found by kind.
+        kind = "django" if session_or_connection is None else "sqlalchemy"
+        point = registered(RECEIPTS).get(kind)
+        if point is None:
+            raise ImproperlyConfigured(
+                f"{self.name}: no {kind} receipts are installed (the {RECEIPTS!r} entry point "
+                f"group has none): pip install 'celery-idem[{'django' if kind == 'django' else 'sql'}]'")
+        tx = point.load()(session_or_connection, commit=commit, using=using or "default",
+                          table=table or read.receipts_table or "celery_idem_receipts", **common)
         req.idempotency_receipt_ = tx
         return tx
 

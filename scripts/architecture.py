@@ -19,9 +19,8 @@ What counts as an import (the edges of the graph):
   it) is an edge, whatever loads it. Naming a module in a string instead of importing it does
   not hide the dependency. The bare ``"celery_idem"`` is the package's logger name everywhere
   and is not counted (``from .. import x`` is).
-* Imports under ``if TYPE_CHECKING:`` are not edges: they never run. (Counting them would show
-  ``contrib.tools.runtime <-> formats`` and ``stores.sql.store <-> claims/fastpath``: type
-  annotations only.)
+* Imports under ``if TYPE_CHECKING:`` are not edges: they never run (and none of them closes
+  a cycle either).
 * Django migrations are left out (generated code, imported by Django only).
 """
 
@@ -56,20 +55,6 @@ SEAM = {
     "celery_idem.durability", "celery_idem.probe",
     "celery_idem.paths", "celery_idem.enqueue_redis", "celery_idem.results_redis",
 }
-
-#: Imports from a lower group into a higher one, each named on the page: the core loads a
-#: bundled add-on by name when it is asked for (an observer, a ``django://``, ``sentinel://`` or
-#: ``redis+cluster://`` store), and ``idempotent_transaction()`` imports its receipt inside the
-#: call: the Django one without a session, the SQLAlchemy one (``contrib.receipts``, which needs
-#: sqlalchemy) with one.
-UPWARD = {
-    ("celery_idem.app", "celery_idem.contrib.otel"),
-    ("celery_idem.stores", "celery_idem.contrib.django.store"),
-    ("celery_idem.stores", "celery_idem.contrib.redis_ha"),
-    ("celery_idem.task", "celery_idem.contrib.django.receipts"),
-    ("celery_idem.task", "celery_idem.contrib.receipts"),
-}
-
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its own name), migrations left out."""

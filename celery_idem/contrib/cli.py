@@ -49,7 +49,7 @@ from ..records import Record, State
 from ..stores.base import Store
 from ..task import IdempotentTask
 from . import ops
-from .cli_support import (
+from .cli_output import (
     EXIT_CHANGED,
     EXIT_NOT_FOUND,
     EXIT_OK,

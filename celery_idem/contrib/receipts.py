@@ -28,8 +28,6 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable
-from types import TracebackType
 from typing import Any, Final
 
 import sqlalchemy as sa
@@ -39,12 +37,12 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
-from ..codec import Codec
-from ..exceptions import LeaseLost
 from ..records import Receipt
 from ..stores.sql import data_type, db_now, new_metadata, text_type
+from ..stores.sql.schema import add_missing_columns
+from .receipt_flow import ReceiptFlow
 
-__all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "purge_receipts",
+__all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "open_receipt", "purge_receipts",
            "receipts_table"]
 
 logger = logging.getLogger("celery_idem")
@@ -52,7 +50,6 @@ logger = logging.getLogger("celery_idem")
 #: The receipts table unless ``app.conf.idempotency_receipts_table`` or ``table=`` says otherwise.
 DEFAULT_RECEIPTS_TABLE: Final = "celery_idem_receipts"
 
-_DIALECTS: Final = ("postgresql", "mysql", "mariadb", "sqlite")
 
 _tables: dict[str, sa.Table] = {}
 _tables_lock = threading.Lock()
@@ -111,6 +108,7 @@ def _ensure_table(conn: Connection, table: sa.Table) -> None:
         except sa_exc.DBAPIError:
             if not sa.inspect(engine).has_table(table.name):
                 raise  # not the race with another worker's CREATE: a real error
+        add_missing_columns(engine, table)  # MySQL/MariaDB: the byte-for-byte collation
     names.add(table.name)
 
 
@@ -127,121 +125,50 @@ def _insert_or_nothing(dialect: str, table: sa.Table) -> Any:
     return sa.insert(table).prefix_with("IGNORE")  # MySQL / MariaDB
 
 
-class ReceiptTransaction:
-    """The context manager behind ``task.idempotent_transaction(...)``: one receipt, one commit.
+class ReceiptTransaction(ReceiptFlow):
+    """The receipt of ``task.idempotent_transaction(session_or_connection)``: one receipt, one commit.
 
     Build it through :meth:`celery_idem.IdempotentTask.idempotent_transaction`, which supplies the
-    key, token and codec of the running attempt.
+    key, token and codec of the running attempt (the other arguments: :class:`ReceiptFlow`).
 
     Args:
         target: A SQLAlchemy ``Session`` or ``Connection`` to the business database.
-        key: The stored key (prefix + idempotency key).
-        token: The attempt's fencing token.
-        task_id: The attempt's task id.
-        codec: Encodes ``result`` for the receipt and decodes a found one.
-        ttl: Seconds the receipt counts (the task's ``idempotency_ttl``).
-        table: The receipts table name.
         commit: True: the block ends with a commit (and an error in it rolls back). False: the
-            receipt joins a transaction the caller commits (``with session.begin():``).
-        lease_lost: Returns True once another attempt took the claim over.
-        on_found: Turns a found receipt into the signal the task layer catches.
-
-    Attributes:
-        result: The value to keep in the receipt (set it inside the block); a later attempt that
-            finds the receipt returns it as the task's result.
-        held: True once this attempt inserted the receipt.
-        rolled_back: True once the block's transaction was rolled back here (``commit=True``
-            only): it left no receipt, so another block of the same run may follow.
+            receipt joins a transaction the caller commits (``with session.begin():``), and
+            ``rolled_back`` stays False.
     """
 
-    def __init__(
-        self,
-        target: Session | Connection,
-        *,
-        key: str,
-        token: int,
-        task_id: str,
-        codec: Codec,
-        ttl: float,
-        table: str = DEFAULT_RECEIPTS_TABLE,
-        commit: bool = True,
-        lease_lost: Callable[[], bool] = lambda: False,
-        on_found: Callable[[Receipt], BaseException] | None = None,
-    ) -> None:
+    def __init__(self, target: Session | Connection, *, table: str = DEFAULT_RECEIPTS_TABLE,
+                 commit: bool = True, **attempt: Any) -> None:
         if not isinstance(target, (Session, Connection)):
             hint = " (open one: `with engine.connect() as conn:`)" if isinstance(target, Engine) else ""
             raise TypeError(
                 f"idempotent_transaction needs a SQLAlchemy Session or Connection, got "
                 f"{type(target).__module__}.{type(target).__qualname__}{hint}"
             )
-        if not key or len(key) > 255:
-            # The key column is 255 characters; MySQL's INSERT IGNORE would truncate a longer
-            # key silently and make two actions share one receipt.
-            raise ValueError(
-                f"a receipt key must be 1 to 255 characters (idempotency_key_prefix + key), got "
-                f"{len(key)}: {key[:60]!r}..."
-            )
+        super().__init__(table=receipts_table(table), **attempt)
         self.target = target
-        self.key = key
-        self.token = token
-        self.task_id = task_id
-        self.codec = codec
-        self.ttl = float(ttl)
-        self.table = receipts_table(table)
         self.commit = commit
-        self.lease_lost = lease_lost
-        self.on_found = on_found
-        self.result: Any = None
-        self.held = False
-        self.rolled_back = False
-        self._entered = False
-
-    # -- the transaction's ends -----------------------------------------------------------------
 
     def _connection(self) -> Connection:
         # Session.connection() begins (or joins) the session's transaction on its bind.
         return self.target.connection() if isinstance(self.target, Session) else self.target
 
-    def _rollback(self) -> None:
-        self.target.rollback()
-        self.rolled_back = True
+    def _vendor(self) -> str:
+        return self._connection().dialect.name
 
-    # -- enter: the receipt first ---------------------------------------------------------------
+    def _end(self, error: BaseException | None) -> None:
+        if not self.commit:
+            return  # the caller's transaction: the caller commits or rolls back
+        if error is None:
+            self.target.commit()
+        else:
+            self.target.rollback()
+            self.rolled_back = True
 
-    def __enter__(self) -> ReceiptTransaction:
-        if self._entered:
-            raise RuntimeError("an idempotent_transaction can be entered once; make a new one")
-        self._entered = True
-        conn = self._connection()
+    def _acquire(self) -> Receipt | None:
+        conn, t = self._connection(), self.table
         dialect = conn.dialect.name
-        if dialect not in _DIALECTS:
-            raise TypeError(
-                f"idempotent_transaction supports PostgreSQL, MySQL/MariaDB and SQLite; this "
-                f"connection is {dialect!r}"
-            )
-        try:
-            found = self._acquire(conn, dialect)
-        except BaseException:
-            if self.commit:
-                self._rollback()
-            raise
-        if found is None:
-            self.held = True
-            return self
-        if self.commit:
-            self._rollback()  # nothing was written; leave the session/connection clean
-        logger.info(
-            "celery_idem receipt key=%s found (task %s, token %s): the transaction committed "
-            "earlier; returning its result without running the block",
-            self.key, found.task_id, found.token,
-        )
-        if self.on_found is None:
-            raise RuntimeError(f"the receipt of {self.key!r} exists: {found!r}")
-        raise self.on_found(found)
-
-    def _acquire(self, conn: Connection, dialect: str) -> Receipt | None:
-        """Insert (or take over an expired) receipt; return the live one found instead."""
-        t = self.table
         _ensure_table(conn, t)
         values = {"key": self.key, "token": self.token, "task_id": self.task_id,
                   "content_type": None, "data": None, "created": db_now(),
@@ -263,10 +190,7 @@ class ReceiptTransaction:
                 # Expired like its record: the action may run again, as on a fresh key.
                 conn.execute(sa.update(t).where(t.c.key == self.key).values(**values))
                 return None
-            if row["content_type"] is None:
-                value = None  # committed by a caller who kept a failed block's writes
-            else:
-                value = self.codec.decode_result(self.key, row["content_type"], row["data"] or b"")
+            value = self.decoded(row["content_type"], row["data"])
             return Receipt(self.key, int(row["token"]), str(row["task_id"]), value)
         raise RuntimeError(f"the receipt of {self.key!r} keeps disappearing (purged in a loop?)")
 
@@ -277,50 +201,17 @@ class ReceiptTransaction:
             return conn.execute(stmt.returning(self.table.c.key)).first() is not None
         return conn.execute(stmt).rowcount == 1  # INSERT IGNORE: 0 when the key exists
 
-    # -- exit: the result, then one commit --------------------------------------------------------
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            if self.commit:
-                self._rollback()
-            return  # the block's error propagates; with commit=False the caller rolls back
-        try:
-            self._finish()
-        except BaseException:
-            if self.commit:
-                self._rollback()
-            raise
-
-    def _finish(self) -> None:
-        try:
-            ctype, data = self.codec.encode_result(self.result)
-        except Exception as exc:
-            raise TypeError(
-                f"idempotent_transaction: tx.result of {self.key!r} cannot be encoded with the "
-                f"app's result serializer: {exc}; the transaction was rolled back"
-            ) from exc
-        if self.lease_lost():
-            # A takeover is already waiting on our receipt row: let it do the write, as the
-            # fencing token says, instead of committing from a holder the store disowned.
-            raise LeaseLost(
-                f"the claim of {self.key!r} (token {self.token}) was taken over before the "
-                f"commit; the transaction was rolled back",
-                key=self.key, token=self.token,
-            )
+    def _write_result(self, content_type: str, data: bytes) -> None:
         t = self.table
-        conn = self._connection()
-        conn.execute(
-            sa.update(t)
-            .where(t.c.key == self.key, t.c.token == self.token)
-            .values(content_type=ctype, data=data)
-        )
-        if self.commit:
-            self.target.commit()
+        self._connection().execute(sa.update(t).where(t.c.key == self.key, t.c.token == self.token)
+                                   .values(content_type=content_type, data=data))
+
+
+def open_receipt(target: Session | Connection, *, commit: bool, using: str,
+                 **attempt: Any) -> ReceiptTransaction:
+    """The ``celery_idem.receipts`` entry ``sqlalchemy``: the receipt of one attempt on
+    ``target`` (``using`` is Django's and does not apply)."""
+    return ReceiptTransaction(target, commit=commit, **attempt)
 
 
 def purge_receipts(bind: Engine | Connection, *, table: str = DEFAULT_RECEIPTS_TABLE,

@@ -233,6 +233,7 @@ class RedisSentinelStore(RedisStore):
     """
 
     accelerates: ClassVar[bool] = False  # no wire for Sentinel's managed pool
+    reads_transport_options: ClassVar[bool] = True  # master_name, as Celery's Sentinel backend
 
     def __init__(self, sentinel: Sentinel, master_name: str, prefix: str = DEFAULT_PREFIX, *,
                  wait_replicas: int = DEFAULT_WAIT_REPLICAS, wait_timeout: float = 1.0,

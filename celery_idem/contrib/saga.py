@@ -41,6 +41,7 @@ from ..exceptions import LeaseLost, StoreUnavailable, TerminalError
 from ..gate import Attempt, Gate, Requeue
 from ..keys import idempotency_key, payload_hash
 from ..lease import current_lease
+from ..stores.base import Fence
 
 if TYPE_CHECKING:
     from ..task import IdempotentTask
@@ -241,13 +242,11 @@ class Saga:
         """Refuse to start a step when another run has taken the saga over (fenced renew)."""
         try:
             held = current_lease.get()
-            if held is not None and held.key == self.key and held.token == self.token \
-                    and held.claim_id:
-                # The saga's own claim (the task's): named by its claim id too.
-                self._gate.store.renew(self.key, self.token, self._gate.config.lease,
-                                       claim_id=held.claim_id)
-            else:
-                self._gate.store.renew(self.key, self.token, self._gate.config.lease)
+            # The saga's own claim (the task's) is named by its claim id too.
+            fence = held.fence if held is not None and held.key == self.key \
+                and held.token == self.token else Fence(self.token)
+            self._gate.store.renew(self.key, fence.token, self._gate.config.lease,
+                                   claim_id=fence.claim_id)
         except LeaseLost as exc:
             raise LeaseLost(
                 f"saga {self.key!r} was taken over by another run (this run's token "

@@ -24,15 +24,16 @@ import base64
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import DEFAULT_PREFIX
-from ..exceptions import ImproperlyConfigured, LeaseLost
+from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost
 from ..records import Claim, Record, Reservation, State
 
-__all__ = ["BackendWrite", "DurabilityFinding", "Store", "lease_lost", "new_claim_id", "next_token"]
+__all__ = ["BackendWrite", "ClaimRaced", "DurabilityFinding", "Fence", "Store", "lease_lost",
+           "mysql_byte_collation", "new_claim_id", "next_token", "record_from_row"]
 
 #: Tokens are the store clock in microseconds (see :func:`next_token`).
 TOKEN_CLOCK_SCALE = 1_000_000
@@ -68,6 +69,54 @@ def lease_lost(verb: str, key: str, token: int, current: Record | None,
     else:
         why = f"{verb} of {key!r} refused: it is {current.state.value}"
     return LeaseLost(why, key=key, token=token)
+
+
+def mysql_byte_collation(mariadb: bool, version: tuple[int | str, ...]) -> str:
+    """The NO PAD binary collation of MySQL or MariaDB (``utf8mb4_bin`` ignores trailing spaces:
+    ``K`` and ``K `` would be one key); MySQL before 8.0.17 has none, ``utf8mb4_bin`` is closest."""
+    if mariadb:
+        return "utf8mb4_nopad_bin"
+    return "utf8mb4_0900_bin" if tuple(version[:3]) >= (8, 0, 17) else "utf8mb4_bin"
+
+
+class ClaimRaced(Exception):
+    """Raised inside a SQL store when the row a claim decided on changed before its write,
+    which wrote nothing (typically two first claims of an absent key: the loser's INSERT meets
+    the winner's row); the claim runs again on the winner's row."""
+
+
+def record_from_row(row: Mapping[str, Any], prefix: str, table: str) -> Record:
+    """The record of one SQL row by column name; CorruptRecord when it cannot be read (an
+    unknown state, a NULL where a value belongs)."""
+    key = str(row["key"])[len(prefix):]
+    try:
+        data, lease_expires = row["data"], row["lease_expires"]
+        return Record(
+            key=key, state=State(row["state"]), token=int(row["token"]), owner=str(row["owner"]),
+            task_id=str(row["task_id"]), attempt=int(row["attempt"]),
+            lease_expires=None if lease_expires is None else float(lease_expires),
+            payload_hash=row["payload_hash"], content_type=row["content_type"],
+            data=None if data is None else bytes(data), updated=float(row["updated"]),
+            claim_id=row["claim_id"] or "",
+        )
+    except (ValueError, TypeError) as exc:
+        raise CorruptRecord(f"the record of {key!r} in SQL table {table!r} cannot be read: {exc}",
+                            key=key) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """What names one claim to the fenced verbs (``record``, ``release``, ``renew``).
+
+    Attributes:
+        token: The claim's fencing token.
+        claim_id: The claim's random id (:attr:`Claim.claim_id`): a token number may be issued
+            again after the store lost data, the id is not. Empty: the token alone is checked
+            (an operator's release by token, say).
+    """
+
+    token: int
+    claim_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,6 +167,9 @@ class Store(abc.ABC):
 
     #: Whether ``from_url`` takes an ``accelerate`` option (see :mod:`celery_idem.paths`).
     accelerates: ClassVar[bool] = False
+    #: Whether ``from_url`` takes the app's ``result_backend_transport_options``
+    #: (``backend_transport_options``), as a Sentinel store does for its master's name.
+    reads_transport_options: ClassVar[bool] = False
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix
@@ -132,15 +184,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def claim(
-        self,
-        key: str,
-        *,
-        owner: str,
-        task_id: str,
-        attempt: int,
-        lease: float,
-        ttl: float,
-        payload_hash: str | None = None,
+        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+        payload_hash: str | None = None
     ) -> Claim:
         """Atomically claim ``key`` for one attempt, or say why not.
 
@@ -177,15 +222,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def record(
-        self,
-        key: str,
-        token: int,
-        *,
-        state: State,
-        content_type: str,
-        data: bytes,
-        ttl: float,
-        claim_id: str | None = None,
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+        claim_id: str | None = None
     ) -> None:
         """Atomically turn the caller's IN_PROGRESS record into DONE or FAILED. Fenced.
 
@@ -204,16 +242,8 @@ class Store(abc.ABC):
         """
 
     def record_with(
-        self,
-        key: str,
-        token: int,
-        *,
-        state: State,
-        content_type: str,
-        data: bytes,
-        ttl: float,
-        also: BackendWrite,
-        claim_id: str | None = None,
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float, also:
+        BackendWrite, claim_id: str | None = None
     ) -> bool:
         """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can.
 
@@ -334,6 +364,11 @@ class Store(abc.ABC):
         Raises:
             StoreUnavailable: The store could not be reached.
         """
+        return []
+
+    def replication_warnings(self) -> list[str]:
+        """What an operator must hear at worker start about the store's replicas (a store that
+        waits for too few connected ones fails every write); none by default."""
         return []
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores have nothing to close

@@ -52,15 +52,8 @@ class MemoryStore(Store):
         return entry[0]
 
     def claim(
-        self,
-        key: str,
-        *,
-        owner: str,
-        task_id: str,
-        attempt: int,
-        lease: float,
-        ttl: float,
-        payload_hash: str | None = None,
+        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+        payload_hash: str | None = None
     ) -> Claim:
         with self._lock:
             now = self._clock()
@@ -94,7 +87,7 @@ class MemoryStore(Store):
         """The caller's record (its token, its claim id, one of ``states``), else LeaseLost."""
         rec = self._live(key, now)
         if rec is None or rec.token != token or rec.state not in states \
-                or (claim_id is not None and rec.claim_id != claim_id):
+                or (claim_id and rec.claim_id != claim_id):
             raise lease_lost(verb, key, token, rec, claim_id)
         return rec
 

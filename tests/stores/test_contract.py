@@ -265,6 +265,16 @@ def test_keys_differing_only_in_case_are_different_keys(store: Store) -> None:
     assert claim(store, "refund:x").status is ClaimStatus.CLAIMED
 
 
+def test_keys_differing_only_in_trailing_spaces_are_different_keys(store: Store) -> None:
+    # MySQL/MariaDB's PAD SPACE collations would make these one row (and one primary key).
+    first = claim(store, "K")
+    assert first.status is ClaimStatus.CLAIMED
+    assert claim(store, "K ").status is ClaimStatus.CLAIMED
+    done(store, "K", first.token)
+    answered = store.get("K ")
+    assert answered is not None and answered.state is State.IN_PROGRESS
+
+
 # -- fenced writes ----------------------------------------------------------------------------
 
 

@@ -425,3 +425,29 @@ def test_a_table_made_before_claim_ids_gets_the_column_on_first_use_and_its_rows
     again = make_store()
     fresh = claim(again, "k2")
     assert fresh.status is ClaimStatus.CLAIMED and fresh.claim_id
+
+
+@pytest.mark.parametrize("backend_url", store_kinds("mysql"), indirect=True)
+def test_a_mariadb_table_with_a_trailing_space_blind_collation_gets_the_byte_for_byte_one(
+    make_store: Callable[..., SQLStore],
+) -> None:
+    store = make_store()
+    # The table as an earlier celery_idem made it: its text columns in utf8mb4_bin (PAD SPACE)
+    old = sa.Table(store._table.name, sa.MetaData(), *(
+        sa.Column(c.name, sa.dialects.mysql.VARCHAR(c.type.length, charset="utf8mb4",
+                                                   collation="utf8mb4_bin")
+                  if isinstance(c.type, sa.String) else c.type,
+                  primary_key=c.primary_key, nullable=c.nullable)
+        for c in store._table.c))
+    old.create(store._engine)
+    first = claim(store, "K")  # the first verb changes the collation
+    with store._engine.connect() as conn:
+        collations = dict(conn.execute(sa.text(
+            "SELECT COLUMN_NAME, COLLATION_NAME FROM information_schema.COLUMNS "
+            "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = :t AND COLLATION_NAME IS NOT NULL"),
+            {"t": old.name}).all())
+    assert set(collations.values()) == {"utf8mb4_nopad_bin"}, collations
+    assert first.status is ClaimStatus.CLAIMED
+    assert claim(store, "K ").status is ClaimStatus.CLAIMED
+    # A second store on the same table (another worker) finds it changed already
+    assert claim(make_store(), "K  ").status is ClaimStatus.CLAIMED

@@ -50,9 +50,18 @@ def test_the_tree_has_the_documented_shape() -> None:
 
 
 def test_improperly_configured_is_also_celerys() -> None:
-    assert issubclass(ImproperlyConfigured, celery.exceptions.ImproperlyConfigured)
     with pytest.raises(celery.exceptions.ImproperlyConfigured):
         raise ImproperlyConfigured("bad")
+    with pytest.raises(ImproperlyConfigured):
+        raise ImproperlyConfigured("bad")
+    assert type(ImproperlyConfigured("a")) is type(ImproperlyConfigured("b"))
+
+
+def test_no_class_is_rebuilt_at_runtime() -> None:
+    # The public class keeps the bases it was defined with; Celery's comes in by a subclass.
+    assert ImproperlyConfigured.__bases__ == (IdempotencyError,)
+    exc = ImproperlyConfigured("bad")
+    assert type(exc).__name__ == "ImproperlyConfigured" and type(exc).__module__ == exceptions.__name__
 
 
 def test_every_exception_in_the_module_is_in_its_all_and_exported_by_the_package() -> None:

@@ -35,7 +35,7 @@ from celery_idem.exceptions import (
 from celery_idem.gate import Attempt, Gate, Requeue
 from celery_idem.lease import Lease, LeaseKeeper
 from celery_idem.records import Claim, ClaimStatus, Record, State
-from celery_idem.stores.base import BackendWrite, Store
+from celery_idem.stores.base import BackendWrite, Fence, Store
 from celery_idem.stores.memory import MemoryStore
 
 KEY = "charge_card:0123456789abcdef0123456789abcdef"
@@ -104,9 +104,8 @@ class NoRenewals(LeaseKeeper):
         self.held: list[Lease] = []
 
     @contextmanager
-    def hold(self, store: Store, key: str, token: int, duration: float,
-             claim_id: str = "") -> Iterator[Lease]:
-        lease = Lease(store, key, token, duration, claim_id=claim_id)
+    def hold(self, store: Store, key: str, fence: Fence, duration: float) -> Iterator[Lease]:
+        lease = Lease(store, key, fence, duration)
         self.held.append(lease)
         try:
             yield lease
@@ -122,9 +121,8 @@ class SpyKeeper(LeaseKeeper):
         self.held: list[Lease] = []
 
     @contextmanager
-    def hold(self, store: Store, key: str, token: int, duration: float,
-             claim_id: str = "") -> Iterator[Lease]:
-        with super().hold(store, key, token, duration, claim_id) as lease:
+    def hold(self, store: Store, key: str, fence: Fence, duration: float) -> Iterator[Lease]:
+        with super().hold(store, key, fence, duration) as lease:
             self.held.append(lease)
             yield lease
 
@@ -1266,7 +1264,7 @@ def test_a_renewal_that_arrives_after_the_holders_own_record_is_not_a_lost_lease
     claim = world.memory.claim(KEY, owner="o", task_id="t1", attempt=0, lease=LEASE, ttl=TTL)
     world.memory.record(KEY, claim.token, state=State.DONE, content_type="application/json",
                         data=b"1", ttl=TTL)
-    lease = Lease(world.memory, KEY, claim.token, LEASE)
+    lease = Lease(world.memory, KEY, Fence(claim.token), LEASE)
     lease.done = True
     # When a renewal delayed past that record reaches the store
     with caplog.at_level(logging.DEBUG, logger="celery_idem"):
@@ -1279,6 +1277,6 @@ def test_a_renewal_that_arrives_after_the_holders_own_record_is_not_a_lost_lease
     assert [r for r in mine if r.levelno >= logging.ERROR] == []
     assert "late renewal refused" in caplog.text
     # And the same refusal for a holder still running is a lost lease
-    live = Lease(world.memory, KEY, claim.token, LEASE)
+    live = Lease(world.memory, KEY, Fence(claim.token), LEASE)
     LeaseKeeper()._renew(live)
     assert live.lost.is_set()

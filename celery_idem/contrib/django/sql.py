@@ -7,11 +7,7 @@ from typing import Any
 
 from ...stores.base import TOKEN_CLOCK_SCALE
 
-__all__ = ["ClaimRaced", "Dialect", "status_sql"]
-
-
-class ClaimRaced(Exception):
-    """The row a claim decided on changed before its write, which wrote nothing."""
+__all__ = ["Dialect", "status_sql"]
 
 
 class Dialect:

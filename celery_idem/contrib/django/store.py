@@ -34,11 +34,11 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from ...config import DEFAULT_PREFIX
-from ...exceptions import CorruptRecord, ImproperlyConfigured, StoreUnavailable
+from ...exceptions import ImproperlyConfigured, StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
-from ...stores.base import Store, lease_lost, new_claim_id, next_token
+from ...stores.base import ClaimRaced, Store, lease_lost, new_claim_id, next_token, record_from_row
 from .lifecycle import close_at_thread_exit, in_task, is_psycopg3, refresh_connection
-from .sql import ClaimRaced, Dialect, status_sql
+from .sql import Dialect, status_sql
 
 __all__ = ["DjangoStore"]
 
@@ -213,42 +213,13 @@ class DjangoStore(Store):
         return self.prefix + key
 
     def _record(self, row: Sequence[Any]) -> Record:
-        values = dict(zip(COLUMNS, row, strict=False))
-        key = str(values["key"])[len(self.prefix):]
-        try:
-            data = values["data"]
-            lease_expires = values["lease_expires"]
-            return Record(
-                key=key,
-                state=State(values["state"]),
-                token=int(values["token"]),
-                owner=str(values["owner"]),
-                task_id=str(values["task_id"]),
-                attempt=int(values["attempt"]),
-                lease_expires=None if lease_expires is None else float(lease_expires),
-                payload_hash=values["payload_hash"],
-                content_type=values["content_type"],
-                data=None if data is None else bytes(data),
-                updated=float(values["updated"]),
-                claim_id=values["claim_id"] or "",
-            )
-        except (ValueError, TypeError) as exc:
-            raise CorruptRecord(
-                f"the record of {key!r} in table {self.table_name!r} cannot be read: {exc}",
-                key=key) from exc
+        return record_from_row(dict(zip(COLUMNS, row, strict=False)), self.prefix, self.table_name)
 
     # -- claim --------------------------------------------------------------------------------
 
     def claim(
-        self,
-        key: str,
-        *,
-        owner: str,
-        task_id: str,
-        attempt: int,
-        lease: float,
-        ttl: float,
-        payload_hash: str | None = None,
+        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+        payload_hash: str | None = None
     ) -> Claim:
         """Atomically claim ``key`` for one attempt, or say why not (see :meth:`Store.claim`).
 

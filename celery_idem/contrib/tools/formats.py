@@ -9,20 +9,36 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
-from .outcome import OUTCOME_SCHEMA
+from .outcome import OUTCOME_SCHEMA, ToolKind
 from .schema import ToolError
 from .validation import validate
-
-if TYPE_CHECKING:
-    from .runtime import Tool
 
 __all__ = ["anthropic_spec", "langchain_tool", "mcp_annotations", "mcp_spec", "openai_spec",
            "pydantic_ai_tool", "strict_schema"]
 
 
-def openai_spec(tool: Tool, api: Literal["chat", "responses"] = "chat", *,
+class FormattedTool(Protocol):
+    """What a format reads of a :class:`~celery_idem.contrib.tools.Tool` (a Protocol, so this
+    module imports nothing of the runtime that calls it)."""
+
+    kind: ToolKind
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    title: str | None
+    destructive: bool
+    open_world: bool
+
+    def invoke(self, arguments: Any, timeout: float | None = None, *,
+               scope: str | None = None) -> dict[str, Any]: ...
+
+    async def ainvoke(self, arguments: Any, timeout: float | None = None, *,
+                      scope: str | None = None) -> dict[str, Any]: ...
+
+
+def openai_spec(tool: FormattedTool, api: Literal["chat", "responses"] = "chat", *,
                 strict: bool = False) -> dict[str, Any]:
     """The tool in OpenAI's format (see :meth:`~celery_idem.contrib.tools.Tool.openai`)."""
     function: dict[str, Any] = {"name": tool.name, "description": tool.description,
@@ -39,12 +55,12 @@ def openai_spec(tool: Tool, api: Literal["chat", "responses"] = "chat", *,
     return {"type": "function", "function": function}
 
 
-def anthropic_spec(tool: Tool) -> dict[str, Any]:
+def anthropic_spec(tool: FormattedTool) -> dict[str, Any]:
     """The tool in Anthropic's Messages API format: ``name``, ``description``, ``input_schema``."""
     return {"name": tool.name, "description": tool.description, "input_schema": tool.parameters}
 
 
-def mcp_annotations(tool: Tool) -> dict[str, Any]:
+def mcp_annotations(tool: FormattedTool) -> dict[str, Any]:
     """MCP tool annotations (see :meth:`~celery_idem.contrib.tools.Tool.annotations`)."""
     hints: dict[str, Any] = {"title": tool.title} if tool.title else {}
     if tool.kind == "read":
@@ -55,7 +71,7 @@ def mcp_annotations(tool: Tool) -> dict[str, Any]:
     return hints
 
 
-def mcp_spec(tool: Tool) -> dict[str, Any]:
+def mcp_spec(tool: FormattedTool) -> dict[str, Any]:
     """The tool as an MCP ``Tool`` (JSON, as ``tools/list`` sends it)."""
     return {"name": tool.name, "description": tool.description,
             "inputSchema": tool.parameters,
@@ -63,7 +79,7 @@ def mcp_spec(tool: Tool) -> dict[str, Any]:
             "annotations": mcp_annotations(tool)}
 
 
-def langchain_tool(tool: Tool, scope: str | None = None) -> Any:
+def langchain_tool(tool: FormattedTool, scope: str | None = None) -> Any:
     """The tool as a LangChain ``StructuredTool`` (see :meth:`~celery_idem.contrib.tools.Tool.langchain`).
 
     Raises:
@@ -85,7 +101,7 @@ def langchain_tool(tool: Tool, scope: str | None = None) -> Any:
                                         args_schema=tool.parameters)
 
 
-def pydantic_ai_tool(tool: Tool, scope: str | None = None) -> Any:
+def pydantic_ai_tool(tool: FormattedTool, scope: str | None = None) -> Any:
     """The tool as a pydantic-ai ``Tool`` (see :meth:`~celery_idem.contrib.tools.Tool.pydantic_ai`).
 
     Raises:

@@ -22,10 +22,10 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.selectable import FromClause
 
 from ...records import ClaimStatus, State
-from ..base import next_token
+from ..base import ClaimRaced, next_token
 from .schema import db_now, token_for
 
-__all__ = ["HOLDS", "ClaimArgs", "ClaimRaced", "build_pg_claim", "select_then_write"]
+__all__ = ["HOLDS", "ClaimArgs", "build_pg_claim", "select_then_write"]
 
 #: The claim statuses under which the caller holds the key (the claim wrote its row).
 HOLDS: Final = (ClaimStatus.CLAIMED.value, ClaimStatus.TAKEOVER.value)
@@ -91,25 +91,13 @@ class ClaimArgs:
     def values(self, *, now: ColumnElement[float], token: Any) -> dict[str, Any]:
         """The IN_PROGRESS row a taking claim writes, in column order."""
         return {
-            "key": self.key,
-            "state": sa.literal(State.IN_PROGRESS.value, sa.String),
-            "token": token,
-            "owner": self.owner,
-            "task_id": self.task_id,
-            "attempt": self.attempt,
+            "key": self.key, "state": sa.literal(State.IN_PROGRESS.value, sa.String), "token": token,
+            "owner": self.owner, "task_id": self.task_id, "attempt": self.attempt,
             "lease_expires": now + self.lease,
             "payload_hash": sa.null() if self.payload_hash is None else self.payload_hash,
-            "content_type": sa.null(),
-            "data": sa.null(),
-            "updated": now,
-            "expires": now + self.ttl,
+            "content_type": sa.null(), "data": sa.null(), "updated": now, "expires": now + self.ttl,
             "claim_id": self.claim_id,
         }
-
-
-class ClaimRaced(Exception):
-    """The row a claim decided on changed before its write, which wrote nothing (typically two
-    first claims of an absent key: the loser's INSERT meets the winner's row)."""
 
 
 def _decide(t: sa.Table, args: ClaimArgs) -> sa.Select[Any]:

@@ -6,6 +6,7 @@ same types, not copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import sqlalchemy as sa
@@ -18,7 +19,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 
 from ...exceptions import ImproperlyConfigured
-from ..base import TOKEN_CLOCK_SCALE
+from ..base import TOKEN_CLOCK_SCALE, mysql_byte_collation
 
 __all__ = ["DEFAULT_TABLE_NAME", "add_missing_columns", "data_type", "db_now", "new_metadata",
            "records_table", "text_type", "token_for"]
@@ -65,19 +66,30 @@ def token_for(previous: ColumnElement[Any], now: ColumnElement[float]) -> Column
     return sa.case((after > micros, after), else_=micros)
 
 
+class KeyText(sa.String):
+    """A ``VARCHAR`` that compares byte for byte on every database (:func:`text_type`)."""
+
+    cache_ok = True
+
+
+@compiles(KeyText, "mysql")
+@compiles(KeyText, "mariadb")
+def _key_text_mysql(element: KeyText, compiler: Any, **kw: Any) -> str:
+    collation = mysql_byte_collation(compiler.dialect.is_mariadb, compiler.dialect.server_version_info or ())
+    return f"VARCHAR({element.length}) CHARACTER SET utf8mb4 COLLATE {collation}"
+
+
 def text_type(length: int) -> sa.types.TypeEngine[str]:
     """A ``VARCHAR(length)`` that compares byte for byte on every database.
 
     MySQL's default collations are case- and accent-insensitive (``Refund:ab`` and ``refund:ab``
-    would be one key); the binary one compares like every other store (but for trailing spaces,
-    which celery_idem's keys never end in).
+    would be one key), and its ``_bin`` ones ignore trailing spaces (``K`` and ``K `` would be
+    one key): the column takes the NO PAD binary collation (:func:`mysql_byte_collation`).
 
     Args:
         length: The column's length in characters.
     """
-    return sa.String(length).with_variant(
-        mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-    )
+    return KeyText(length)
 
 
 def data_type() -> sa.types.TypeEngine[bytes]:
@@ -118,31 +130,61 @@ def records_table(name: str = DEFAULT_TABLE_NAME) -> sa.Table:
 
 
 def add_missing_columns(engine: Engine, table: sa.Table) -> None:
-    """Add to ``table`` on ``engine`` the columns a table made by an earlier version lacks.
+    """Bring ``table`` on ``engine``, as an earlier version made it, to this schema.
 
-    Each is nullable without a default: an instant change on PostgreSQL, MySQL 8 and SQLite.
+    Adds the columns it lacks (each nullable without a default: an instant change on
+    PostgreSQL, MySQL 8 and SQLite), and on MySQL/MariaDB gives a text column the byte-for-byte
+    collation it lacks (a table rebuild, once).
 
     Raises:
-        ImproperlyConfigured: The column is missing and the store's user may not add it.
+        ImproperlyConfigured: The change is needed and the store's user may not make it.
     """
-    existing = {c["name"] for c in sa.inspect(engine).get_columns(table.name)}
+    def columns() -> set[str]:
+        return {c["name"] for c in sa.inspect(engine).get_columns(table.name)}
+
     preparer = engine.dialect.identifier_preparer
+    existing = columns()
     for column in [c for c in table.c if c.name not in existing]:
-        ddl = (f"ALTER TABLE {preparer.format_table(table)} ADD COLUMN "
-               f"{preparer.format_column(column)} "
-               f"{column.type.compile(dialect=engine.dialect)}")
-        try:
-            with engine.begin() as conn:
-                conn.exec_driver_sql(ddl)
-        except sa_exc.DBAPIError as exc:
-            # Another worker added it meanwhile, or this user may not alter the table.
-            now = {c["name"] for c in sa.inspect(engine).get_columns(table.name)}
-            if column.name in now:
-                continue
-            if exc.connection_invalidated:
-                raise  # an outage, not a refusal: StoreUnavailable from the caller's seam
-            raise ImproperlyConfigured(
-                f"the SQL store's table {table.name!r} lacks the column "
-                f"{column.name!r} (made by an earlier celery_idem) and it cannot be added: "
-                f"{exc.orig}; run: {ddl}"
-            ) from exc
+        def added(name: str = column.name) -> bool:
+            return name in columns()
+
+        _alter(engine, table, f"ADD COLUMN {preparer.format_column(column)} "
+                              f"{column.type.compile(dialect=engine.dialect)}", added)
+    if engine.dialect.name not in ("mysql", "mariadb"):
+        return
+    stale = [c for c in table.c if isinstance(c.type, KeyText) and c.name in _stale_collations(engine, table)]
+    if stale:
+        _alter(engine, table, ", ".join(
+            f"MODIFY COLUMN {preparer.format_column(c)} {c.type.compile(dialect=engine.dialect)} "
+            f"{'NULL' if c.nullable else 'NOT NULL'}" for c in stale),
+            lambda: not set(_stale_collations(engine, table)) & {c.name for c in stale})
+
+
+def _stale_collations(engine: Engine, table: sa.Table) -> list[str]:
+    """The text columns of ``table`` (MySQL/MariaDB) whose collation is not the byte-for-byte one."""
+    with engine.connect() as conn:
+        dialect: Any = engine.dialect  # MySQLDialect: is_mariadb, known once connected
+        wanted = mysql_byte_collation(dialect.is_mariadb, dialect.server_version_info or ())
+        rows = conn.execute(sa.text(
+            "SELECT COLUMN_NAME, COLLATION_NAME FROM information_schema.COLUMNS "
+            "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = :name AND COLLATION_NAME IS NOT NULL"),
+            {"name": table.name}).all()
+    return [name for name, collation in rows if collation != wanted]
+
+
+def _alter(engine: Engine, table: sa.Table, change: str, done: Callable[[], bool]) -> None:
+    """``ALTER TABLE table change``; ``done`` says whether another worker made it meanwhile."""
+    ddl = f"ALTER TABLE {engine.dialect.identifier_preparer.format_table(table)} {change}"
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(ddl)
+    except sa_exc.DBAPIError as exc:
+        # Another worker made the change meanwhile, or this user may not alter the table.
+        if done():
+            return
+        if exc.connection_invalidated:
+            raise  # an outage, not a refusal: StoreUnavailable from the caller's seam
+        raise ImproperlyConfigured(
+            f"the SQL store's table {table.name!r} (made by an earlier celery_idem) needs a "
+            f"change it cannot make: {exc.orig}; run: {ddl}"
+        ) from exc

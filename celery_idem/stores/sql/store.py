@@ -20,10 +20,10 @@ from sqlalchemy.sql.elements import ColumnElement
 from ...accel.sql_psycopg import PsycopgPath, RawSession, psycopg_path
 from ...accel.sql_taskmeta import TaskMetaWrite, build_fold, fold_params
 from ...config import DEFAULT_PREFIX
-from ...exceptions import CorruptRecord, StoreUnavailable
+from ...exceptions import StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
-from ..base import BackendWrite, Store, lease_lost, new_claim_id
-from .claims import HOLDS, ClaimArgs, ClaimRaced, build_pg_claim, select_then_write
+from ..base import BackendWrite, ClaimRaced, Store, lease_lost, new_claim_id, record_from_row
+from .claims import HOLDS, ClaimArgs, build_pg_claim, select_then_write
 from .engine import build_engine, sqlalchemy_url
 from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, records_table
 
@@ -90,12 +90,9 @@ class VerbStatements:
         claim_id: sa.BindParameter[str] = sa.bindparam("idem_claim_id", type_=t.c.claim_id.type)
         # Only the holder's live IN_PROGRESS row: the fence of record, release and renew. The
         # claim id names the claim beside the token ('' = a caller that checks the token alone).
-        fenced = sa.and_(
-            *live,
-            t.c.token == sa.bindparam("idem_token"),
-            sa.or_(claim_id == "", t.c.claim_id == claim_id),
-            t.c.state == State.IN_PROGRESS.value,
-        )
+        fenced = sa.and_(*live, t.c.token == sa.bindparam("idem_token"),
+                         sa.or_(claim_id == "", t.c.claim_id == claim_id),
+                         t.c.state == State.IN_PROGRESS.value)
         lease = sa.bindparam("idem_lease", type_=sa.Double)
         # The record must outlive the lease too: a body running past the TTL keeps its record
         # (and with it the token that fences every earlier holder).
@@ -109,12 +106,9 @@ class VerbStatements:
                      "data": None, "updated": db_now()}
         return cls(
             record=sa.update(t).where(fenced).values(
-                state=sa.bindparam("idem_state"),
-                content_type=sa.bindparam("idem_content_type"),
-                data=sa.bindparam("idem_data", type_=t.c.data.type),
-                lease_expires=None,
-                updated=db_now(),
-                expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
+                state=sa.bindparam("idem_state"), content_type=sa.bindparam("idem_content_type"),
+                data=sa.bindparam("idem_data", type_=t.c.data.type), lease_expires=None,
+                updated=db_now(), expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
             ),
             release=sa.update(t).where(fenced).values(**tombstone, claim_id=None),
             renew=renew,
@@ -123,8 +117,7 @@ class VerbStatements:
             get=sa.select(t).where(*live),
             expires=sa.select(t.c.expires).where(*live),
             forget=sa.update(t).where(
-                *live,
-                t.c.token == sa.bindparam("idem_token"),
+                *live, t.c.token == sa.bindparam("idem_token"),
                 sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
             ).values(**tombstone),
         )
@@ -155,13 +148,8 @@ class SQLStore(Store):
     accelerates = True
 
     def __init__(
-        self,
-        url: str,
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        table_name: str = DEFAULT_TABLE_NAME,
-        engine_options: Mapping[str, Any] | None = None,
-        accelerate: bool | None = None,
+        self, url: str, *, prefix: str = DEFAULT_PREFIX, table_name: str = DEFAULT_TABLE_NAME, engine_options:
+        Mapping[str, Any] | None = None, accelerate: bool | None = None
     ) -> None:
         super().__init__(prefix)
         self._engine = build_engine(sqlalchemy_url(url), engine_options or {})
@@ -260,43 +248,13 @@ class SQLStore(Store):
         return self.prefix + key
 
     def _record(self, row: Row) -> Record:
-        """The record of one row; CorruptRecord when it cannot be read (an unknown state, a NULL)."""
-        key = str(row["key"])[len(self.prefix) :]
-        try:
-            data = row["data"]
-            lease_expires = row["lease_expires"]
-            return Record(
-                key=key,
-                state=State(row["state"]),
-                token=int(row["token"]),
-                owner=str(row["owner"]),
-                task_id=str(row["task_id"]),
-                attempt=int(row["attempt"]),
-                lease_expires=None if lease_expires is None else float(lease_expires),
-                payload_hash=row["payload_hash"],
-                content_type=row["content_type"],
-                data=None if data is None else bytes(data),
-                updated=float(row["updated"]),
-                claim_id=row["claim_id"] or "",
-            )
-        except (ValueError, TypeError) as exc:
-            raise CorruptRecord(
-                f"the record of {key!r} in SQL table {self._table.name!r} cannot be read: {exc}",
-                key=key,
-            ) from exc
+        return record_from_row(row, self.prefix, self._table.name)
 
     # -- claim --------------------------------------------------------------------------------
 
     def claim(
-        self,
-        key: str,
-        *,
-        owner: str,
-        task_id: str,
-        attempt: int,
-        lease: float,
-        ttl: float,
-        payload_hash: str | None = None,
+        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+        payload_hash: str | None = None
     ) -> Claim:
         """Claim ``key`` (see :meth:`Store.claim`), deciding on the database clock.
 
@@ -349,15 +307,8 @@ class SQLStore(Store):
     # -- fenced writes ------------------------------------------------------------------------
 
     def record(
-        self,
-        key: str,
-        token: int,
-        *,
-        state: State,
-        content_type: str,
-        data: bytes,
-        ttl: float,
-        claim_id: str | None = None,
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+        claim_id: str | None = None
     ) -> None:
         """One fenced UPDATE (see :meth:`Store.record`)."""
         params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
@@ -365,16 +316,8 @@ class SQLStore(Store):
             self._unmatched_record(key, token, state, claim_id)
 
     def record_with(
-        self,
-        key: str,
-        token: int,
-        *,
-        state: State,
-        content_type: str,
-        data: bytes,
-        ttl: float,
-        also: BackendWrite,
-        claim_id: str | None = None,
+        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float, also:
+        BackendWrite, claim_id: str | None = None
     ) -> bool:
         """:meth:`record`, and Celery's database result row in the same statement (PostgreSQL).
 

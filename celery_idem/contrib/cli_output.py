@@ -1,7 +1,8 @@
-"""What the ``celery -A proj idem`` commands share: exit codes, options, the store, formatting.
+"""What the ``celery -A proj idem`` commands show an operator, and how they end.
 
-The commands themselves are in :mod:`celery_idem.contrib.cli`; this module holds the pieces
-they have in common (split out so that neither module is over 600 lines).
+The commands (:mod:`celery_idem.contrib.cli`) ask; this module answers in the operator's terms:
+exit codes and error documents, the options that choose what is shown (``--json``, ``--task``,
+``--decode``, ``--reason``), and records, leases, expiries and live decisions as text or JSON.
 
 Everything the commands print that came from the store or the broker (keys, owners, task ids,
 error text, task names in events) goes through :func:`celery_idem.contrib.ops.shown` or

@@ -1185,7 +1185,7 @@ per cent as noise (the per-repetition figures show the spread).
   per-repetition ratios (each system against the plain batch just before it). Every result is
   checked against its action (a peer's failed results are counted instead). Each
   `idem/<store> (accel off)` system is that store on its own worker whose app, producer and
-  worker, sets `idempotency_accelerate = False` (celery_idem/accel/ off, the plain paths).
+  worker, sets `idempotency_accelerate = False` (every fast path off, the plain twins).
 * **Gate**: `Gate.run` with a no-op body, each call timed on its own (median, p90), wall time and
   the calling thread's CPU time; what is compared (the gate and a trivial EVALSHA, a verb and the
   EVALSHA) is timed in turn in one loop, so both see the same machine conditions. Redis round

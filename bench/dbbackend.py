@@ -7,7 +7,7 @@ Three systems, interleaved (A B C A B C ...), each a batch of unique no-op tasks
 
 * ``plain``: ``@app.task``, Celery writes the result row through its ORM session;
 * ``idem``: ``IdempotentTask``, the record's statement writes Celery's row too (the fold, see
-  celery_idem/accel/db_results.py);
+  celery_idem/results_db.py);
 * ``idem, not folded``: the same with ``idempotency_fold_results = False`` (the record, then
   Celery's own write: what IdempotentTask did before the fold).
 

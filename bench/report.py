@@ -108,6 +108,6 @@ def machine(redis_client: Any, pg_version: str | None, cpu_ref_ms: float | None 
         # the "(accel off)" systems beside the default ones either way (their apps' setting), and
         # the PostgreSQL micro-bench times both paths in one run. CELERY_IDEM_ACCELERATE=0 turns
         # every system off.
-        "accelerations (celery_idem/accel)": (
+        "accelerations (the fast paths)": (
             "on" if accelerate_switch() else f"off ({ACCELERATE_ENV}={os.environ.get(ACCELERATE_ENV, '')})"),
     }

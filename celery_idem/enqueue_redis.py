@@ -1,31 +1,23 @@
 """The enqueue check within the Redis publish, and the memory of this process's own messages.
 
-The fast twin of :class:`celery_idem.enqueue.ReadFirst` (the record read, or the key reserved,
-then the message published: two round trips). When the broker is kombu's Redis transport on the
-same server and database as a plain :class:`~celery_idem.stores.redis.RedisStore`, the check
-rides on the publish: the message is pushed by a script (``lua/publish.lua``) that pushes it
-only when the record is not done or failed (and, for an enqueue that may attach, reserves the
-key), and otherwise hands back what it found. One round trip, and the check and the push are
-one atomic step. What it buys (``python -m bench.accel``, ``delay()`` of a unique key): 8% of
-the producer's time per message against reading first, more with the store farther away
-(docs/benchmarks.md, "Each fast path alone").
+The fast twin of :class:`celery_idem.enqueue.ReadFirst` (read or reserve, then publish: two
+round trips). When the broker is kombu's Redis transport on the server and database of a plain
+:class:`~celery_idem.stores.redis.RedisStore`, a script (``lua/publish.lua``) pushes the message
+only when the record is not done or failed (reserving the key for an enqueue that may attach),
+and otherwise hands back what it found: one atomic round trip. What it buys (``python -m
+bench.accel``, ``delay()`` of a unique key): 8% of the producer's time per message.
 
-The hook is the channel's ``_put`` (where kombu's Redis transport pushes a message to its
-queue list), replaced on the channel *instance* the task publishes on, never on kombu's class.
-It acts only on the message whose ``idempotency_key`` header is the key being enqueued in this
-context, and notes what it found on that enqueue's :class:`_Pending` instead of pushing; every
-other publish goes to kombu's own ``_put``. A publish kombu would make in more than one command
-(a publish batch, a queue with ``x-expires``) reads the record first inside the hook.
+The hook is ``_put`` on the channel *instance* the task publishes on, never on kombu's class.
+It acts only on the message whose ``idempotency_key`` header is the key enqueued in this
+context and notes what it found on that enqueue's :class:`_Pending`; every other publish goes to
+kombu's own ``_put``. A publish of more than one command (a batch, a queue with ``x-expires``)
+reads the record first inside the hook. An enqueue answered from the record has paid for its
+message already, so the check rides on the publish only while few enqueues are answered
+(:attr:`WithinPublish.THRESHOLD`).
 
-The price falls on an enqueue that *is* answered from the record: Celery has built and encoded
-its message by then (and subscribed to its result when the backend is Redis: undone here). So
-the check rides on the publish while few of a task's enqueues are answered (a running share,
-:attr:`WithinPublish.THRESHOLD`), and reads first when many are (duplicates).
-
-:meth:`WithinPublish.mine` remembers, for a moment, the keys this process reserved for the
-messages it published: a copy enqueued while its own message is in flight attaches to it with
-no store round trip: on the duplicates workload, 3.4x plain Celery against 2.6x when every
-copy asks the store (docs/benchmarks.md, "In-flight copies").
+:meth:`WithinPublish.mine` remembers, for a moment, the keys this process reserved for its own
+messages: a copy enqueued while one is in flight attaches to it with no store round trip (on
+the duplicates workload 3.4x plain Celery against 2.6x; docs/benchmarks.md, "In-flight copies").
 """
 
 from __future__ import annotations

@@ -9,15 +9,10 @@ Every exception derives from one root, so ``except IdempotencyError`` catches th
     ├── StoreUnavailable
     ├── CorruptRecord
     ├── InvalidKey               (also a ValueError: a key, scope or key header refused)
-    └── ImproperlyConfigured     (also a celery.exceptions.ImproperlyConfigured: see below)
+    └── ImproperlyConfigured     (also Celery's, once ``celery.exceptions`` is loaded)
 
 Each class passes only its message to ``Exception.__init__`` and keeps the rest as attributes,
-so ``str()`` is the message and pickling (Celery's result backend) keeps type and attributes.
-
-This module imports no Celery. Still, every :class:`ImproperlyConfigured` raised in a process
-that has loaded ``celery.exceptions`` (as whoever writes ``except
-celery.exceptions.ImproperlyConfigured`` has) is Celery's ``ImproperlyConfigured`` too: it is an
-instance of a subclass of both, made once, on first need.
+so ``str()`` is the message and pickling keeps type and attributes. No Celery is imported here.
 """
 
 from __future__ import annotations

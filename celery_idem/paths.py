@@ -54,7 +54,7 @@ def result_writer(task: Any, store: Store) -> ResultWriter | None:
     if not (read.accelerate and read.fold_results):
         return None
     # Celery's database backend on the store's PostgreSQL, else its Redis backend.
-    from .accel.db_results import database_result_writer
+    from .results_db import database_result_writer
 
     database = database_result_writer(task, store)
     if database is not None:

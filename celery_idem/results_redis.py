@@ -1,34 +1,22 @@
 """Celery's Redis result backend, its result written in fewer round trips: the fast twin of
 :class:`celery_idem.results.ResultWriter` (Celery's own write).
 
-After a body, a plain Celery worker stores the result with two round trips (the Redis
-backend first ``GET``\\ s the old meta so a late duplicate cannot overwrite a success, then
-``SET``\\ s the meta and ``PUBLISH``\\ es it); an ``IdempotentTask`` adds its own record before
-that. Two shortcuts, both with the meta built by the backend's own methods (``encode_result``,
-``_get_result_meta``, ``encode``, ``get_key_for_task``), so it is byte for byte what Celery
-would store:
+A plain worker stores a result in two round trips (``GET`` of the old meta so a late duplicate
+cannot overwrite a success, then ``SET`` + ``PUBLISH``). Here the meta is built by the
+backend's own methods (byte for byte what Celery would store) and written:
 
-* **Folded**: when the result backend and the idempotency store are the same Redis server and
-  database (the default: the store is derived from ``result_backend``), the record script
-  writes the backend's meta too (``Store.record_with``, the store's seam). One round trip
-  instead of three.
-* **Direct**: otherwise (a PostgreSQL store, a Redis store elsewhere, a duplicate answered from
-  its record), the task writes the meta with the backend's own ``set`` (``SET`` + ``PUBLISH``
-  in one pipeline, the backend's retry policy) and skips the ``GET``. One round trip instead
-  of two.
+* **folded**, when the backend and the store are the same Redis server and database: the record
+  script writes it too (``Store.record_with``). One round trip instead of three;
+* **directly** otherwise: the backend's own ``set``, without the ``GET``. One instead of two.
 
-Either way the tracer's own write is then skipped (``request.ignore_result``, which Celery
-checks in ``mark_as_done``). The ``GET`` is not needed: it keeps a late duplicate from
-overwriting a success, and here only the holder whose fenced record was accepted writes, or a
-duplicate that was answered with that same recorded result. When the direct write fails, Celery
-writes the result itself as usual (its ``result_backend_always_retry`` included). Neither
-shortcut is taken where Celery's own path is needed: eager runs, ignored results, callbacks,
-chains and chords (Celery stores those after it has sent the next tasks, so the meta can list
-them as children), or a backend class that overrides how results are stored.
+Either way the tracer's own write is skipped (``request.ignore_result``). The ``GET`` is not
+needed: only the holder whose fenced record was accepted writes, or a duplicate answered with
+that same result. A failed direct write is left to Celery. Eager runs, ignored results,
+callbacks, chains, chords and backend classes that store results their own way keep Celery's
+path.
 
-What it buys (``python -m bench.accel``, the worker's side of a task through Celery's tracer):
-about 30% of an ``IdempotentTask``'s time per task against Celery writing the result itself
-(docs/benchmarks.md, "Each fast path alone").
+What it buys (``python -m bench.accel``): about 30% of an ``IdempotentTask``'s time per task
+against Celery writing the result itself (docs/benchmarks.md, "Each fast path alone").
 """
 
 from __future__ import annotations

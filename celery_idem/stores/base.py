@@ -248,7 +248,7 @@ class Store(abc.ABC):
         """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can.
 
         The seam of the result fold, an acceleration (:mod:`celery_idem.results_redis`,
-        :mod:`celery_idem.accel.db_results`): with accelerations off no task calls it. Raises
+        :mod:`celery_idem.results_db`): with accelerations off no task calls it. Raises
         what :meth:`record` raises.
 
         Returns:

@@ -1,35 +1,23 @@
 """The Redis store's hot path to the server: one packed command, one reply, no redis-py layers.
 
 The fast twin of the store's plain scripts (see :mod:`celery_idem.paths`): :func:`wire_scripts`
-wraps them (redis-py's registered ``Script`` objects, ``RedisStore._scripts``) in
-:class:`WireScripts`, which runs the same ``EVALSHA`` on a :class:`Wire`.
+wraps them (``RedisStore._scripts``) in :class:`WireScripts`, which runs the same ``EVALSHA`` on
+a :class:`Wire`. Through ``redis.Redis`` a command also pays for a pool checkout, a retry
+wrapper, per-argument encoding and response callbacks: about 100 µs of client CPU against 20 µs
+on a raw socket. :class:`Wire` keeps what matters of that path:
 
-A store verb is one Redis command (an ``EVALSHA``, or the producer's ``GET``). Through
-``redis.Redis`` each one also pays for a connection-pool checkout (a lock, a readiness probe of
-three system calls, metrics), a retry wrapper with its closures, per-argument encoding and
-response callbacks: about 100 µs of client CPU, against about 20 µs for the same command on a
-raw socket (docs/benchmarks.md). :class:`Wire` keeps what matters of that path and drops the
-rest:
+* connections come from the client's own pool (its settings, TLS, credentials, fork handling)
+  and stay checked out in a small free list of the store's;
+* before reuse, one ``poll`` tells whether the server closed the connection or left unread
+  data: it is then reconnected *before* the command is sent, so no command is sent twice;
+* the command is packed by hiredis (or in Python) and the reply read by the connection's parser.
 
-* connections come from the client's own pool (its settings, limits, TLS, credentials, fork
-  handling) and stay checked out in a small free list of the store's, so a verb takes one
-  (``list.pop``, atomic) and puts it back after the reply;
-* before reuse, one ``poll`` tells whether the server closed the connection meanwhile (a restart,
-  an idle timeout) or left unread data: it is then reconnected *before* the command is sent,
-  as the pool's own readiness check does, so no command is ever sent twice;
-* the command is packed by hiredis in one call (or in Python without it);
-* the reply is read by the connection's own parser (health checks, timeouts and the
-  disconnect-on-error of redis-py stay as they are).
+An error leaves the connection disconnected and raises, as the client does with the store's
+default ``Retry(NoBackoff(), 0)``. A client with retries, a single connection, client-side
+caching, RESP3 or another pool class (Sentinel, Cluster) gets no wire (:func:`wire_for`).
 
-An error leaves the connection disconnected (redis-py's own send and read do that) and raises,
-exactly as the client does with the store's default ``Retry(NoBackoff(), 0)``. A client with
-retries configured, a single-connection client, client-side caching, RESP3 (maintenance
-notifications) or another pool class (Sentinel, Cluster) does not get a wire: the store keeps
-calling redis-py for it (:func:`wire_for` returns None).
-
-What it buys (``python -m bench.accel``, the worker's side of a task through Celery's tracer):
-about a fifth of an ``IdempotentTask``'s time per task against redis-py's scripts
-(docs/benchmarks.md, "Each fast path alone").
+What it buys (``python -m bench.accel``): about a fifth of an ``IdempotentTask``'s time per
+task against redis-py's scripts (docs/benchmarks.md, "Each fast path alone").
 """
 
 from __future__ import annotations

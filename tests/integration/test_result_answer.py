@@ -90,7 +90,7 @@ def test_an_answer_under_a_chosen_id_costs_one_round_trip_more_than_the_read(
     echo = make_app(idempotency_fold_results=fold)
     trips = RoundTrips(monkeypatch)
     # The check rides on the publish (one script reads the record, and pushes only a message
-    # whose key is not done), or reads the record first (see celery_idem.accel.enqueue_check.WithinPublish).
+    # whose key is not done), or reads the record first (see celery_idem.enqueue_redis.WithinPublish).
     if not within_publish and echo._enqueue_check is not None:
         echo._enqueue_check.possible = False
     echo.apply_async(("v",), task_id="warm-" + uuid.uuid4().hex)  # connections, scripts

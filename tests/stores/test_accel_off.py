@@ -12,13 +12,13 @@ from typing import Any, NoReturn
 
 import pytest
 
-from celery_idem.accel import sql_psycopg
 from celery_idem.config import ACCELERATE_ENV
 from celery_idem.records import State
 from celery_idem.stores import redis_wire
 from celery_idem.stores.base import Store
 from celery_idem.stores.redis import RedisStore
 from celery_idem.stores.sql import SQLStore
+from celery_idem.stores.sql import psycopg as sql_psycopg
 
 from .support import LONG, claim, drop_table
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not accelerate_switch(), reason="accelerations o
 
 
 def _wire(store: RedisStore) -> Wire | None:
-    """The store's wire, if its scripts go over one (celery_idem.accel.redis_wire.WireScripts)."""
+    """The store's wire, if its scripts go over one (celery_idem.stores.redis_wire.WireScripts)."""
     return getattr(store._scripts, "wire", None)
 
 

@@ -2,7 +2,7 @@
 same exceptions as the SQLAlchemy path.
 
 On ``postgresql+psycopg`` the store runs its pre-built statements on the pooled psycopg
-connection itself (see celery_idem/accel/sql_psycopg.py). Its semantics are the store contract's,
+connection itself (see celery_idem/stores/sql/psycopg.py). Its semantics are the store contract's,
 tested in test_contract.py. Here, against the real server:
 
 * round trips are counted at the wire: libpq's protocol trace of the store's one pooled
@@ -31,7 +31,6 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
 
 from celery_idem import IdempotentTask
-from celery_idem.accel.sql_psycopg import KEPT_CURSOR, KEPT_RESULT_BYTES, RawSession
 from celery_idem.codec import KombuCodec
 from celery_idem.config import accelerate_switch
 from celery_idem.exceptions import LeaseLost, StoreUnavailable
@@ -39,6 +38,7 @@ from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores.sql import SQLStore
 from celery_idem.stores.sql.claims import ClaimArgs
+from celery_idem.stores.sql.psycopg import KEPT_CURSOR, KEPT_RESULT_BYTES, RawSession
 from celery_idem.stores.sql.store import SASession
 
 from .support import LONG, claim, drop_table, poll

@@ -16,11 +16,11 @@ import pytest
 import sqlalchemy as sa
 from celery.backends.database.models import TaskExtended
 
-from celery_idem.accel.sql_taskmeta import TaskMetaWrite
 from celery_idem.exceptions import LeaseLost
 from celery_idem.records import State
 from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.sql import SQLStore
+from celery_idem.stores.sql.taskmeta import TaskMetaWrite
 
 from .support import LONG, claim, drop_table, poll
 

@@ -32,8 +32,8 @@ PG = "db+postgresql+psycopg://u@127.0.0.1:1/x"
 #: The fast twins: none of them is imported with the switch off.
 FAST_MODULES = frozenset({
     "celery_idem.enqueue_redis", "celery_idem.results_redis", "celery_idem.stores.redis_wire",
-    "celery_idem.accel.sql_psycopg", "celery_idem.accel.db_results",
-    "celery_idem.accel.sql_taskmeta",
+    "celery_idem.stores.sql.psycopg", "celery_idem.results_db",
+    "celery_idem.stores.sql.taskmeta",
 })
 
 
@@ -177,3 +177,16 @@ def test_a_round_trip_with_the_switch_off_imports_no_fast_module(
     else:  # the control: the same run with the switch on loads the Redis fast twins
         assert {"celery_idem.enqueue_redis", "celery_idem.results_redis",
                 "celery_idem.stores.redis_wire"} <= loaded
+
+
+def test_a_sql_store_switched_off_imports_no_fast_module() -> None:
+    script = ("import json, sys\nfrom celery_idem.stores import store_from_url\n"
+              f"store = store_from_url({PG!r}, options={{'accelerate': False}})\n"
+              "assert store._psycopg is None\nstore.close()\n"
+              "print(json.dumps(sorted(n for n in sys.modules if n.startswith('celery_idem'))))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert "celery_idem.stores.sql.store" in loaded
+    assert sorted(loaded & FAST_MODULES) == []

@@ -1,4 +1,4 @@
--- The enqueue check folded into the publish (celery_idem/accel/redis_enqueue.py): push the
+-- The enqueue check folded into the publish (celery_idem/enqueue_redis.py): push the
 -- message unless the key's record answers it, in one round trip.
 -- KEYS[1]: the broker's queue list; KEYS[2]: the record; KEYS[3]: its reservation (only with
 -- ARGV[2] = '1'). ARGV[1]: the message, as kombu packs it. ARGV[2]: '1' when this enqueue may

@@ -7,12 +7,13 @@ as absent but keeps its token until :meth:`SQLStore.purge_expired` deletes it, s
 still gets a higher token (:func:`token_for`). Engines run in autocommit and without pre-ping;
 each verb is one statement but where docs/stores.md ("Statements") counts more per dialect. A
 refused fenced verb reads the row once more to say why (not the hot path). On PostgreSQL
-through psycopg 3 the statements may run on psycopg's own connection: an acceleration
-(:mod:`celery_idem.accel.sql_psycopg`).
+through psycopg 3 the statements may run on psycopg's own connection: the fast twin
+(:mod:`celery_idem.stores.sql.psycopg`).
 
 Modules, imports running down the list: ``schema`` (the table, types and clock; public),
 ``engine`` (URL -> engine), ``claims`` (the claim's decision and statements), ``store``
-(:class:`SQLStore`: the other statements, the verbs, the errors).
+(:class:`SQLStore`: the other statements, the verbs, the errors); the store's fast twins,
+imported only when it takes them: ``psycopg`` and ``taskmeta`` (Celery's result row).
 """
 
 from __future__ import annotations

@@ -10,15 +10,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection
 from sqlalchemy.sql.elements import ColumnElement
 
-from ...accel.sql_psycopg import PsycopgPath, RawSession, psycopg_path
-from ...accel.sql_taskmeta import TaskMetaWrite, build_fold, fold_params
 from ...config import DEFAULT_PREFIX
 from ...exceptions import StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
@@ -26,6 +24,9 @@ from ..base import BackendWrite, ClaimRaced, Store, lease_lost, new_claim_id, re
 from .claims import HOLDS, ClaimArgs, build_pg_claim, select_then_write
 from .engine import build_engine, sqlalchemy_url
 from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, records_table
+
+if TYPE_CHECKING:  # the fast twins, imported when the store takes them
+    from .psycopg import PsycopgPath, RawSession
 
 __all__ = ["SASession", "SQLStore"]
 
@@ -55,8 +56,8 @@ _OUTAGES: Final = (
 class SASession:
     """The plain path of ``SQLStore._session``: statements through a SQLAlchemy ``Connection``.
 
-    PostgreSQL through psycopg 3 may run them on psycopg's connection instead: an acceleration
-    (:class:`celery_idem.accel.sql_psycopg.RawSession`) with the same ``execute``.
+    PostgreSQL through psycopg 3 may run them on psycopg's connection instead: the fast twin
+    (:class:`celery_idem.stores.sql.psycopg.RawSession`) with the same ``execute``.
     """
 
     def __init__(self, conn: Connection) -> None:
@@ -134,8 +135,7 @@ class SQLStore(Store):
         engine_options: Extra keyword arguments for :func:`sqlalchemy.create_engine`
             (``pool_size``, ``connect_args``, ...); they win over the store's defaults.
         accelerate: On PostgreSQL through psycopg 3, run the verbs on psycopg's connection
-            (:mod:`celery_idem.accel.sql_psycopg`; see :func:`celery_idem.accel.enabled`;
-            None: on unless switched off).
+            (:mod:`celery_idem.stores.sql.psycopg`); the app passes its acceleration switch.
 
     Attributes:
         url: The SQLAlchemy URL the store connects to (its ``repr`` hides the password).
@@ -149,7 +149,7 @@ class SQLStore(Store):
 
     def __init__(
         self, url: str, *, prefix: str = DEFAULT_PREFIX, table_name: str = DEFAULT_TABLE_NAME, engine_options:
-        Mapping[str, Any] | None = None, accelerate: bool | None = None
+        Mapping[str, Any] | None = None, accelerate: bool = True
     ) -> None:
         super().__init__(prefix)
         self._engine = build_engine(sqlalchemy_url(url), engine_options or {})
@@ -163,10 +163,13 @@ class SQLStore(Store):
         # more client CPU than its round trip); the claim once per shape (build_pg_claim).
         self._pg_claims: dict[bool, sa.Select[Any]] = {}
         self._verbs = VerbStatements.build(self._table)
-        # The seam: psycopg 3's connection (an acceleration), or None: SQLAlchemy's, the plain path.
-        self._psycopg: PsycopgPath | None = (
-            psycopg_path(self._engine) if accelerate is not False else None)
-        # record_with's statements, per Celery result table and column set (accel.sql_taskmeta).
+        # The seam: psycopg 3's connection (the fast twin), or None: SQLAlchemy's, the plain path.
+        self._psycopg: PsycopgPath | None = None
+        if accelerate and self.dialect == "postgresql" and self._engine.dialect.driver == "psycopg":
+            from .psycopg import PsycopgPath
+
+            self._psycopg = PsycopgPath(self._engine)
+        # record_with's statements, per Celery result table and column set (.taskmeta).
         self._folds: dict[tuple[sa.Table, tuple[str, ...]], sa.Select[Any]] = {}
         self._fold_refused = False
 
@@ -212,7 +215,7 @@ class SQLStore(Store):
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[SASession | RawSession]:
-        """A pooled session for the verbs' statements (SQLAlchemy's, or accel's), errors translated."""
+        """A pooled session for the verbs' statements (SQLAlchemy's, or psycopg's), errors translated."""
         if self._psycopg is None:
             with self._connect() as conn:
                 yield SASession(conn)
@@ -321,21 +324,25 @@ class SQLStore(Store):
     ) -> bool:
         """:meth:`record`, and Celery's database result row in the same statement (PostgreSQL).
 
-        The result fold's seam (:mod:`celery_idem.accel.db_results`): a
-        :class:`~celery_idem.accel.sql_taskmeta.TaskMetaWrite` ``also`` is written exactly when
+        The result fold's seam (:mod:`celery_idem.results_db`): a
+        :class:`~celery_idem.stores.sql.taskmeta.TaskMetaWrite` ``also`` is written exactly when
         the record is; otherwise, or on another dialect, only the record is written.
 
         Returns:
             True when Celery's row was written in the record's statement, else False.
         """
-        if isinstance(also, TaskMetaWrite) and also.table is not None \
-                and self.dialect == "postgresql" and not self._fold_refused:
+        # Only the database result writer builds a write with a table (and imports .taskmeta).
+        table = getattr(also, "table", None)
+        if table is not None and self.dialect == "postgresql" and not self._fold_refused:
+            from .taskmeta import TaskMetaWrite, build_fold, fold_params
+
+            assert isinstance(also, TaskMetaWrite)
             params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
             columns = tuple(also.row)
-            fold = self._folds.get((also.table, columns))
+            fold = self._folds.get((table, columns))
             if fold is None:
-                fold = self._folds[(also.table, columns)] = build_fold(
-                    self._verbs.record, self._table, also.table, columns)
+                fold = self._folds[(table, columns)] = build_fold(
+                    self._verbs.record, self._table, table, columns)
             try:
                 _, row = self._execute(fold, {**params, **fold_params(also)})
             except sa_exc.DBAPIError as exc:
@@ -344,7 +351,7 @@ class SQLStore(Store):
                 self._fold_refused = True
                 logger.warning("celery_idem cannot write Celery's result row %s in the record's "
                                "statement, leaving it to Celery from now on: %s",
-                               also.table.fullname, getattr(exc, "orig", exc))
+                               table.fullname, getattr(exc, "orig", exc))
             else:
                 assert row is not None  # the statement always returns its one row
                 if row["recorded"] != 1:

@@ -1,7 +1,7 @@
 """The SQL store's statements on psycopg's connection itself (PostgreSQL + psycopg 3).
 
-An acceleration (see :mod:`celery_idem.accel`) at ``SQLStore._session``, whose plain path runs
-the statements through a SQLAlchemy ``Connection`` (``SASession`` in ``stores.sql.store``). Here
+The fast twin of ``SQLStore._session``, whose plain path runs the statements through a
+SQLAlchemy ``Connection`` (``SASession`` in :mod:`.store`), imported only with accelerations on. Here
 each statement is compiled once (:class:`RawStatement`) and run on the pooled psycopg
 connection as a server-side prepared statement with plain tuples (:class:`RawSession`),
 raising what SQLAlchemy would raise, so the store translates errors the same way.
@@ -21,26 +21,20 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 
 __all__ = ["KEPT_CURSOR", "KEPT_RESULT_BYTES", "PsycopgPath", "RawSession", "RawStatement",
-           "psycopg_classes", "psycopg_path"]
+           "psycopg_classes"]
 
-# As celery_idem.stores.sql.store's (not imported: accel depends on no store module here).
+# As .store's (not imported: the store imports this module, when it accelerates).
 Row: TypeAlias = Mapping[Any, Any]
 Outcome: TypeAlias = "tuple[int, Row | None]"
 Statement: TypeAlias = "sa.Select[Any] | sa.Update"
 
 
-def psycopg_path(engine: Engine) -> PsycopgPath | None:
-    """The psycopg path for ``engine``, or None unless it is PostgreSQL through psycopg 3.
-
-    psycopg2, pg8000, ... keep SQLAlchemy's path: their parameter handling differs.
-    """
-    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
-        return None
-    return PsycopgPath(engine)
-
-
 class PsycopgPath:
-    """Sessions on pooled psycopg connections, and the statements compiled for them."""
+    """Sessions on pooled psycopg connections, and the statements compiled for them.
+
+    Only for PostgreSQL through psycopg 3: psycopg2, pg8000, ... keep SQLAlchemy's path (their
+    parameter handling differs).
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -245,7 +239,7 @@ class RawSession:
             if disconnect:
                 # Like SQLAlchemy: drop this connection, and every pooled connection older
                 # than now on its next checkout (a server restart killed them all). Pool's
-                # private _invalidate (listed in celery_idem.accel); without it, this one only.
+                # private _invalidate (listed in compat.PRIVATE_NAMES); without it, this one only.
                 invalidate = getattr(engine.pool, "_invalidate", None)
                 if invalidate is not None:
                     invalidate(self._fairy, exc)

@@ -1,14 +1,14 @@
 """Celery's database result backend, its result row written in the record's own statement.
 
-An acceleration (see :mod:`celery_idem.accel`), as :mod:`celery_idem.results_redis`; the plain path is
-Celery's own result write.
+The fast twin of :class:`celery_idem.results.ResultWriter`, as :mod:`celery_idem.results_redis`;
+the plain path is Celery's own result write.
 
 With ``result_backend = "db+postgresql://..."`` and the idempotency store in the same database
 (the default: the store is derived from ``result_backend``), a plain Celery worker stores each
 result through the backend's ORM session (a pre-ping, a SELECT, an INSERT, an UPDATE, a COMMIT)
 after an ``IdempotentTask`` has recorded it in its own transaction. Here the record's fenced
-UPDATE writes Celery's row too (:mod:`.sql_taskmeta`, through ``SQLStore.record_with``): one statement, one
-commit, and the tracer's own write is skipped, as with the Redis fold.
+UPDATE writes Celery's row too (:mod:`.stores.sql.taskmeta`, through ``SQLStore.record_with``):
+one statement, one commit, and the tracer's own write is skipped, as with the Redis fold.
 
 The row's values are Celery's own: the backend's ``encode_result`` and ``_update_result`` fill a
 transient instance of its model (``task_cls``), and each column is read off it; the table is
@@ -31,8 +31,8 @@ from typing import Any, Final
 
 from celery.states import SUCCESS
 
-from ..results import ResultWriter
-from ..stores.base import BackendWrite, Store
+from .results import ResultWriter
+from .stores.base import BackendWrite, Store
 
 __all__ = ["DatabaseResultWriter", "database_result_writer"]
 
@@ -80,7 +80,7 @@ class DatabaseResultWriter(ResultWriter):
             result: The value, or for ``FAILURE`` the exception.
             state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
         """
-        from .sql_taskmeta import TaskMetaWrite
+        from .stores.sql.taskmeta import TaskMetaWrite
 
         if self.left_to_celery(request):
             return None
@@ -114,13 +114,13 @@ def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | No
         from celery.backends.database import DatabaseBackend
         from sqlalchemy.engine import make_url
 
-        from ..stores.sql import SQLStore
+        from .stores.sql import SQLStore
     except ImportError:  # no SQLAlchemy: neither the backend nor the store can exist
         return None
     backend = task.backend
     cls = type(backend)
     if not hasattr(DatabaseBackend, "_update_result"):
-        return None  # a Celery without it: results are left to Celery (accel.PRIVATE_NAMES)
+        return None  # a Celery without it: results are left to Celery (compat.PRIVATE_NAMES)
     if not isinstance(backend, DatabaseBackend) or any(
         getattr(cls, name, None) is not getattr(DatabaseBackend, name) for name in _STORE_PATH
     ):

@@ -17,9 +17,9 @@ fenced UPDATE can write that row too, in the same statement::
 One statement, one transaction, one WAL flush, where there were two transactions (the record,
 then Celery's). The row is written only when the record is (``FROM rec``: the same fence, token
 and claim id), and like Celery's own write it never replaces a SUCCESS row. Its values are the
-ones Celery's backend computes (see :mod:`celery_idem.accel.db_results`); this module only knows
-the table. Part of the result fold (an acceleration, see :mod:`celery_idem.accel`): used by
-``SQLStore.record_with``, the fold's seam in the SQL store.
+ones Celery's backend computes (see :mod:`celery_idem.results_db`); this module only knows
+the table. Part of the result fold (a fast path): used by ``SQLStore.record_with``, the fold's
+seam in the SQL store, and imported only when a fold is asked for.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Final
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from ..stores.base import BackendWrite
+from ..base import BackendWrite
 
 __all__ = ["TaskMetaWrite", "build_fold", "fold_params"]
 

@@ -26,20 +26,9 @@ from .version import __version__
 if _typing.TYPE_CHECKING:
     from .task import CachedResult, IdempotentTask
 
-__all__ = [
-    "CachedResult",
-    "CorruptRecord",
-    "IdempotencyError",
-    "IdempotencyKeyMismatch",
-    "IdempotentTask",
-    "ImproperlyConfigured",
-    "InvalidKey",
-    "LeaseLost",
-    "StoreUnavailable",
-    "TerminalError",
-    "__version__",
-    "idempotency_key",
-]
+__all__ = ["CachedResult", "CorruptRecord", "IdempotencyError", "IdempotencyKeyMismatch",
+           "IdempotentTask", "ImproperlyConfigured", "InvalidKey", "LeaseLost",
+           "StoreUnavailable", "TerminalError", "__version__", "idempotency_key"]
 
 #: Names served by the Celery seam, loaded on first access.
 _SEAM_NAMES = ("CachedResult", "IdempotentTask")

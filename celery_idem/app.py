@@ -26,17 +26,8 @@ from .stores.base import Store
 if TYPE_CHECKING:
     from celery import Task
 
-__all__ = [
-    "check_pool",
-    "check_worker",
-    "emit_answer",
-    "emit_decision",
-    "events_enabled",
-    "forget_store",
-    "get_store",
-    "owner_id",
-    "release_held_logs",
-]
+__all__ = ["check_pool", "check_worker", "emit_answer", "emit_decision", "events_enabled",
+           "forget_store", "get_store", "owner_id", "release_held_logs"]
 
 logger = logging.getLogger("celery_idem")
 

@@ -22,20 +22,9 @@ from typing import Any
 
 from .exceptions import IdempotencyKeyMismatch, ImproperlyConfigured, TerminalError
 
-__all__ = [
-    "DEFAULT_PREFIX",
-    "KNOWN_OPTIONS",
-    "MIN_LEASE",
-    "MIN_PERIOD",
-    "IdempotencyConfig",
-    "Settings",
-    "check_app_settings",
-    "check_options",
-    "default_release_on",
-    "forget_settings",
-    "near_miss",
-    "settings",
-]
+__all__ = ["DEFAULT_PREFIX", "KNOWN_OPTIONS", "MIN_LEASE", "MIN_PERIOD", "IdempotencyConfig",
+           "Settings", "check_app_settings", "check_options", "default_release_on",
+           "forget_settings", "near_miss", "settings"]
 
 #: Attributes with the prefix that are not options (set by the library at run time).
 _RUNTIME_ATTRIBUTES = frozenset({"idempotency_key", "idempotency_token", "idempotency_config"})

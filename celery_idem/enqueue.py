@@ -33,10 +33,8 @@ from .results import ResultWriter, recorded_outcome, store_answer
 if TYPE_CHECKING:
     from celery import Task
 
-__all__ = [
-    "Answer", "CachedResult", "Decision", "EnqueueRequest", "Publish", "ReadFirst",
-    "answer_from_record", "answer_request", "restore_cached", "unsendable",
-]
+__all__ = ["Answer", "CachedResult", "Decision", "EnqueueRequest", "Publish", "ReadFirst",
+           "answer_from_record", "answer_request", "restore_cached", "unsendable"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -44,9 +42,8 @@ logger = logging.getLogger("celery_idem")
 class CachedResult(MetaHook, EagerResult):  # type: ignore[misc]
     """The result of an enqueue that found its key already recorded: nothing was published.
 
-    Its value is known, so ``get()`` returns it (or raises the recorded error) at once. It is
-    bound to the app's result backend, so it works in a ``ResultSet`` or ``GroupResult`` like
-    any ``AsyncResult`` (``get``, ``join``, ``join_native``, ``collect``).
+    ``get()`` returns the value (or raises the recorded error) at once; bound to the app's
+    result backend, it works in a ``ResultSet`` or ``GroupResult`` like any ``AsyncResult``.
 
     Attributes:
         id: The task id the caller chose (``task_id=``, a frozen signature, a chain step, a
@@ -66,17 +63,12 @@ class CachedResult(MetaHook, EagerResult):  # type: ignore[misc]
         self.backend = app.backend if app is not None else None
         self._waited_on = False
         self._waiters: list[Any] = []
-        # Set while then() registers this handle with the result consumer (see then()).
-        self._registering = False
+        self._registering = False  # while then() registers this handle with the result consumer
         self._resolved_early = False
 
     def then(self, callback: Any, on_error: Any = None, weak: bool = False) -> Any:
-        """Call ``callback`` now (the result is ready); a barrier it completes fires later.
-
-        A ResultSet's barrier whose results are all ready while it is built never fires by
-        itself: it is fired when the result consumer hands this id's meta back during
-        ``join_native``, if it counted every result (never twice: that would fire it early).
-        """
+        """Call ``callback`` now (the result is ready); a ResultSet's barrier it completes is
+        fired when the result consumer hands this id's meta back during ``join_native``."""
         if self.backend is not None and self.backend.is_async:
             self._waited_on = True
             self._waiters.append(callback)
@@ -86,9 +78,8 @@ class CachedResult(MetaHook, EagerResult):  # type: ignore[misc]
             finally:
                 self._registering = False
             if self._resolved_early:
-                # The consumer handed over buffered meta at once, before the barrier was
-                # finalized, and did not register this handle: register it again, so the
-                # join's own fetch hands the meta over when the barrier can fire.
+                # The consumer handed buffered meta over before the barrier was finalized:
+                # register again, so the join's own fetch hands it over when it can fire.
                 self._resolved_early = False
                 self.backend.add_pending_result(self, weak=weak)
         return self.on_ready.then(callback, on_error)
@@ -135,26 +126,22 @@ def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: E
         try:
             dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
         except Exception:
-            return TypeError(
-                f"{task_name}: argument {name!r} ({type(value).__qualname__}) cannot be "
-                f"sent with the {serializer!r} serializer: {exc}; nothing was sent"
-            )
+            return TypeError(f"{task_name}: argument {name!r} ({type(value).__qualname__}) cannot be "
+                             f"sent with the {serializer!r} serializer: {exc}; nothing was sent")
     return TypeError(f"{task_name}: the message cannot be encoded: {exc}; nothing was sent")
 
 
 def answer_from_record(
-    task: Task, gate: Gate, writer: ResultWriter | None, key: str,
-    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-    task_id: str | None, options: Mapping[str, Any], *,
+    task: Task, gate: Gate, writer: ResultWriter | None, key: str, args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None, task_id: str | None, options: Mapping[str, Any], *,
     arguments_hash: Callable[[], str | None], record: Record | None = None,
 ) -> CachedResult | None:
     """The answer from the record (read unless given) for an enqueue of a done (or failed) key,
     or None: publish. ``arguments_hash`` computes the call's fingerprint (None: it has none).
 
     Raises:
-        IdempotencyKeyMismatch: The call has a fingerprint (a per-call key, or
-            ``idempotency_validate``) and the record was made with other arguments, or has
-            none to compare.
+        IdempotencyKeyMismatch: The call has a fingerprint and the record was made with other
+            arguments, or has none to compare.
     """
     rec = record
     if rec is None:
@@ -173,15 +160,12 @@ def answer_from_record(
                     rec.state.value)
         raise IdempotencyKeyMismatch(
             f"idempotency key {key!r} was first used with different arguments (task "
-            f"{rec.task_id}); use a new key for a new action. Nothing was sent.",
-            key=key,
-        )
+            f"{rec.task_id}); use a new key for a new action. Nothing was sent.", key=key)
     state, value = recorded_outcome(gate.codec, rec)
     conf = task.app.conf
     eager = conf.task_always_eager
     if not (task_id or rec.task_id):
-        # The body ran in a direct call (task(...), celery.map): no task id, no stored result.
-        # The answer gets a new id, and the outcome is stored under it as under a chosen one.
+        # The body ran in a direct call: the answer gets a new id, its outcome stored under it.
         task_id = str(uuid())
     if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
         # Someone may wait on this id (the caller, a chain, a parent): store the outcome under
@@ -197,10 +181,8 @@ def answer_from_record(
     return result
 
 
-def answer_request(
-    task: Task, task_id: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-    options: Mapping[str, Any],
-) -> Context:
+def answer_request(task: Task, task_id: str, args: Sequence[Any] | None,
+                   kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]) -> Context:
     """The request Celery's backend would store a result of ``task_id`` with."""
     parent = task.app.current_worker_task
     parent_id, root_id = options.get("parent_id"), options.get("root_id")
@@ -227,18 +209,11 @@ class EnqueueRequest:
     """One enqueue that the key's record may answer (not a retry, a re-queue or a canvas publish).
 
     Attributes:
-        task: The task being enqueued.
-        gate: Its gate (the store, the codec).
-        writer: Its result writer (an answer's outcome is stored through it), or None.
+        task, gate, writer: The task, its gate and result writer (None: Celery writes).
         key: The idempotency key (the scope included).
         fingerprint: Computes the call's fingerprint (None: it has none), once.
-        args: The positional arguments.
-        kwargs: The keyword arguments.
-        task_id: The task id the caller chose, or None.
-        producer: The caller's producer, or None.
-        options: The other ``apply_async`` options.
-        publish: Sends the message with a producer under a task id (``Task.apply_async``);
-            keywords override options.
+        args, kwargs, task_id, producer, options: The ``apply_async`` call's.
+        publish: Sends the message with a producer under a task id; keywords override options.
     """
 
     task: Task
@@ -273,16 +248,12 @@ Decision = Publish | Answer
 
 
 class ReadFirst:
-    """The enqueue check: read the record (or reserve the key), then decide.
-
-    Its fast twin, :class:`celery_idem.enqueue_redis.WithinPublish`, makes the check within
-    the Redis publish; both answer the same enqueues the same way.
-    """
+    """The enqueue check: read the record (or reserve the key), then decide (the fast twin,
+    :class:`celery_idem.enqueue_redis.WithinPublish`, answers the same enqueues the same way)."""
 
     def attaching(self, req: EnqueueRequest) -> bool:
-        """Whether ``req`` may attach to an action under way. A task id chosen beforehand (a
-        frozen signature, a chain's next step) is waited on under that id: such an enqueue
-        publishes."""
+        """Whether ``req`` may attach to an action under way (not with a task id chosen
+        beforehand: that id is waited on, so such an enqueue publishes)."""
         return req.task_id is None and may_attach(req.task, req.options)
 
     def decide(self, req: EnqueueRequest) -> Decision:
@@ -298,8 +269,7 @@ class ReadFirst:
             else:
                 found = store.get(req.key)
         except StoreUnavailable as exc:
-            # Publish (the gate still guards the body) under the id it tried to reserve: if
-            # only the reply was lost, the reservation names a message that exists.
+            # Publish under the id it tried to reserve (a lost reply's reservation names it).
             logger.debug("celery_idem enqueue check skipped key=%s: %s", req.key, exc)
             return Publish(sent_id, reserving)
         answer = self.answer(req, found, attaching) if found is not None else None

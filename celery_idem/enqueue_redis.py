@@ -86,15 +86,11 @@ class WithinPublish(ReadFirst):
 
     #: The weight of each enqueue in the running share of enqueues answered from the record.
     WEIGHT = 1 / 16
-    #: At or above this share the record is read first. An answered enqueue costs about five
-    #: times more within the publish (the message built and encoded for nothing) than a read
-    #: first costs every enqueue: break-even near 0.2 (docs/benchmarks.md).
+    #: At or above this share the record is read first: an answered enqueue costs about five
+    #: times more within the publish than a read first costs every enqueue.
     THRESHOLD = 0.2
-    #: Seconds a message this process published under its reservation of a key answers a copy
-    #: of that key from this process without asking the store (:meth:`mine`), while the caller
-    #: holds the message's result and has not seen it finish. Kept short so that what can
-    #: change the store's answer (an operator's ``forget``, a store that lost its data) is not
-    #: hidden.
+    #: Seconds this process's own message answers a copy of its key without asking the store
+    #: (:meth:`mine`). Short, so an operator's ``forget`` or a store's data loss is not hidden.
     RECENT = 1.0
     #: At most this many remembered keys (a larger burst starts the memory over).
     MAX_RECENT = 4096
@@ -128,8 +124,7 @@ class WithinPublish(ReadFirst):
         if decision.reserved:
             self.remember(req.key, result, req.fingerprint(), req.task.idempotency_config.lease)
 
-    def remember(self, key: str, result: AsyncResult, fingerprint: str | None,
-                 lease: float) -> None:
+    def remember(self, key: str, result: AsyncResult, fingerprint: str | None, lease: float) -> None:
         """Note that this process published ``result`` under its reservation of ``key``."""
         mine = self._mine
         if len(mine) >= self.MAX_RECENT:
@@ -138,19 +133,14 @@ class WithinPublish(ReadFirst):
                      time.monotonic() + min(self.RECENT, lease))
 
     def mine(self, key: str) -> Reservation | None:
-        """The reservation of ``key`` for this process's own message in flight, or None.
-
-        In flight: published less than :attr:`RECENT` ago, its result still held by the caller
-        and not seen finished. Once the caller has seen the outcome (or let go of the result),
-        a copy asks the store, and a done action is answered as a ``CachedResult``.
-        """
+        """The reservation of ``key`` for this process's own message in flight (published less
+        than :attr:`RECENT` ago, its result held by the caller and not seen finished), or None."""
         found = self._mine.get(key)
         if found is None:
             return None
         reservation, ref, deadline = found
         result = ref()
-        # AsyncResult._cache: its outcome, once this process has read it (get(), ready(), a
-        # join); reading the state any other way would be the round trip saved here.
+        # AsyncResult._cache: its outcome, once this process has read it (no round trip).
         if result is None or getattr(result, "_cache", None) or deadline <= time.monotonic():
             self._mine.pop(key, None)
             return None
@@ -161,12 +151,9 @@ class WithinPublish(ReadFirst):
         self.answered += ((1.0 if answered else 0.0) - self.answered) * self.WEIGHT
 
     def within_publish(self, req: EnqueueRequest) -> bool:
-        """Whether this enqueue tries the check within the publish.
-
-        Not in eager mode, not with a publish signal receiver or task-sent events (they would
-        hear of a message that is never sent), not with a result backend whose
-        ``on_task_call`` does something this cannot undo.
-        """
+        """Whether this enqueue tries the check within the publish: not eager, not with publish
+        signal receivers or sent events (they would hear of an unsent message), not with a
+        backend whose ``on_task_call`` cannot be undone."""
         if not self.possible or self.answered >= self.THRESHOLD:
             return False
         if type(req.gate.store) is not RedisStore:
@@ -227,11 +214,9 @@ class WithinPublish(ReadFirst):
 def fuse(channel: Any, store: Any) -> bool:
     """Hook ``channel`` so the enqueue check rides on the publish; False if it cannot.
 
-    It can when ``channel`` is kombu's Redis transport channel on the same server and
-    database as ``store``, a plain :class:`RedisStore` (no replica wait: a read needs none).
-    The verdict is kept on the channel, per store: a channel's connection does not change
-    server, and kombu's producer pools (so their channels) are shared by every app in the
-    process with the same broker URL.
+    It can when ``channel`` is kombu's Redis channel on the server and database of ``store``, a
+    plain :class:`RedisStore` without replica wait. The verdict is kept on the channel, per
+    store (kombu's producer pools are shared by the apps of one broker URL).
     """
     verdicts = channel.__dict__.get(_ATTR)
     if verdicts is None:
@@ -250,14 +235,11 @@ def _compatible(channel: Any, store: Any) -> bool:
         from kombu.transport.redis import Channel
     except ImportError:  # pragma: no cover - kombu without redis-py
         return False
-    if type(store) is not RedisStore or store.wait_replicas or not isinstance(channel, Channel):
+    if type(store) is not RedisStore or store.wait_replicas or not isinstance(channel, Channel) \
+            or not store.accelerated:
         return False
-    if not store.accelerated:
-        return False  # the store keeps to its plain path
-    # Every method the hook calls, as kombu 5.4-5.7 define them (5.7 added queue expiry,
-    # ``_expires``, and publish batches: both optional here).
-    if not all(hasattr(channel, name) for name in
-               ("_get_message_priority", "_q_for_pri", "conn_or_acquire")):
+    # Every method the hook calls, as kombu 5.4-5.7 define them.
+    if not all(hasattr(channel, name) for name in ("_get_message_priority", "_q_for_pri", "conn_or_acquire")):
         return False
     try:
         broker = channel.client
@@ -299,8 +281,7 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
     if reply is None:
         return None  # pushed
     if reply == _CHECK:
-        # Not a plain record (another program's value): nothing was pushed. The store's read
-        # raises what it raises without the hook (CorruptRecord), or finds the key gone.
+        # Not a plain record: nothing was pushed; the store's read raises (CorruptRecord) or not.
         if not _found_first(pending):
             put(self, queue, message, **kwargs)
     elif isinstance(reply, list):
@@ -325,10 +306,7 @@ def _found_first(pending: _Pending) -> bool:
 
 
 def _undo_for(backend: Any) -> Callable[[str], None] | None:
-    """What undoes ``backend.on_task_call`` for a message that was not sent.
-
-    None for an ``on_task_call`` this does not know: the check is then made before publishing.
-    """
+    """What undoes ``backend.on_task_call`` for an unsent message; None: unknown, read first."""
     on_task_call = getattr(type(backend), "on_task_call", None)
     if on_task_call is None or getattr(on_task_call, "__module__", "") in _NOTHING_TO_UNDO:
         return _nothing

@@ -21,16 +21,8 @@ import functools
 import sys
 from typing import Any
 
-__all__ = [
-    "CorruptRecord",
-    "IdempotencyError",
-    "IdempotencyKeyMismatch",
-    "ImproperlyConfigured",
-    "InvalidKey",
-    "LeaseLost",
-    "StoreUnavailable",
-    "TerminalError",
-]
+__all__ = ["CorruptRecord", "IdempotencyError", "IdempotencyKeyMismatch", "ImproperlyConfigured",
+           "InvalidKey", "LeaseLost", "StoreUnavailable", "TerminalError"]
 
 
 class IdempotencyError(Exception):

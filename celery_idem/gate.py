@@ -22,6 +22,7 @@ only through the body, ``fold`` and ``emit``. No Celery, no kombu here (tests/un
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,11 +190,9 @@ class Gate:
         waited = False
         wait_until: float | None = None
         while True:
-            claim = self.store.claim(
-                attempt.key, owner=attempt.owner, task_id=attempt.task_id,
-                attempt=attempt.attempt, lease=cfg.lease, ttl=cfg.ttl,
-                payload_hash=attempt.payload_hash,
-            )
+            claim = self.store.claim(attempt.key, owner=attempt.owner, task_id=attempt.task_id,
+                                     attempt=attempt.attempt, lease=cfg.lease, ttl=cfg.ttl,
+                                     payload_hash=attempt.payload_hash)
             status = claim.status
             if status.holds or status in (ClaimStatus.DONE, ClaimStatus.FAILED):
                 return claim, waited
@@ -203,23 +202,16 @@ class Gate:
                 self.emit(Outcome.MISMATCH, attempt.key, rec.token, rec.task_id, {})
                 raise IdempotencyKeyMismatch(
                     f"idempotency key {attempt.key!r} was first used with different arguments "
-                    f"(task {rec.task_id}); use a new key for a new action",
-                    key=attempt.key,
-                )
+                    f"(task {rec.task_id}); use a new key for a new action", key=attempt.key)
             if wait_until is None:  # BUSY: someone else's live lease
-                wait_until = self.monotonic() + cfg.wait
-                if deadline is not None:
-                    wait_until = min(wait_until, deadline)
+                wait_until = min(self.monotonic() + cfg.wait, deadline if deadline is not None else math.inf)
             seen = self.monotonic()
             holder = rec
             while True:
                 found = self._wait(attempt.key, holder, claim, seen, wait_until)
                 waited = True
-                live = (
-                    found is not None
-                    and found.state is State.IN_PROGRESS
+                live = found is not None and found.state is State.IN_PROGRESS \
                     and not self._expired(found, claim, seen)
-                )
                 if live and self.monotonic() >= wait_until:
                     assert found is not None
                     self.emit(Outcome.REQUEUED, attempt.key, found.token, found.task_id, {})
@@ -227,8 +219,7 @@ class Gate:
                 if deadline is None or (found is not None and found.state in (State.DONE, State.FAILED)):
                     break  # done, failed, or free to take: the next claim decides atomically
                 if not live:
-                    # Freed, but this attempt spent part of its time limit waiting (see run's
-                    # ``deadline``): the next delivery claims with the whole limit ahead of it.
+                    # Freed, but part of the time limit went on waiting: the next delivery claims.
                     self.emit(Outcome.REQUEUED, attempt.key, holder.token, holder.task_id,
                               {"reason": "freed"})
                     raise Requeue(attempt.key, found, freed=True)
@@ -244,13 +235,9 @@ class Gate:
 
     # -- holding the key ---------------------------------------------------------------------
 
-    def _run_held(
-        self, attempt: Attempt, claim: Claim, body: Callable[[int], T],
-        fold: Callable[[T], BackendWrite | None] | None,
-    ) -> RunOutcome[T]:
+    def _run_held(self, attempt: Attempt, claim: Claim, body: Callable[[int], T],
+                  fold: Callable[[T], BackendWrite | None] | None) -> RunOutcome[T]:
         key, token = attempt.key, claim.token
-        # The claim id fences beside the token: a token number may be issued again after the
-        # store lost data.
         fence = Fence(token, claim.claim_id)
         if claim.status is ClaimStatus.TAKEOVER:
             prev = claim.record
@@ -277,8 +264,7 @@ class Gate:
     def _after_error(self, attempt: Attempt, fence: Fence, exc: BaseException) -> None:
         cfg, key, token = self.config, attempt.key, fence.token
         if isinstance(exc, self.handover_signals):
-            # The replacement reports the outcome under this task id: nothing to record, and
-            # holding the claim would only make a duplicate wait for the lease.
+            # The replacement reports the outcome under this task id: nothing to record.
             self._release(attempt, fence, exc, reason="handed_over")
             return
         if isinstance(exc, cfg.terminal_on):
@@ -300,10 +286,8 @@ class Gate:
         self.emit(Outcome.HELD, key, token, attempt.task_id,
                   {"error": type(exc).__name__, "held_for": f"{cfg.lease:g}s"})
 
-    def _release(
-        self, attempt: Attempt, fence: Fence, exc: BaseException,
-        *, retried: bool = False, reason: str | None = None,
-    ) -> None:
+    def _release(self, attempt: Attempt, fence: Fence, exc: BaseException, *, retried: bool = False,
+                 reason: str | None = None) -> None:
         """Release the claim; a lost or unreachable claim is reported, not raised."""
         key, token = attempt.key, fence.token
         try:
@@ -316,10 +300,8 @@ class Gate:
                 self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "release"})
             return
         except StoreUnavailable as down:
-            logger.warning(
-                "celery_idem could not release key=%s token=%s (%s); it frees itself when its "
-                "lease expires in %.0f s", key, token, down, self.config.lease,
-            )
+            logger.warning("celery_idem could not release key=%s token=%s (%s); it frees itself "
+                           "when its lease expires in %.0f s", key, token, down, self.config.lease)
             return
         extra = {"error": type(getattr(exc, "exc", None) or exc).__name__}
         if reason is not None:
@@ -335,10 +317,9 @@ class Gate:
             # The effect happened but its result cannot be stored: record the failure so that
             # no duplicate runs the body again, and let the error reach the caller.
             failure = TypeError(f"the result of {attempt.key!r} cannot be encoded: {exc}")
-            logger.error(
-                "celery_idem result not encodable key=%s task_id=%s token=%s: %s; recorded as "
-                "failed so no duplicate runs the body again", attempt.key, attempt.task_id, token, exc,
-            )
+            logger.error("celery_idem result not encodable key=%s task_id=%s token=%s: %s; recorded "
+                         "as failed so no duplicate runs the body again", attempt.key,
+                         attempt.task_id, token, exc)
             err_type, err = self.codec.encode_error(failure)
             if self._write(attempt, fence, State.FAILED, err_type, err)[0]:
                 self.emit(Outcome.TERMINAL, attempt.key, token, attempt.task_id,
@@ -350,10 +331,9 @@ class Gate:
             return folded
         # Refused for record_timeout. If a small record goes in now, the store refuses the result
         # itself (too large): record that, so a duplicate raises instead of running.
-        refused = TerminalError(
-            f"the body of {attempt.key!r} ran (task {attempt.task_id}) but the store refused to "
-            f"record its result of {len(data)} bytes; duplicates get this error"
-        )
+        refused = TerminalError(f"the body of {attempt.key!r} ran (task {attempt.task_id}) but the "
+                                f"store refused to record its result of {len(data)} bytes; "
+                                f"duplicates get this error")
         err_type, err = self.codec.encode_error(refused)
         try:
             self.store.record(attempt.key, token, state=State.FAILED, content_type=err_type,
@@ -365,10 +345,8 @@ class Gate:
         logger.error("celery_idem %s", refused)
         raise refused
 
-    def _write(
-        self, attempt: Attempt, fence: Fence, state: State, ctype: str, data: bytes,
-        also: BackendWrite | None = None,
-    ) -> tuple[bool, bool]:
+    def _write(self, attempt: Attempt, fence: Fence, state: State, ctype: str, data: bytes,
+               also: BackendWrite | None = None) -> tuple[bool, bool]:
         """Record, retrying for ``record_timeout`` (the lease is renewed meanwhile).
 
         Returns ``(recorded, folded)``: False when the store stayed unreachable (reported loudly);
@@ -397,8 +375,7 @@ class Gate:
                         "celery_idem RECORD FAILED key=%s task_id=%s token=%s: the body finished "
                         "but its outcome could not be recorded for %.0f s (%s). The claim stays "
                         "in progress; when its lease expires a duplicate may run the body again.",
-                        key, attempt.task_id, token, self.config.record_timeout, exc,
-                    )
+                        key, attempt.task_id, token, self.config.record_timeout, exc)
                     return False, False
                 self.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -411,22 +388,15 @@ class Gate:
             return True
         return rec.lease_expires <= claim.now + (self.monotonic() - seen)
 
-    def _wait(
-        self, key: str, holder: Record, claim: Claim, seen: float, deadline: float
-    ) -> Record | None:
-        """The record once ``holder``'s changes, its lease runs out, or at ``deadline`` (None: gone).
-
-        ``claim`` and ``seen`` translate the store's clock (``claim.now`` at ``seen``).
-        """
+    def _wait(self, key: str, holder: Record, claim: Claim, seen: float, deadline: float) -> Record | None:
+        """The record once ``holder``'s changes, its lease runs out, or at ``deadline`` (None: gone);
+        ``claim.now`` at ``seen`` is the store's clock."""
         delay = self.poll_min
         rec: Record | None = holder
         while True:
-            if rec is None or rec.state is not State.IN_PROGRESS or rec.token != holder.token:
-                return rec
-            if self._expired(rec, claim, seen):
-                return rec
             remaining = deadline - self.monotonic()
-            if remaining <= 0:
+            if rec is None or rec.state is not State.IN_PROGRESS or rec.token != holder.token \
+                    or self._expired(rec, claim, seen) or remaining <= 0:
                 return rec
             self.sleep(min(delay, remaining))
             delay = min(delay * 2, self.poll_max)

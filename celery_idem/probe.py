@@ -15,14 +15,8 @@ from collections.abc import Iterator
 from .exceptions import ImproperlyConfigured, StoreUnavailable
 from .stores.base import Store
 
-__all__ = [
-    "REQUEUE_DELAY_CAP",
-    "log_store_down",
-    "misconfiguration",
-    "probe_store",
-    "requeue_delay",
-    "unreachable",
-]
+__all__ = ["REQUEUE_DELAY_CAP", "log_store_down", "misconfiguration", "probe_store",
+           "requeue_delay", "unreachable"]
 
 logger = logging.getLogger("celery_idem")
 

@@ -1,27 +1,16 @@
 """Celery's database result backend, its result row written in the record's own statement.
 
-The fast twin of :class:`celery_idem.results.ResultWriter`, as :mod:`celery_idem.results_redis`;
-the plain path is Celery's own result write.
+The fast twin of :class:`celery_idem.results.ResultWriter`, as :mod:`celery_idem.results_redis`.
+With ``result_backend = "db+postgresql://..."`` and the store in the same database, Celery's ORM
+write (a pre-ping, SELECT, INSERT, UPDATE, COMMIT) after the record's own transaction becomes
+part of the record's fenced UPDATE (:mod:`.stores.sql.taskmeta`, ``SQLStore.record_with``): one
+statement, one commit, and the tracer's own write is skipped.
 
-With ``result_backend = "db+postgresql://..."`` and the idempotency store in the same database
-(the default: the store is derived from ``result_backend``), a plain Celery worker stores each
-result through the backend's ORM session (a pre-ping, a SELECT, an INSERT, an UPDATE, a COMMIT)
-after an ``IdempotentTask`` has recorded it in its own transaction. Here the record's fenced
-UPDATE writes Celery's row too (:mod:`.stores.sql.taskmeta`, through ``SQLStore.record_with``):
-one statement, one commit, and the tracer's own write is skipped, as with the Redis fold.
-
-The row's values are Celery's own: the backend's ``encode_result`` and ``_update_result`` fill a
-transient instance of its model (``task_cls``), and each column is read off it; the table is
-the model's (``database_table_names`` and ``database_table_schemas`` included). Celery creates
-its tables as usual, through its own session, before the first fold.
-
-Left to Celery, as for the Redis fold: eager runs, ignored results, callbacks, chains and
-chords, a backend class that stores results its own way, a store in another database or of
-another dialect, ``idempotency_fold_results = False``, and accelerations off. An answer for a duplicate (the
-record was written earlier) is stored by the backend's own ``store_result``.
-
-:func:`celery_idem.paths.result_writer` asks it first, with accelerations on and
-``idempotency_fold_results`` True.
+The row's values are Celery's own: ``encode_result`` and ``_update_result`` fill a transient
+instance of the backend's model, and each column is read off it. Celery creates its tables
+through its own session before the first fold. Left to Celery, as for the Redis fold: eager
+runs, ignored results, callbacks, chains, chords, a backend class that stores results its own
+way, a store in another database or dialect. A duplicate's answer is stored by ``store_result``.
 """
 
 from __future__ import annotations

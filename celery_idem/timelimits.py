@@ -18,17 +18,8 @@ from urllib.parse import urlsplit
 
 from .exceptions import ImproperlyConfigured
 
-__all__ = [
-    "MARGIN_MAX",
-    "MARGIN_MIN",
-    "MIN_TIME_LIMIT",
-    "Limits",
-    "check_definition",
-    "check_worker",
-    "margin",
-    "request_deadline",
-    "set_worker_limits",
-]
+__all__ = ["MARGIN_MAX", "MARGIN_MIN", "MIN_TIME_LIMIT", "Limits", "check_definition",
+           "check_worker", "margin", "request_deadline", "set_worker_limits"]
 
 logger = logging.getLogger("celery_idem")
 

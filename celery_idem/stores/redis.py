@@ -44,20 +44,16 @@ __all__ = ["CLIENT_DEFAULTS", "REDIS_ERRORS", "RedisStore", "Scripts", "same_ser
 #: Client defaults: fail fast instead of hanging a worker when the store is down. No automatic
 #: retries inside redis-py: the gate decides what to retry (a blind retry of a claim whose reply
 #: was lost would find its own claim and report it as busy).
-CLIENT_DEFAULTS: dict[str, Any] = {
-    "socket_timeout": 5.0,
-    "socket_connect_timeout": 3.0,
-    "health_check_interval": 30,
-}
+CLIENT_DEFAULTS: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 3.0,
+                                   "health_check_interval": 30}
 
 
 #: A claim script's status reply -> ClaimStatus, without an Enum lookup per claim.
 _STATUSES = {status.value.encode(): status for status in ClaimStatus}
 
-#: The scripts' replies (celery_idem/stores/lua/): the fenced verbs answer REPLY_OK, a refusal
-#: (``fenced:<state>:<token>``, ``reissued:...``) or REPLY_MISSING; any script REPLY_CORRUPT
-#: for a value that is not a record; record.lua REPLY_OK_NOMETA when the backend's meta write
-#: was refused (recorded all the same).
+#: The scripts' replies: REPLY_OK, a refusal (``fenced:<state>:<token>``, ``reissued:...``),
+#: REPLY_MISSING; REPLY_CORRUPT for a value that is not a record; record.lua REPLY_OK_NOMETA
+#: when the backend's meta write was refused (recorded all the same).
 REPLY_OK = b"ok"
 REPLY_OK_NOMETA = b"ok:nometa"
 REPLY_CORRUPT = b"corrupt"
@@ -72,10 +68,8 @@ def _load(name: str) -> str:
     return head + lua.joinpath(f"{name}.lua").read_text("utf-8")
 
 
-#: Put after a record's name to name its reservation (``Store.reserve``): under the store's
-#: prefix (an ACL user limited to ``~<prefix>*`` may write it), on the record's cluster slot
-#: (the name keeps the record's hash tag), and never a record's own name, since a key is
-#: printable text and this is not. A scan skips it: its value is not a record.
+#: After a record's name, names its reservation (``Store.reserve``): under the store's prefix
+#: (for ACLs), on the record's cluster slot, and never a record's name (a key is printable).
 RESERVED = "\x1freserved"
 
 
@@ -84,8 +78,7 @@ REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
 class _translate_errors:
-    """Map redis-py errors to the contract's, most specific first (a class, not a generator:
-    it is on every verb's path)."""
+    """Map redis-py errors to the contract's (a class, not a generator: on every verb's path)."""
 
     __slots__ = ("key", "store")
 
@@ -95,8 +88,7 @@ class _translate_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc is None or not isinstance(exc, REDIS_ERRORS):
             return  # not redis-py's (StoreUnavailable from run_script, say)
         store, key = self.store, self.key
@@ -191,11 +183,8 @@ class RedisStore(Store):
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> RedisStore:
-        """Build a store from a Redis URL; ``options`` go to ``redis.Redis.from_url``.
-
-        ``wait_replicas``, ``wait_timeout`` and ``accelerate`` in ``options`` are the store's
-        own (see the class).
-        """
+        """Build a store from a Redis URL; ``options`` go to ``redis.Redis.from_url`` but the
+        store's own ``wait_replicas``, ``wait_timeout`` and ``accelerate``."""
         store_opts = store_options(options)
         opts = {**CLIENT_DEFAULTS, **options}
         opts.setdefault("retry", Retry(NoBackoff(), 0))
@@ -223,9 +212,8 @@ class RedisStore(Store):
     def run_script(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
         """Run the Lua script ``name`` (``stores/lua/<name>.lua``) on the record of ``key``.
 
-        Every fenced verb's one call. ``other`` is a second Redis key the script writes (the
-        result backend's, see :meth:`record_with`; the reservation's). redis-py's errors are
-        raised as they are: the verb maps them to the contract's.
+        ``other`` is a second Redis key the script writes (the result backend's, the
+        reservation's). redis-py's errors are raised as they are: the verb maps them.
 
         Returns:
             The script's reply, once ``wait_replicas`` replicas confirmed what it wrote.
@@ -261,25 +249,14 @@ class RedisStore(Store):
                 raise _NotReplicated(
                     f"the Redis store at {self.location} wrote {record} but only {acked} of "
                     f"{self.wait_replicas} replicas confirmed it within {self.wait_timeout:g} s "
-                    f"(wait_replicas): not known to survive a failover",
-                    reply,
-                )
+                    f"(wait_replicas): not known to survive a failover", reply)
             return reply
         raise StoreUnavailable(f"the Redis store at {self.location} keeps losing its scripts")
 
     # -- verbs ---------------------------------------------------------------------------------
 
-    def claim(
-        self,
-        key: str,
-        *,
-        owner: str,
-        task_id: str,
-        attempt: int,
-        lease: float,
-        ttl: float,
-        payload_hash: str | None = None,
-    ) -> Claim:
+    def claim(self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+              payload_hash: str | None = None) -> Claim:
         if "\0" in owner or "\0" in task_id or (payload_hash and "\0" in payload_hash):
             refuse_nul(owner=owner, task_id=task_id, payload_hash=payload_hash or "")
         claim_id = new_claim_id()
@@ -445,8 +422,7 @@ class RedisStore(Store):
 
         Returns:
             A WARNING finding per setting that can lose records; one INFO finding instead when
-            the server refuses ``CONFIG`` (a managed Redis, a renamed command, an ACL user
-            without ``+config|get``).
+            the server refuses ``CONFIG`` (a managed Redis, an ACL user without it).
 
         Raises:
             StoreUnavailable: The server could not be reached.
@@ -458,13 +434,10 @@ class RedisStore(Store):
                     settings = config_get(client)
                 except redis.ResponseError as exc:  # NoPermissionError is one too
                     return [DurabilityFinding(
-                        "CONFIG", None,
-                        f"the Redis store at {where} does not allow CONFIG GET ({exc}), so "
-                        f"celery_idem cannot check that it keeps records; make sure it persists "
-                        f"them (AOF, appendfsync everysec) and never evicts them "
-                        f"(maxmemory-policy noeviction)",
-                        logging.INFO,
-                    )]
+                        "CONFIG", None, f"the Redis store at {where} does not allow CONFIG GET "
+                        f"({exc}), so celery_idem cannot check that it keeps records; make sure it "
+                        f"persists them (AOF, appendfsync everysec) and never evicts them "
+                        f"(maxmemory-policy noeviction)", logging.INFO)]
             findings.extend(durability_findings(settings, where))
         return findings
 
@@ -490,7 +463,6 @@ class RedisStore(Store):
         return LeaseLost(f"{verb} of {key!r} with token {token} refused: {why}", key=key, token=token)
 
     def _decode(self, key: str, value: bytes) -> Record:
-        """A stored record (see :mod:`celery_idem.stores.redis_format`) -> Record."""
         return decode(self.name_of(key), key, value)
 
 
@@ -531,11 +503,8 @@ _SAME_SERVER = ("host", "port", "db", "path", "username", "password")
 
 
 def same_server(a: Any, b: Any) -> bool:
-    """Whether redis-py clients ``a`` and ``b`` talk to the same server and database.
-
-    The connection classes are compared by kind (TLS, Unix socket, TCP): kombu's Redis
-    transport connects through a subclass of its own making.
-    """
+    """Whether redis-py clients ``a`` and ``b`` talk to the same server and database (their
+    connection classes compared by kind: kombu's Redis transport subclasses its own)."""
     pa, pb = a.connection_pool, b.connection_pool
     if _connection_kind(pa.connection_class) != _connection_kind(pb.connection_class):
         return False  # TLS on one side only, say

@@ -30,11 +30,7 @@ Statement: TypeAlias = "sa.Select[Any] | sa.Update"
 
 
 class PsycopgPath:
-    """Sessions on pooled psycopg connections, and the statements compiled for them.
-
-    Only for PostgreSQL through psycopg 3: psycopg2, pg8000, ... keep SQLAlchemy's path (their
-    parameter handling differs).
-    """
+    """Sessions on pooled psycopg 3 connections, and the statements compiled for them."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -66,12 +62,10 @@ class PsycopgPath:
             # engine.connect() wraps a failed checkout the same way.
             raise sa_exc.DBAPIError.instance(
                 None, None, exc, dialect.loaded_dbapi.Error,
-                connection_invalidated=dialect.is_disconnect(exc, None, None), dialect=dialect,
-            ) from exc
+                connection_invalidated=dialect.is_disconnect(exc, None, None), dialect=dialect) from exc
 
 
-# The fast path's cursor, kept in each pooled connection's SQLAlchemy info dict, and the largest
-# result it may hold on to between verbs (see RawSession._kept_cursor).
+# The cursor kept in each pooled connection's info dict, and the largest result it may keep.
 KEPT_CURSOR: Final = "celery_idem.cursor"
 KEPT_RESULT_BYTES: Final = 64 * 1024
 
@@ -82,21 +76,17 @@ _PLACEHOLDER: Final = re.compile(r"%\((?P<name>[^)]+)\)s|%%")
 class RawStatement:
     """One statement compiled once for the psycopg path.
 
-    The values SQLAlchemy bound for literals (``'done'``, 1, ``NULL``) are written into the SQL
-    text: they never change, and psycopg would otherwise adapt and send each of them on every
-    call (the claim has 35). Only the ``idem_*`` values remain parameters.
+    SQLAlchemy's literal binds (``'done'``, 1, ``NULL``) are written into the SQL text, so
+    psycopg does not adapt and send them on every call (the claim has 35); only the ``idem_*``
+    values remain parameters.
 
     Attributes:
         sql: The DBAPI SQL text (``%(name)s`` placeholders, with SQLAlchemy's type casts).
-        constants: The values of the literals that could not be written into the SQL (none in
-            the store's statements); each call adds its own ``idem_*`` values.
+        constants: The literals that could not be written into the SQL (none in the store's).
         columns: The result columns' names, in order; empty when no rows come back.
-        processors: SQLAlchemy's bind processors for the ``idem_*`` values (the dialect's
-            ``bytes`` -> ``psycopg.Binary``), applied per call as SQLAlchemy would.
-        numbered: The same SQL with PostgreSQL's own ``$1 .. $n`` placeholders, for psycopg's
-            ``RawCursor``: psycopg then sends it as it is. Its ``%(name)s`` parser only
-            caches statements up to 4 KiB and 50 parameters, and the claim is longer, so with
-            ``%(name)s`` it would parse the claim's SQL again on every call.
+        processors: SQLAlchemy's bind processors for the ``idem_*`` values, applied per call.
+        numbered: The SQL with ``$1 .. $n`` placeholders for psycopg's ``RawCursor`` (its
+            ``%(name)s`` parser caches up to 4 KiB and 50 parameters: not the claim).
         order: The parameter names of ``$1 .. $n``.
     """
 
@@ -127,11 +117,8 @@ class RawStatement:
         if "POSTCOMPILE" in compiled.string:
             raise RuntimeError(f"celery_idem: statement unfit for the raw path:\n{compiled.string}")
         processors: dict[str, Callable[[Any], Any]] = dict(getattr(compiled, "_bind_processors", {}))
-        constants = {
-            k: processors.pop(k)(v) if k in processors else v
-            for k, v in compiled.params.items()
-            if not k.startswith("idem_")
-        }
+        constants = {k: processors.pop(k)(v) if k in processors else v
+                     for k, v in compiled.params.items() if not k.startswith("idem_")}
         literals: dict[str, str] = {}
         for k, v in constants.items():
             literal = _sql_literal(compiled, k, v)
@@ -155,10 +142,7 @@ class RawStatement:
 
 
 def _sql_literal(compiled: Any, name: str, value: Any) -> str | None:
-    """``value`` as SQLAlchemy writes it with ``literal_binds``, or None where it cannot.
-
-    Only plain values: anything else stays a parameter, adapted by psycopg as before.
-    """
+    """``value`` as SQLAlchemy writes it with ``literal_binds``; None: it stays a parameter."""
     if value is None:
         return "NULL"
     if type(value) not in (str, int):
@@ -171,18 +155,13 @@ def _sql_literal(compiled: Any, name: str, value: Any) -> str | None:
 
 
 class RawSession:
-    """Runs the store's statements on a pooled psycopg 3 connection itself (PostgreSQL).
-
-    Errors come out as SQLAlchemy would raise them (a driver error wrapped in its
-    :class:`sqlalchemy.exc.DBAPIError` subclass, the connection invalidated on a disconnect), so
-    ``SQLStore._translate_errors`` maps them exactly as on the SQLAlchemy path.
-    """
+    """Runs the store's statements on a pooled psycopg 3 connection itself, raising errors as
+    SQLAlchemy would (so ``SQLStore._translate_errors`` maps them as on the plain path)."""
 
     def __init__(self, path: PsycopgPath, fairy: Any) -> None:
         self._path = path
         self._fairy = fairy
-        driver = fairy.driver_connection
-        self._driver = driver
+        self._driver = driver = fairy.driver_connection
         # prepare_threshold=None is how psycopg is told not to prepare (PgBouncer in
         # transaction mode before 1.21): respect it; otherwise prepare at the first run.
         self._prepare = driver.prepare_threshold is not None
@@ -194,13 +173,10 @@ class RawSession:
         self._info: dict[Any, Any] = fairy.info
 
     def _kept_cursor(self) -> Any:
-        """The RawCursor kept with this pooled connection, made on first use.
+        """The RawCursor kept with this pooled connection (making one costs about 10 µs per verb).
 
-        Reused by every verb: making a cursor sets up psycopg's adapters for it, about 10 µs
-        of client CPU per verb. The pool lends a connection to one thread at a time, so its
-        cursor is never shared. It lives in the connection's SQLAlchemy ``info``, which the
-        pool clears when it closes or replaces the connection; the identity check is a second
-        guard against a cursor of a previous connection.
+        One thread at a time has the connection, so its cursor is never shared; the pool clears
+        ``info`` when it replaces the connection, and the identity check guards that too.
         """
         assert self._raw_cursor is not None
         cursor = self._info.get(KEPT_CURSOR)
@@ -247,9 +223,8 @@ class RawSession:
                     self._fairy.invalidate(exc)
             raise sa_exc.DBAPIError.instance(
                 raw.sql, raw.values(params), exc, dialect.loaded_dbapi.Error,
-                hide_parameters=engine.hide_parameters,
-                connection_invalidated=disconnect, dialect=dialect,
-            ) from exc
+                hide_parameters=engine.hide_parameters, connection_invalidated=disconnect,
+                dialect=dialect) from exc
         except BaseException:
             # Interrupted mid-protocol (a soft time limit, KeyboardInterrupt): the connection's
             # state is unknown, so it must not go back to the pool.
@@ -265,12 +240,8 @@ class RawSession:
 
 @functools.cache
 def psycopg_classes() -> tuple[type[Any], type[Any] | None, Any]:
-    """psycopg's default cursor class, its RawCursor (None before psycopg 3.2) and tuple_row.
-
-    Imported on first use: psycopg is only needed when it is the driver. The row factory is
-    explicit, so an engine built with connect_args={"row_factory": dict_row} cannot change
-    what the fast path reads.
-    """
+    """psycopg's default cursor class, its RawCursor (None before psycopg 3.2) and tuple_row
+    (explicit: an engine's ``row_factory`` cannot change what the fast path reads)."""
     import psycopg
     from psycopg.rows import tuple_row
 

@@ -1,7 +1,5 @@
-"""The SQL store itself: :class:`SQLStore`, the contract's verbs as statements built once.
-
-What each verb costs on each dialect: docs/stores.md ("Statements").
-"""
+"""The SQL store itself: :class:`SQLStore`, the contract's verbs as statements built once
+(what each costs per dialect: docs/stores.md, "Statements")."""
 
 from __future__ import annotations
 
@@ -38,13 +36,12 @@ Row: TypeAlias = Mapping[Any, Any]
 Outcome: TypeAlias = "tuple[int, Row | None]"
 Statement: TypeAlias = "sa.Select[Any] | sa.Update"
 
-# A claim that raced a concurrent first claim wrote nothing and runs again on the winner's row;
-# more runs than this means something keeps deleting and re-inserting the row: reported.
+# A claim that raced a concurrent first claim runs again on the winner's row; more runs than
+# this mean something keeps deleting and re-inserting the row.
 _CLAIM_RUNS: Final = 3
 
-# The database errors that mean "the store cannot be reached" whatever their message (and any
-# other that SQLAlchemy saw as a disconnect). Every other one is a bug or bad data and propagates
-# unchanged; tests/stores/test_sql_errors.py decides each class.
+# The errors that mean "the store cannot be reached" (and any SQLAlchemy saw as a disconnect);
+# every other one is a bug or bad data and propagates (tests/stores/test_sql_errors.py).
 _OUTAGES: Final = (
     sa_exc.TimeoutError,  # the pool had no free connection in time
     sa_exc.DisconnectionError,
@@ -54,11 +51,8 @@ _OUTAGES: Final = (
 
 
 class SASession:
-    """The plain path of ``SQLStore._session``: statements through a SQLAlchemy ``Connection``.
-
-    PostgreSQL through psycopg 3 may run them on psycopg's connection instead: the fast twin
-    (:class:`celery_idem.stores.sql.psycopg.RawSession`) with the same ``execute``.
-    """
+    """The plain path of ``SQLStore._session``: statements through a SQLAlchemy ``Connection``
+    (the fast twin: :class:`celery_idem.stores.sql.psycopg.RawSession`, the same ``execute``)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -159,8 +153,8 @@ class SQLStore(Store):
         self._table = records_table(table_name)
         self._table_ready = False
         self._table_lock = threading.Lock()
-        # Hot-path statements are built once with ``idem_*`` bind parameters (building one costs
-        # more client CPU than its round trip); the claim once per shape (build_pg_claim).
+        # Statements built once with ``idem_*`` bind parameters: building one costs more client
+        # CPU than its round trip.
         self._pg_claims: dict[bool, sa.Select[Any]] = {}
         self._verbs = VerbStatements.build(self._table)
         # The seam: psycopg 3's connection (the fast twin), or None: SQLAlchemy's, the plain path.
@@ -255,10 +249,8 @@ class SQLStore(Store):
 
     # -- claim --------------------------------------------------------------------------------
 
-    def claim(
-        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
-        payload_hash: str | None = None
-    ) -> Claim:
+    def claim(self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+              payload_hash: str | None = None) -> Claim:
         """Claim ``key`` (see :meth:`Store.claim`), deciding on the database clock.
 
         PostgreSQL: one statement (:func:`~celery_idem.stores.sql.claims.build_pg_claim`);
@@ -283,8 +275,7 @@ class SQLStore(Store):
     def _claim_postgresql(
         self, args: ClaimArgs, execute: Callable[[Statement, Mapping[str, Any]], Outcome]
     ) -> Claim:
-        # A holding decision without a taken token lost the race for an absent key (see
-        # build_pg_claim): nothing was written.
+        # A holding decision without a taken token lost the race for an absent key: no write.
         validate = bool(args.payload_hash)
         query = self._pg_claims.get(validate)
         if query is None:
@@ -298,8 +289,7 @@ class SQLStore(Store):
     def _claim_result(self, row: Row, *, taken_token: int | None, claim_id: str = "") -> Claim:
         now = float(row["now"])
         live = row["key"] is not None and float(row["expires"]) > now
-        # A live row in a state we do not know raises CorruptRecord here, before its NULL
-        # status is looked at (the claim wrote nothing: NULL is not a holding status).
+        # A live row in an unknown state raises CorruptRecord here, before its NULL status.
         before = self._record(row) if live else None
         status = ClaimStatus(row["status"])
         if taken_token is not None:
@@ -309,19 +299,15 @@ class SQLStore(Store):
 
     # -- fenced writes ------------------------------------------------------------------------
 
-    def record(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
-        claim_id: str | None = None
-    ) -> None:
+    def record(self, key: str, token: int, *, state: State, content_type: str, data: bytes,
+               ttl: float, claim_id: str | None = None) -> None:
         """One fenced UPDATE (see :meth:`Store.record`)."""
         params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
         if self._execute(self._verbs.record, params)[0] != 1:
             self._unmatched_record(key, token, state, claim_id)
 
-    def record_with(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float, also:
-        BackendWrite, claim_id: str | None = None
-    ) -> bool:
+    def record_with(self, key: str, token: int, *, state: State, content_type: str, data: bytes,
+                    ttl: float, also: BackendWrite, claim_id: str | None = None) -> bool:
         """:meth:`record`, and Celery's database result row in the same statement (PostgreSQL).
 
         The result fold's seam (:mod:`celery_idem.results_db`): a
@@ -425,11 +411,8 @@ class SQLStore(Store):
         return sa.func.substr(self._table.c.key, 1, len(self.prefix)) == self.prefix
 
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
-        """Iterate over this prefix's live records in key order, ``count`` rows per query.
-
-        Keyset pagination (``key > last ORDER BY key LIMIT count``): one query along the primary
-        key per page. Not a snapshot: each page sees the rows as they are when it is read.
-        """
+        """Iterate over this prefix's live records in key order, ``count`` rows per query (keyset
+        pagination along the primary key; not a snapshot: each page is read as it is then)."""
         t = self._table
         page_size = max(1, count)
         query = (
@@ -458,9 +441,8 @@ class SQLStore(Store):
     def purge_expired(self, limit: int = 1000) -> int:
         """Delete up to ``limit`` of this prefix's rows whose TTL has passed.
 
-        They already count as absent; deleting them only reclaims space. The next claim of a
-        purged key still gets a token above the purged one (the database clock term). Run it
-        from a periodic task or by hand; call again while it returns ``limit``.
+        They count as absent already; this reclaims space (the next claim's token is still
+        higher: the clock term). Call again while it returns ``limit``.
 
         Returns:
             How many rows were deleted.
@@ -470,8 +452,7 @@ class SQLStore(Store):
         """
         t = self._table
         now = self.now()
-        # Bound as a value: PostgreSQL uses no index against clock_timestamp() (volatile), but
-        # `expires <= :now` is a range scan (docs/scaling.md). A row revived meanwhile expires later.
+        # Bound as a value: an index serves `expires <= :now`, not clock_timestamp() (volatile).
         expired = sa.and_(self._own_rows(), t.c.expires <= sa.literal(now, sa.Double))
         if self.dialect in ("mysql", "mariadb"):
             # MySQL has DELETE ... LIMIT, but no LIMIT in an IN (subquery).

@@ -1,9 +1,7 @@
 """Celery's database result row, written in the record's own statement (PostgreSQL).
 
-Celery's database backend (``result_backend = "db+postgresql://..."``) stores a task's result
-as one row of its ``celery_taskmeta`` table, through the ORM: a SELECT, an INSERT, an UPDATE and
-a COMMIT after a pre-ping. When the idempotency store is that same database, the record's
-fenced UPDATE can write that row too, in the same statement::
+When the store is the database of Celery's database backend, the record's fenced UPDATE writes
+the backend's ``celery_taskmeta`` row too::
 
     WITH rec  AS (UPDATE celery_idem_records SET state = 'done', ... WHERE <fenced>
                   RETURNING key),
@@ -14,12 +12,10 @@ fenced UPDATE can write that row too, in the same statement::
                   RETURNING 1)
     SELECT (SELECT count(*) FROM rec) AS recorded, (SELECT count(*) FROM meta) AS written
 
-One statement, one transaction, one WAL flush, where there were two transactions (the record,
-then Celery's). The row is written only when the record is (``FROM rec``: the same fence, token
-and claim id), and like Celery's own write it never replaces a SUCCESS row. Its values are the
-ones Celery's backend computes (see :mod:`celery_idem.results_db`); this module only knows
-the table. Part of the result fold (a fast path): used by ``SQLStore.record_with``, the fold's
-seam in the SQL store, and imported only when a fold is asked for.
+One transaction and one WAL flush instead of two. The row is written only when the record is
+(``FROM rec``: the same fence), and never replaces a SUCCESS row. Its values come from
+:mod:`celery_idem.results_db`; this module only knows the table. Imported by
+``SQLStore.record_with`` only when a fold is asked for.
 """
 
 from __future__ import annotations

@@ -125,8 +125,7 @@ def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: 
     try:
         task.send_event(
             EVENT_TYPE, retry=False, idempotency_key=key, outcome=outcome.value,
-            original_task_id=original, token=token, **extra,
-        )
+            original_task_id=original, token=token, **extra)
     except Exception as exc:  # monitoring must never change the outcome
         logger.debug("celery_idem event not sent key=%s: %s", key, exc)
 
@@ -150,8 +149,7 @@ def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_tas
         with app.events.default_dispatcher() as dispatcher:
             dispatcher.send(
                 EVENT_TYPE, uuid=result_id, name=task.name, idempotency_key=key,
-                outcome=outcome.value, original_task_id=original_task_id, token=token, **extra,
-            )
+                outcome=outcome.value, original_task_id=original_task_id, token=token, **extra)
     except Exception as exc:  # monitoring must never change the answer
         logger.debug("celery_idem event not sent key=%s: %s", key, exc)
 

@@ -48,11 +48,9 @@ def may_attach(task: Task, options: Mapping[str, Any]) -> bool:
     return not isinstance(task.backend, DisabledBackend)
 
 
-def attach(
-    task: Task, gate: Gate, key: str, found: Record | Reservation,
-    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
-    fingerprint: Callable[[], str | None],
-) -> AttachedResult | None:
+def attach(task: Task, gate: Gate, key: str, found: Record | Reservation, args: Sequence[Any] | None,
+           kwargs: Mapping[str, Any] | None, options: Mapping[str, Any],
+           fingerprint: Callable[[], str | None]) -> AttachedResult | None:
     """Attach this enqueue to the action ``found`` shows under way; None: publish instead.
 
     Raises:
@@ -70,8 +68,7 @@ def attach(
         raise IdempotencyKeyMismatch(
             f"idempotency key {key!r} is in use by an action with different arguments (task "
             f"{holder}); use a new key for a new action. Nothing was sent.",
-            key=key,
-        )
+            key=key)
     emit_answer(task, Outcome.ATTACHED, key, token, holder, holder, state)
     result = AttachedResult(task, gate, key, holder, args, kwargs, options)
     add_to_parent(task, result, options)
@@ -112,9 +109,8 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
 
     attached = True
 
-    def __init__(self, task: Task, gate: Gate, key: str, task_id: str,
-                 args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-                 options: Mapping[str, Any]) -> None:
+    def __init__(self, task: Task, gate: Gate, key: str, task_id: str, args: Sequence[Any] | None,
+                 kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]) -> None:
         super().__init__(task_id, app=task.app, task_name=task.name)
         self.idempotency_key = key
         self.original_task_id = task_id

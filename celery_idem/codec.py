@@ -112,8 +112,7 @@ class KombuCodec:
             raise CorruptRecord(
                 f"the result recorded for {key!r} is {mime}, which this app does not accept "
                 f"(result_accept_content); it was not decoded",
-                key=key,
-            ) from exc
+                key=key) from exc
         except (self._unreadable, ValueError, TypeError) as exc:
             raise CorruptRecord(f"the result recorded for {key!r} cannot be decoded: {exc}", key=key) from exc
 

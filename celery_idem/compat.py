@@ -2,14 +2,10 @@
 and :data:`PRIVATE_NAMES`, the inventory of every private name the package uses.
 
 The functions here decide what a call means (the key of an action, a pickled result, a result
-set's wait), so they behave the same with accelerations on and off; each stands behind a named
-function with its fallback. ``tests/unit/test_private_names.py`` holds the package to the
-inventory: a private name of celery, kombu, redis-py, SQLAlchemy or psycopg is used only in the
-module its entry names. The versions checked: celery 5.4.0-5.7.0, kombu of the same minors,
-redis-py 5.x-8.2.0, SQLAlchemy 2.1.9, psycopg 3.3.9; when a name is missing, an acceleration
-steps aside for its plain twin, and this module's functions do what their entry says.
+set's wait), each behind a named function with its fallback. ``tests/unit/test_private_names.py``
+holds the package to the inventory: a private name is used only in the module its entry names.
+When a name is missing, a fast path steps aside for its plain twin.
 """
-
 
 from __future__ import annotations
 
@@ -53,15 +49,10 @@ class MetaHook:
         return self.on_meta(meta)
 
 
-def dump_pydantic_arguments(
-    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> tuple[Sequence[Any], Mapping[str, Any]]:
-    """``args`` and ``kwargs`` as Celery's ``apply_async`` sends them for a ``pydantic=True`` task.
-
-    Celery >= 5.7 dumps pydantic models before sending (``Task._dump_pydantic_arguments``);
-    before 5.7 there is no such method and the arguments are returned as they are (those
-    Celerys send them as they are too). Not switched: the key is made of these arguments.
-    """
+def dump_pydantic_arguments(task: Any, args: Sequence[Any],
+                            kwargs: Mapping[str, Any]) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """``args`` and ``kwargs`` as Celery's ``apply_async`` sends them for a ``pydantic=True`` task
+    (dumped from Celery 5.7; as they are before, as those Celerys send them)."""
     dump = getattr(task, "_dump_pydantic_arguments", None)  # Celery >= 5.7
     if dump is None:
         return args, kwargs
@@ -70,27 +61,17 @@ def dump_pydantic_arguments(
 
 
 def fire_full_barriers(waiters: list[Any]) -> None:
-    """Fire each vine barrier in ``waiters`` that has counted all its results but not fired.
+    """Fire each vine barrier in ``waiters`` (a ready result's ``then`` callbacks) that has
+    counted all its results but not fired.
 
-    A ``ResultSet`` waits on a ``vine.barrier`` over its results' ``then``. A ready result
-    (an ``EagerResult``, so a ``CachedResult``) is counted while the barrier is built, before
-    the barrier is finalized, and a barrier whose every result was counted then never fires
-    by itself: ``join_native`` would wait forever. Celery's already-ready ``AsyncResult``
-    gets it fired by being counted a second time when the result consumer hands its meta back;
-    a second count also fires a barrier whose other results are still pending, and
-    ``join_native`` then returns before them (``None`` in their place). So the barrier is
-    fired only when it is full, and nothing is counted twice. Without vine's count
-    (``barrier._value``) no barrier is fired here.
-
-    Args:
-        waiters: The callbacks a ready result was given through ``then``.
+    A ready result is counted while a ``ResultSet``'s barrier is built, before it is finalized,
+    and a barrier whose every result was counted then never fires by itself: ``join_native``
+    would wait forever. Counting again would fire a barrier whose other results are pending, so
+    only a full one is fired, and nothing is counted twice (without ``barrier._value``, none).
     """
     for waiter in waiters:
-        if (
-            isinstance(waiter, barrier) and waiter.finalized
-            and not (waiter.ready or waiter.cancelled)
-            and getattr(waiter, "_value", -1) >= waiter.size
-        ):
+        if isinstance(waiter, barrier) and waiter.finalized and not (waiter.ready or waiter.cancelled) \
+                and getattr(waiter, "_value", -1) >= waiter.size:
             # What barrier.__call__ does when the last result comes in, minus the count.
             waiter.ready = True
             waiter.p(*waiter.args, **waiter.kwargs)
@@ -166,5 +147,4 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "handle's value is known already, only a join_native barrier waits longer"),
     PrivateName("celery", "WorkController._conninfo", "compat.py:worker_connection",
                 "celery 5.4.0-5.7.0", "a warning's broker driver; missing: the app's "
-                "connection_for_read(), the same driver"),
-)
+                "connection_for_read(), the same driver"))

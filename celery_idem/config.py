@@ -33,8 +33,7 @@ _OPTIONAL_RELEASE_ON = (
     ("redis.exceptions", ("ConnectionError", "TimeoutError")),
     ("kombu.exceptions", ("OperationalError",)),
     ("requests.exceptions", ("ConnectionError", "Timeout")),
-    ("httpx", ("TimeoutException", "NetworkError")),
-)
+    ("httpx", ("TimeoutException", "NetworkError")))
 
 
 @functools.cache
@@ -171,23 +170,20 @@ def check_options(owner: str, namespace: Iterable[str]) -> None:
             if name in _APP_SETTINGS:
                 raise ImproperlyConfigured(
                     f"{owner}: {name!r} is an app setting, not a task option: set "
-                    f"app.conf.{name} instead"
-                )
+                    f"app.conf.{name} instead")
             # Compare what follows the shared prefix, or every name would look close.
             close = _close_suffix(name.removeprefix(f"{_PREFIX}_"))
             hint = f" Did you mean {close!r}?" if close else ""
             raise ImproperlyConfigured(
                 f"{owner}: unknown option {name!r}.{hint} Known options: "
-                f"{', '.join(sorted(KNOWN_OPTIONS))}"
-            )
+                f"{', '.join(sorted(KNOWN_OPTIONS))}")
         meant = near_miss(name)
         if meant is not None:
             raise ImproperlyConfigured(
                 f"{owner}: {name!r} is not a celery_idem option. Did you mean {meant!r}? "
                 f"Celery would keep {name!r} as a plain attribute and celery_idem would use "
                 f"{meant}'s default instead; rename it to {meant!r} (or, if it is an attribute "
-                f"of your own, give it a name further from the option's)"
-            )
+                f"of your own, give it a name further from the option's)")
 
 
 def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> IdempotencyConfig:
@@ -198,22 +194,19 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         if isinstance(fields, str):
             raise ImproperlyConfigured(
                 f"{owner}: idempotency_fields must be a sequence of argument names, got the "
-                f"string {fields!r}; write ({fields!r},)"
-            )
+                f"string {fields!r}; write ({fields!r},)")
         fields = tuple(fields)
         if not fields or not all(isinstance(f, str) for f in fields):
             raise ImproperlyConfigured(
                 f"{owner}: idempotency_fields must be a non-empty sequence of argument names, "
-                f"got {attrs.idempotency_fields!r}"
-            )
+                f"got {attrs.idempotency_fields!r}")
         if signature is not None:
             params = signature.parameters
             missing = [f for f in fields if f not in params]
             if missing:
                 raise ImproperlyConfigured(
                     f"{owner}: idempotency_fields names {missing} that are not arguments of the "
-                    f"task (its arguments: {', '.join(params)})"
-                )
+                    f"task (its arguments: {', '.join(params)})")
     # Read it without binding: a plain function stored on the task class would otherwise
     # become a method and receive the task as its first argument.
     key_func = inspect.getattr_static(attrs, "idempotency_key_func", None)
@@ -227,15 +220,13 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
     if not isinstance(operation, str) or not operation or not operation.isprintable():
         raise ImproperlyConfigured(
             f"{owner}: idempotency_operation must be a non-empty str of printable characters, "
-            f"got {operation!r}"
-        )
+            f"got {operation!r}")
     if "@" in operation:
         # "@" separates the scope in a key (keys.py): one operation's unscoped keys would read
         # as another's scoped ones.
         raise ImproperlyConfigured(
             f"{owner}: the operation {operation!r} contains '@', which separates the operation "
-            f"from the scope in a key; set idempotency_operation to a name without '@'"
-        )
+            f"from the scope in a key; set idempotency_operation to a name without '@'")
     ttl = _positive("idempotency_ttl", attrs.idempotency_ttl)
     lease = _positive("idempotency_lease", attrs.idempotency_lease)
     if lease < MIN_LEASE:
@@ -243,13 +234,11 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
             f"{owner}: idempotency_lease ({lease:g} s) cannot be renewed before it ends: it is "
             f"renewed every third of it, and a store round trip or a pause longer than the "
             f"{lease * 2 / 3:.2g} s left lets a duplicate take over a live holder. Use at least "
-            f"{MIN_LEASE:g} s"
-        )
+            f"{MIN_LEASE:g} s")
     if ttl < lease:
         raise ImproperlyConfigured(
             f"{owner}: idempotency_ttl ({ttl:g} s) must be at least idempotency_lease "
-            f"({lease:g} s), or a record could vanish while its claim is live"
-        )
+            f"({lease:g} s), or a record could vanish while its claim is live")
     period = _period(owner, attrs.idempotency_period, ttl)
     release_on = attrs.idempotency_release_on
     return IdempotencyConfig(
@@ -266,8 +255,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         record_timeout=_positive("idempotency_record_timeout", attrs.idempotency_record_timeout),
         check_on_enqueue=_flag(owner, "idempotency_check_on_enqueue", attrs.idempotency_check_on_enqueue),
         fingerprint=_flag(owner, "idempotency_fingerprint", attrs.idempotency_fingerprint),
-        period=period,
-    )
+        period=period)
 
 
 def _period(owner: str, value: Any, ttl: float) -> float | None:
@@ -277,19 +265,16 @@ def _period(owner: str, value: Any, ttl: float) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ImproperlyConfigured(
             f"{owner}: idempotency_period must be a number of seconds (at least {MIN_PERIOD:g}) "
-            f"or None, got {value!r}"
-        )
+            f"or None, got {value!r}")
     if value < MIN_PERIOD:
         raise ImproperlyConfigured(
             f"{owner}: idempotency_period must be at least {MIN_PERIOD:g} s, got {value!r}: two "
             f"senders of one tick (two beat processes) are often a second apart, and only sends "
-            f"within half a period of the same slot share a key"
-        )
+            f"within half a period of the same slot share a key")
     if ttl < value:
         raise ImproperlyConfigured(
             f"{owner}: idempotency_ttl ({ttl:g} s) must be at least idempotency_period "
-            f"({value:g} s), or a slot's record could vanish before the slot's last send is run"
-        )
+            f"({value:g} s), or a slot's record could vanish before the slot's last send is run")
     return float(value)
 
 
@@ -366,8 +351,7 @@ def settings(app: Any) -> Settings:
             fold_results=conf.get("idempotency_fold_results") is not False,
             require_durable_store=bool(conf.get("idempotency_require_durable_store")),
             log_answers=conf.get("idempotency_log_answers", True) is not False,
-            accelerate=accelerate_switch(conf.get("idempotency_accelerate", True) is not False),
-        )
+            accelerate=accelerate_switch(conf.get("idempotency_accelerate", True) is not False))
     return found
 
 

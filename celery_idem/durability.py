@@ -46,13 +46,11 @@ def check_store(store: Store, *, require: bool = False) -> None:
     if require:
         raise ImproperlyConfigured(
             f"{REQUIRE_DURABLE_SETTING} is set and the idempotency store can lose records "
-            f"({settings}): {detail}. Fix: {advice}, or unset {REQUIRE_DURABLE_SETTING}"
-        )
+            f"({settings}): {detail}. Fix: {advice}, or unset {REQUIRE_DURABLE_SETTING}")
     logger.warning(
         "celery_idem the idempotency store can lose records (%s), and then run actions twice: "
         "%s. Fix: %s; set %s = True to refuse to start on such a store",
-        settings, detail, advice, REQUIRE_DURABLE_SETTING,
-    )
+        settings, detail, advice, REQUIRE_DURABLE_SETTING)
 
 
 def check_replication(store: Store) -> None:

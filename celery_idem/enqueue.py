@@ -131,11 +131,10 @@ def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: E
     return TypeError(f"{task_name}: the message cannot be encoded: {exc}; nothing was sent")
 
 
-def answer_from_record(
-    task: Task, gate: Gate, writer: ResultWriter | None, key: str, args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None, task_id: str | None, options: Mapping[str, Any], *,
-    arguments_hash: Callable[[], str | None], record: Record | None = None,
-) -> CachedResult | None:
+def answer_from_record(task: Task, gate: Gate, writer: ResultWriter | None, key: str,
+                       args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, task_id: str | None,
+                       options: Mapping[str, Any], *, arguments_hash: Callable[[], str | None],
+                       record: Record | None = None) -> CachedResult | None:
     """The answer from the record (read unless given) for an enqueue of a done (or failed) key,
     or None: publish. ``arguments_hash`` computes the call's fingerprint (None: it has none).
 
@@ -196,8 +195,7 @@ def answer_request(task: Task, task_id: str, args: Sequence[Any] | None,
         "group_index": options.get("group_index"),
         # The rpc:// backend replies to the caller's queue, as send_task's reply_to does.
         "reply_to": options.get("reply_to") or task.app.thread_oid,
-        "correlation_id": task_id,
-    }
+        "correlation_id": task_id}
     ignore = options.get("ignore_result", task.ignore_result)
     if ignore is not None:  # unset: get_actual_ignore_result falls back to the task's
         fields["ignore_result"] = ignore

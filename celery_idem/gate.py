@@ -124,13 +124,12 @@ class Gate:
     poll_min = 0.02
     poll_max = 0.5
 
-    def __init__(
-        self, store: Store, config: IdempotencyConfig, codec: Codec, *, emit: Emit = _no_emit,
-        retry_signals: tuple[type[BaseException], ...] = (),
-        handover_signals: tuple[type[BaseException], ...] = (),
-        interrupts: tuple[type[BaseException], ...] = (), sleep: Callable[[float], None] = time.sleep,
-        monotonic: Callable[[], float] = time.monotonic, lease_keeper: LeaseKeeper | None = None,
-    ) -> None:
+    def __init__(self, store: Store, config: IdempotencyConfig, codec: Codec, *, emit: Emit = _no_emit,
+                 retry_signals: tuple[type[BaseException], ...] = (),
+                 handover_signals: tuple[type[BaseException], ...] = (),
+                 interrupts: tuple[type[BaseException], ...] = (),
+                 sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic,
+                 lease_keeper: LeaseKeeper | None = None) -> None:
         self.store = store
         self.config = config
         self.codec = codec
@@ -142,10 +141,9 @@ class Gate:
         self.monotonic = monotonic
         self.lease_keeper = lease_keeper
 
-    def run(
-        self, attempt: Attempt, body: Callable[[int], T],
-        fold: Callable[[T], BackendWrite | None] | None = None, *, deadline: float | None = None,
-    ) -> RunOutcome[T]:
+    def run(self, attempt: Attempt, body: Callable[[int], T],
+            fold: Callable[[T], BackendWrite | None] | None = None, *, deadline: float | None = None,
+            ) -> RunOutcome[T]:
         """Run ``body(token)`` if and only if this attempt wins the key.
 
         Args:

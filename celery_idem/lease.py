@@ -84,9 +84,7 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
         self._wake_at = float("inf")
 
-    def hold(
-        self, store: Store, key: str, fence: Fence, duration: float
-    ) -> AbstractContextManager[Lease]:
+    def hold(self, store: Store, key: str, fence: Fence, duration: float) -> AbstractContextManager[Lease]:
         """Keep the lease of ``key`` alive until the ``with`` block ends."""
         return _Held(self, Lease(store, key, fence, duration))
 

@@ -32,24 +32,15 @@ PERMISSION = "refused a command this worker needs (permission denied)"
 _FIX = {
     AUTHENTICATION: "its user name and password",
     MISSING_DATABASE: "its database name (or create the database)",
-    PERMISSION: "the user's permissions (ACL) or the user it names",
-}
+    PERMISSION: "the user's permissions (ACL) or the user it names"}
 
 # redis-py's exception classes.
 _REDIS_ERRORS = {"AuthenticationError": AUTHENTICATION, "NoPermissionError": PERMISSION}
-# MySQL/MariaDB server error codes (first argument of PyMySQL's and mysqlclient's errors).
-_MYSQL_CODES = {
-    1044: AUTHENTICATION,  # access denied for user to database
-    1045: AUTHENTICATION,  # access denied for user (using password: YES/NO)
-    1698: AUTHENTICATION,  # access denied (auth plugin)
-    1049: MISSING_DATABASE,  # unknown database
-}
-# SQLSTATEs (PostgreSQL) that no retry fixes.
-_SQLSTATES = {
-    "28P01": AUTHENTICATION,  # invalid_password
-    "28000": AUTHENTICATION,  # invalid_authorization_specification
-    "3D000": MISSING_DATABASE,  # invalid_catalog_name
-}
+# MySQL/MariaDB server error codes (access denied: to a database, for a user, by a plugin;
+# unknown database), the first argument of PyMySQL's and mysqlclient's errors.
+_MYSQL_CODES = {1044: AUTHENTICATION, 1045: AUTHENTICATION, 1698: AUTHENTICATION, 1049: MISSING_DATABASE}
+# PostgreSQL's SQLSTATEs: invalid_password, invalid_authorization_specification, invalid_catalog_name.
+_SQLSTATES = {"28P01": AUTHENTICATION, "28000": AUTHENTICATION, "3D000": MISSING_DATABASE}
 # libpq gives a connection failure's reason only in the message (no SQLSTATE).
 _MESSAGES = (
     (re.compile(r'database "[^"]*" does not exist'), MISSING_DATABASE),
@@ -71,16 +62,12 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(item))
         yield item
         orig = getattr(item, "orig", None)
-        todo.extend([item.__cause__, item.__context__,
-                     orig if isinstance(orig, BaseException) else None])
+        todo.extend([item.__cause__, item.__context__, orig if isinstance(orig, BaseException) else None])
 
 
 def misconfiguration(exc: BaseException) -> str | None:
-    """Why ``exc`` (a store error) is a configuration mistake no retry fixes, or None.
-
-    Returns:
-        One of the module's reasons (authentication, missing database, permission), or None.
-    """
+    """Why ``exc`` (a store error) is a configuration mistake no retry fixes (authentication,
+    missing database, permission), or None."""
     for item in _causes(exc):
         kind = type(item)
         if kind.__module__.partition(".")[0] == "redis" and kind.__name__ in _REDIS_ERRORS:
@@ -129,17 +116,14 @@ def probe_store(store: Store, setting: str) -> bool:
 
 
 def unreachable(exc: StoreUnavailable, setting: str, where: str) -> None:
-    """At worker start: refuse a configuration mistake, or warn that the worker starts anyway.
-
-    ``where`` names the store in the refusal (never with a password).
-    """
+    """At worker start: refuse a configuration mistake, or warn that the worker starts anyway
+    (``where`` names the store, never with a password)."""
     reason = misconfiguration(exc)
     if reason is not None:
         raise ImproperlyConfigured(
             f"the idempotency store ({setting} = {where}) {reason}: {_driver_message(exc)}. Check "
             f"{_FIX[reason]} in {setting}; until then every task of this worker could only be "
-            f"re-queued"
-        ) from exc
+            f"re-queued") from exc
     logger.warning(
         "celery_idem could not reach the idempotency store (%s) at worker start: %s. The "
         "worker starts; its tasks are re-queued until the store answers", setting, exc)
@@ -151,13 +135,9 @@ def requeue_delay(requeues: int) -> float:
     return min(2.0 ** min(max(requeues, 0), 16), REQUEUE_DELAY_CAP)
 
 
-def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException,
-                   requeues: int) -> None:
-    """Log one re-queue of a message because the store could not be used.
-
-    WARNING for an outage, with the delay; ERROR, with the cause and the fix, for an error no
-    retry fixes (a password changed while the worker runs). The message is re-queued in both.
-    """
+def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException, requeues: int) -> None:
+    """Log one re-queue of a message because the store could not be used: WARNING for an
+    outage, ERROR with the cause and the fix for an error no retry fixes."""
     delay = requeue_delay(requeues)
     reason = misconfiguration(exc)
     if reason is not None:

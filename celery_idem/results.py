@@ -1,10 +1,8 @@
 """A task's result writer, and the producer's answer write.
 
 :class:`ResultWriter` is the plain writer: it writes nothing, so Celery's tracer stores the
-task's value. Its fast twins write the result in the record's own round trip
-(``Store.record_with``), or directly without the backend's ``GET``: :mod:`.results_redis` for
-Celery's Redis backend, the database backend's beside it; :mod:`celery_idem.paths` picks one
-per task, with accelerations on.
+task's value. Its fast twins (:mod:`.results_redis`, :mod:`.results_db`) write the result in the
+record's own round trip or without the backend's ``GET``; :mod:`celery_idem.paths` picks one.
 """
 
 from __future__ import annotations
@@ -29,9 +27,6 @@ logger = logging.getLogger("celery_idem")
 class ResultWriter:
     """The plain result writer: builds nothing, so Celery's own write follows.
 
-    Args:
-        task: The task whose results it writes.
-
     Attributes:
         folds: True when the store writes the result in the record's round trip.
     """
@@ -48,8 +43,7 @@ class ResultWriter:
         return bool(
             request.is_eager or request.called_directly or not request.id
             or request.callbacks or request.chain or request.chord
-            or get_actual_ignore_result(self._task, request)
-        )
+            or get_actual_ignore_result(self._task, request))
 
     def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
         """The backend's write of ``result`` for ``request``, or None: leave it to Celery."""
@@ -60,8 +54,7 @@ class ResultWriter:
         return False
 
 
-def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: Any,
-                 state: str) -> bool:
+def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: Any, state: str) -> bool:
     """Store an outcome answered from the record under ``request.id``, as Celery stores results
     (through the writer when it can, else ``store_result``; nothing when the request ignores its
     result). False when the write failed (logged): the caller publishes the message instead."""
@@ -77,8 +70,7 @@ def store_answer(task: Any, writer: ResultWriter | None, request: Any, value: An
     try:
         task.backend.store_result(request.id, value, state, request=request)
     except Exception as exc:
-        logger.debug("celery_idem answer for %s not stored, the message is sent instead: %r",
-                     request.id, exc)
+        logger.debug("celery_idem answer for %s not stored, the message is sent: %r", request.id, exc)
         return False
     return True
 

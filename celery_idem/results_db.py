@@ -27,8 +27,7 @@ __all__ = ["DatabaseResultWriter", "database_result_writer"]
 
 logger = logging.getLogger("celery_idem")
 
-#: The backend methods between the tracer and the row. A subclass that overrides one of them
-#: stores results its own way, so its results are left to Celery.
+#: The backend methods between the tracer and the row (a subclass overriding one: left to Celery).
 _STORE_PATH: Final = ("mark_as_done", "store_result", "_store_result", "_update_result",
                       "_get_result_meta", "encode_result", "encode")
 
@@ -37,17 +36,13 @@ _SAME_DATABASE: Final = ("host", "database", "username", "password")
 
 
 class DatabaseResultWriter(ResultWriter):
-    """Builds Celery's result row for the record's statement; never writes it itself.
-
-    Attributes:
-        folds: Always True: the store writes the row in the record's statement.
-    """
+    """Builds Celery's result row for the record's statement (``folds``); never writes it."""
 
     def __init__(self, task: Any, backend: Any) -> None:
         super().__init__(task)
         self._backend = backend
         self.folds = True
-        self._table: Any = None  # Celery's result table, once its tables are known to exist
+        self._table: Any = None  # Celery's result table, once it is known to exist
         self._columns: tuple[str, ...] = ()
 
     def _prepare(self) -> None:
@@ -56,19 +51,13 @@ class DatabaseResultWriter(ResultWriter):
             backend = self._backend
             backend.ResultSession().close()
             table = backend.task_cls.__table__
-            # id comes from the table's sequence; children and stamps are set by
-            # _update_result when the table has them, like every other column.
+            # id comes from the table's sequence; _update_result sets the others it has.
             self._columns = tuple(c.name for c in table.columns if c.name != "id")
             self._table = table
 
     def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
-        """Celery's row of ``result`` for ``request``, or None: leave it to Celery.
-
-        Args:
-            request: The task's request (its ``id`` is the row's ``task_id``).
-            result: The value, or for ``FAILURE`` the exception.
-            state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
-        """
+        """Celery's row of ``result`` (the value, or for ``FAILURE`` the exception) for
+        ``request``, or None: leave it to Celery."""
         from .stores.sql.taskmeta import TaskMetaWrite
 
         if self.left_to_celery(request):
@@ -88,17 +77,8 @@ class DatabaseResultWriter(ResultWriter):
 
 
 def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | None:
-    """``task``'s writer when its backend is Celery's database backend on ``store``'s database.
-
-    Args:
-        task: The Celery task (its ``backend`` is read).
-        store: The task's idempotency store.
-
-    Returns:
-        A :class:`DatabaseResultWriter` when the backend is exactly Celery's
-        ``DatabaseBackend`` on PostgreSQL and ``store`` is a :class:`SQLStore` of the same
-        database and user; None otherwise (results are left to Celery).
-    """
+    """``task``'s writer when its backend is exactly Celery's ``DatabaseBackend`` on PostgreSQL
+    and ``store`` a :class:`SQLStore` of the same database and user; else None (left to Celery)."""
     try:
         from celery.backends.database import DatabaseBackend
         from sqlalchemy.engine import make_url
@@ -111,8 +91,7 @@ def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | No
     if not hasattr(DatabaseBackend, "_update_result"):
         return None  # a Celery without it: results are left to Celery (compat.PRIVATE_NAMES)
     if not isinstance(backend, DatabaseBackend) or any(
-        getattr(cls, name, None) is not getattr(DatabaseBackend, name) for name in _STORE_PATH
-    ):
+            getattr(cls, name, None) is not getattr(DatabaseBackend, name) for name in _STORE_PATH):
         return None
     if type(store) is not SQLStore or store.dialect != "postgresql":
         return None

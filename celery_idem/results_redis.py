@@ -31,11 +31,10 @@ from .stores.base import BackendWrite, Store
 
 __all__ = ["RedisResultWriter", "redis_result_writer"]
 
-
 logger = logging.getLogger("celery_idem")
 
-#: The backend methods between the tracer and the Redis write. A subclass that overrides one of
-#: them stores results its own way, so its results are left to Celery.
+#: The backend methods between the tracer and the Redis write: a subclass overriding one of
+#: them stores results its own way (left to Celery).
 _STORE_PATH = ("mark_as_done", "store_result", "_store_result", "_set_with_state", "set",
                "_get_result_meta", "encode_result", "get_key_for_task")
 #: Celery's private names the writer calls (listed in celery_idem.compat.PRIVATE_NAMES).
@@ -57,20 +56,14 @@ class RedisResultWriter(ResultWriter):
         self._limit = getattr(backend, "_MAX_STR_VALUE_SIZE", None)
 
     def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
-        """The backend's write of ``result`` for ``request``, or None: leave it to Celery.
-
-        Args:
-            request: The task's request (its ``id`` is the result's id).
-            result: The value, or for ``FAILURE`` the exception.
-            state: ``SUCCESS``, or ``FAILURE`` for a recorded terminal error.
-        """
+        """The backend's write of ``result`` (the value, or for ``FAILURE`` the exception) for
+        ``request``, or None: leave it to Celery."""
         if self.left_to_celery(request):
             return None
         backend = self._backend
         meta = backend._get_result_meta(
             result=backend.encode_result(result, state), state=state, traceback=None,
-            request=request,
-        )
+            request=request)
         meta["task_id"] = request.id
         value = backend.encode(meta)
         if self._limit is not None and isinstance(value, str) and len(value) > self._limit:
@@ -80,12 +73,8 @@ class RedisResultWriter(ResultWriter):
                             expires=self._expiry)
 
     def write(self, write: BackendWrite, state: str = SUCCESS) -> bool:
-        """Make ``write`` with the backend's own ``set`` (no ``GET`` first).
-
-        Returns:
-            True when it is written; False when it failed (logged at DEBUG) and Celery's own
-            write should follow.
-        """
+        """Make ``write`` with the backend's own ``set`` (no ``GET`` first); False when it failed
+        (logged at DEBUG) and Celery's own write should follow."""
         try:
             self._backend._set_with_state(write.key, write.value, state)
         except Exception as exc:  # Celery's own write follows, with its own retries and errors
@@ -96,20 +85,9 @@ class RedisResultWriter(ResultWriter):
 
 
 def redis_result_writer(task: Any, store: Store) -> RedisResultWriter | None:
-    """``task``'s writer when its result backend is Celery's Redis backend, else None.
-
-    :func:`celery_idem.paths.result_writer` asks for it when Celery's database backend's
-    writer does not apply.
-
-    Args:
-        task: The Celery task (its ``backend`` is read).
-        store: The task's idempotency store.
-
-    Returns:
-        A :class:`RedisResultWriter` when the result backend is Celery's Redis backend (or a subclass
-        that stores results the same way); its ``folds`` says whether ``store`` can write the
-        result in the record's round trip. None otherwise.
-    """
+    """``task``'s writer when its result backend is Celery's Redis backend (or a subclass that
+    stores results the same way), else None; its ``folds`` says whether ``store`` can write the
+    result in the record's round trip."""
     try:
         from celery.backends.redis import RedisBackend
 
@@ -121,11 +99,9 @@ def redis_result_writer(task: Any, store: Store) -> RedisResultWriter | None:
     if not all(hasattr(RedisBackend, name) for name in _PRIVATE):
         return None  # a Celery without them: results are left to Celery (compat.PRIVATE_NAMES)
     if not isinstance(backend, RedisBackend) or any(
-        getattr(cls, name, None) is not getattr(RedisBackend, name) for name in _STORE_PATH
-    ):
+            getattr(cls, name, None) is not getattr(RedisBackend, name) for name in _STORE_PATH):
         return None
-    # Exact types for the fold: a subclass (Sentinel's backend, a cluster store) may write
-    # elsewhere than the store's script can reach.
+    # Exact types for the fold: a subclass (Sentinel, a cluster) may write out of the script's reach.
     folds = (cls is RedisBackend and type(store) is RedisStore
              and same_server(backend.client, store.client))
     return RedisResultWriter(task, backend, folds)

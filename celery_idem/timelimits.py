@@ -50,11 +50,8 @@ def set_worker_limits(soft: float | None, hard: float | None) -> None:
 
 
 def request_deadline(task: Any, request: Any, started: float) -> float | None:
-    """The ``monotonic()`` time by which a duplicate must stop waiting, or None (no limit).
-
-    ``started`` is when ``__call__`` started (Celery's clock starts a moment earlier, which the
-    margin covers).
-    """
+    """The ``monotonic()`` time by which a duplicate must stop waiting, or None (no limit);
+    ``started``: when ``__call__`` started (the margin covers Celery's earlier start)."""
     # The precedence of ``_limits`` (see why there), unnamed: this runs on every call.
     hard, soft = getattr(request, "timelimit", None) or (None, None)
     conf = task.app.conf
@@ -90,10 +87,8 @@ class Limits:
 
 
 def _limits(task: Any, conf: Any) -> Limits:
-    """``task``'s limits as a worker applies them, naming the setting of each.
-
-    ``conf`` None: the task's own options only (a class being defined is not bound to an app).
-    """
+    """``task``'s limits as a worker applies them, naming the setting of each (``conf`` None:
+    the task's own options only, for a class being defined)."""
     worker = _worker if conf is not None else {"soft": None, "hard": None}
 
     def one(option: str, setting: str, flag: str, fallback: float | None) -> tuple[float | None, str]:
@@ -116,11 +111,8 @@ def _limits(task: Any, conf: Any) -> Limits:
 
 
 def check_definition(label: str, task_class: Any) -> None:
-    """Refuse, when a task class is created, task-option limits that cannot work.
-
-    Raises:
-        ImproperlyConfigured: A limit leaves a duplicate no time to wait (the message names it).
-    """
+    """Refuse, with ``ImproperlyConfigured``, task-option limits that leave a duplicate no time
+    to wait, when a task class is created."""
     _refuse(label, _limits(task_class, None))
 
 
@@ -133,17 +125,13 @@ def _refuse(label: str, limits: Limits) -> None:
         raise ImproperlyConfigured(
             f"{label}: {source} leaves a duplicate no time to wait for a busy key: the wait ends "
             f"{margin(limit):g} s before the limit, to re-queue the message before the limit "
-            f"can fail it. Use a limit of at least {MIN_TIME_LIMIT:g} s for an IdempotentTask."
-        )
+            f"can fail it. Use a limit of at least {MIN_TIME_LIMIT:g} s for an IdempotentTask.")
 
 
 def check_worker(app: Any, tasks: Iterable[Any], time_limit: float | None,
                  soft_time_limit: float | None) -> None:
-    """At worker start: refuse limits that cannot work, warn once about those that degrade.
-
-    Raises:
-        ImproperlyConfigured: A task's limit cannot work (the message names the settings).
-    """
+    """At worker start: refuse limits that cannot work (``ImproperlyConfigured``), warn once
+    about those that degrade."""
     set_worker_limits(soft_time_limit, time_limit)
     conf = app.conf
     visibility = _visibility_timeout(conf)
@@ -159,8 +147,7 @@ def check_worker(app: Any, tasks: Iterable[Any], time_limit: float | None,
             if cfg.wait > budget:
                 short_wait.append(
                     f"{task.name} (idempotency_wait={cfg.wait:g}, {first[1]}: waits at most "
-                    f"{budget:g} s)"
-                )
+                    f"{budget:g} s)")
         longest = limits.longest
         if visibility is not None and longest is not None and longest[0] >= visibility:
             redelivered.append(f"{task.name} ({longest[1]})")
@@ -169,16 +156,14 @@ def check_worker(app: Any, tasks: Iterable[Any], time_limit: float | None,
             "celery_idem: idempotency_wait is longer than the time limit allows for %s. A "
             "duplicate of a busy key re-queues itself sooner, before its own limit can fail "
             "it; that costs a broker round trip per re-queue, nothing else.",
-            "; ".join(short_wait),
-        )
+            "; ".join(short_wait))
     if redelivered:
         logger.warning(
             "celery_idem: the broker's visibility_timeout (%g s) is not longer than the time "
             "limit of %s. A task still running when it runs out is delivered again beside the "
             "original; the copy waits and re-queues (harmless, but it costs worker slots). Set "
             "broker_transport_options['visibility_timeout'] above the longest time limit.",
-            visibility, ", ".join(redelivered),
-        )
+            visibility, ", ".join(redelivered))
 
 
 def _visibility_timeout(conf: Any) -> float | None:

@@ -41,10 +41,8 @@ def supported_schemes() -> tuple[str, ...]:
     return tuple(f"{scheme}://" for scheme in _backends())
 
 
-def store_from_url(
-    url: str, prefix: str = DEFAULT_PREFIX, options: Mapping[str, Any] | None = None,
-    backend_transport_options: Mapping[str, Any] | None = None
-) -> Store:
+def store_from_url(url: str, prefix: str = DEFAULT_PREFIX, options: Mapping[str, Any] | None = None,
+                   backend_transport_options: Mapping[str, Any] | None = None) -> Store:
     """Build the store for ``url``.
 
     Args:
@@ -66,8 +64,7 @@ def store_from_url(
     if not isinstance(url, str) or not url:
         raise ImproperlyConfigured(
             f"celery_idem needs a store URL (idempotency_store or result_backend), got {url!r}; "
-            f"supported schemes: {', '.join(supported_schemes())}"
-        )
+            f"supported schemes: {', '.join(supported_schemes())}")
     scheme = "django" if url.strip().lower() == "django-db" else urlsplit(url).scheme.lower()
     if scheme.startswith("db+") and scheme.count("+") > 1:
         scheme = "+".join(scheme.split("+")[:2])  # db+postgresql+psycopg -> db+postgresql
@@ -79,16 +76,14 @@ def store_from_url(
             f"celery_idem has no store for {shown!r}: the claim needs an atomic store and this "
             f"backend offers none. Supported schemes: {', '.join(supported_schemes())}. Set "
             f"result_backend to one of them, or set idempotency_store separately "
-            f"(app.conf.idempotency_store = 'redis://...')."
-        ) from None
+            f"(app.conf.idempotency_store = 'redis://...').") from None
     try:
         store_cls: type[Store] = point.load()
     except ImportError as exc:
         extra = point.extras[0] if point.extras else scheme
         raise ImproperlyConfigured(
             f"the {scheme}:// store needs a client library that is not installed ({exc.name}): "
-            f"pip install 'celery-idem[{extra}]'"
-        ) from exc
+            f"pip install 'celery-idem[{extra}]'") from exc
     kwargs = dict(options or {})
     if not store_cls.accelerates:  # the app's idempotency_accelerate: only for those that have some
         kwargs.pop("accelerate", None)

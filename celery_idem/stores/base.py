@@ -97,8 +97,7 @@ def record_from_row(row: Mapping[str, Any], prefix: str, table: str) -> Record:
             lease_expires=None if lease_expires is None else float(lease_expires),
             payload_hash=row["payload_hash"], content_type=row["content_type"],
             data=None if data is None else bytes(data), updated=float(row["updated"]),
-            claim_id=row["claim_id"] or "",
-        )
+            claim_id=row["claim_id"] or "")
     except (ValueError, TypeError) as exc:
         raise CorruptRecord(f"the record of {key!r} in SQL table {table!r} cannot be read: {exc}",
                             key=key) from exc
@@ -183,10 +182,8 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def claim(
-        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
-        payload_hash: str | None = None
-    ) -> Claim:
+    def claim(self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+              payload_hash: str | None = None) -> Claim:
         """Atomically claim ``key`` for one attempt, or say why not.
 
         Decides, in this order, in one round trip:
@@ -221,10 +218,8 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def record(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
-        claim_id: str | None = None
-    ) -> None:
+    def record(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+               claim_id: str | None = None) -> None:
         """Atomically turn the caller's IN_PROGRESS record into DONE or FAILED. Fenced.
 
         Idempotent for the holder: recording the same token (and claim id) again (a retry after
@@ -241,10 +236,8 @@ class Store(abc.ABC):
             ValueError: ``state`` is not DONE or FAILED.
         """
 
-    def record_with(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float, also:
-        BackendWrite, claim_id: str | None = None
-    ) -> bool:
+    def record_with(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+                    also: BackendWrite, claim_id: str | None = None) -> bool:
         """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can.
 
         The seam of the result fold, an acceleration (:mod:`celery_idem.results_redis`,
@@ -304,9 +297,8 @@ class Store(abc.ABC):
     #: :meth:`reserve` with the record (it only reads), and enqueues attach to claims only.
     reserves: ClassVar[bool] = False
 
-    def reserve(
-        self, key: str, task_id: str, lease: float, fingerprint: str | None = None
-    ) -> Record | Reservation | None:
+    def reserve(self, key: str, task_id: str, lease: float,
+                fingerprint: str | None = None) -> Record | Reservation | None:
         """Read ``key``'s record and, when no attempt holds or answers it, reserve the key.
 
         The enqueue check (one round trip): later enqueues of the key attach to ``task_id``'s

@@ -51,10 +51,8 @@ class MemoryStore(Store):
             return None
         return entry[0]
 
-    def claim(
-        self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
-        payload_hash: str | None = None
-    ) -> Claim:
+    def claim(self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
+              payload_hash: str | None = None) -> Claim:
         with self._lock:
             now = self._clock()
             rec = self._live(key, now)
@@ -65,8 +63,7 @@ class MemoryStore(Store):
                 new = Record(
                     key=key, state=State.IN_PROGRESS, token=token, owner=owner, task_id=task_id,
                     attempt=attempt, lease_expires=now + lease, payload_hash=payload_hash,
-                    updated=now, claim_id=claim_id,
-                )
+                    updated=now, claim_id=claim_id)
                 self._records[key] = (new, now + ttl)
                 return Claim(status, token, rec, now, claim_id)
 
@@ -91,10 +88,8 @@ class MemoryStore(Store):
             raise lease_lost(verb, key, token, rec, claim_id)
         return rec
 
-    def record(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
-        claim_id: str | None = None,
-    ) -> None:
+    def record(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+               claim_id: str | None = None) -> None:
         if state not in (State.DONE, State.FAILED):
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         with self._lock:
@@ -104,8 +99,7 @@ class MemoryStore(Store):
                 return  # the holder retrying a record whose reply it lost
             new = dataclasses.replace(
                 rec, state=state, content_type=content_type, data=data, lease_expires=None,
-                updated=now,
-            )
+                updated=now)
             self._records[key] = (new, now + ttl)
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:

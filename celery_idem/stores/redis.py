@@ -150,9 +150,8 @@ class RedisStore(Store):
 
     accelerates: ClassVar[bool] = True
 
-    def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
-                 wait_replicas: int = 0, wait_timeout: float = 1.0,
-                 location: str | None = None, accelerate: bool = True) -> None:
+    def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *, wait_replicas: int = 0,
+                 wait_timeout: float = 1.0, location: str | None = None, accelerate: bool = True) -> None:
         super().__init__(prefix)
         if not isinstance(wait_replicas, int) or isinstance(wait_replicas, bool) or wait_replicas < 0:
             raise ImproperlyConfigured(
@@ -282,20 +281,16 @@ class RedisStore(Store):
         return Claim(status, int(token), record, int(now) / 1000,
                      claim_id if status.holds else "")
 
-    def record(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
-        claim_id: str | None = None,
-    ) -> None:
+    def record(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+               claim_id: str | None = None) -> None:
         args = _record_args(token, state, content_type, data, ttl, claim_id)
         with _translate_errors(self, key):
             reply = self.run_script("record", key, args)
         if reply != REPLY_OK:
             raise self._refused(reply, key, token, "record")
 
-    def record_with(
-        self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
-        also: BackendWrite, claim_id: str | None = None,
-    ) -> bool:
+    def record_with(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
+                    also: BackendWrite, claim_id: str | None = None) -> bool:
         """Record, and write ``also`` (SET + PUBLISH) in the same script, only if the fence holds.
 
         Returns whether ``also`` was written. The caller must know that ``also.key`` lives on
@@ -339,9 +334,8 @@ class RedisStore(Store):
 
     reserves: ClassVar[bool] = True
 
-    def reserve(
-        self, key: str, task_id: str, lease: float, fingerprint: str | None = None
-    ) -> Record | Reservation | None:
+    def reserve(self, key: str, task_id: str, lease: float,
+                fingerprint: str | None = None) -> Record | Reservation | None:
         if "\0" in task_id or (fingerprint and "\0" in fingerprint):
             refuse_nul(task_id=task_id, fingerprint=fingerprint or "")
         name = self.name_of(key)

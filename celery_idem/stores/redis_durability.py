@@ -21,8 +21,7 @@ def text(value: bytes | str) -> str:
 DURABILITY_SETTINGS = ("appendonly", "appendfsync", "maxmemory-policy", "maxmemory")
 _FIX = (
     "set appendonly yes, appendfsync everysec (or always) and maxmemory-policy noeviction on the "
-    "store's Redis (docs/reliability.md, 'Redis settings the store needs')"
-)
+    "store's Redis (docs/reliability.md, 'Redis settings the store needs')")
 
 
 def config_get(client: Any) -> dict[str, str]:

@@ -57,8 +57,7 @@ CONTENT_TYPES = (
     "application/json",
     "application/x-python-serialize;binary",
     "application/x-msgpack;binary",
-    "application/x-yaml;utf-8",
-)
+    "application/x-yaml;utf-8")
 CONTENT_CODE = {ctype: bytes([n]) for n, ctype in enumerate(CONTENT_TYPES, 1)}
 CONTENT_TYPE_OF = {code: ctype for ctype, code in CONTENT_CODE.items()}
 _CONTROL = re.compile(r"[\x00-\x1f]")

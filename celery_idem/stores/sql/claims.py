@@ -49,10 +49,8 @@ class ClaimArgs:
     claim_id: str
 
     def status(self, row: FromClause, now: ColumnElement[float]) -> ColumnElement[str | None]:
-        """The decision on ``row`` at ``now`` in the order of :meth:`Store.claim`, as a CASE.
-
-        ``row`` may be an outer join's NULL row (absent); the CASE is NULL for an unknown state.
-        """
+        """The decision on ``row`` (NULLs: absent) at ``now`` in the order of
+        :meth:`Store.claim`, as a CASE (NULL for an unknown state)."""
         c = row.c
         in_progress = c.state == State.IN_PROGRESS.value
         lease_expired = sa.and_(c.lease_expires.is_not(None), c.lease_expires <= now)
@@ -70,16 +68,14 @@ class ClaimArgs:
             (sa.and_(in_progress, sa.or_(lease_expired, earlier_attempt_of_same_task)),
              ClaimStatus.TAKEOVER.value),
             (in_progress, ClaimStatus.BUSY.value),
-            else_=sa.null(),
-        )
+            else_=sa.null())
 
     @classmethod
     def template(cls, validate: bool) -> ClaimArgs:
         """The arguments as ``idem_<name>`` bind parameters, to build a claim statement once."""
         binds: dict[str, Any] = {
             f.name: sa.bindparam(f"idem_{f.name}", type_=_BIND_TYPES.get(f.name, sa.String))
-            for f in dataclasses.fields(cls)
-        }
+            for f in dataclasses.fields(cls)}
         if not validate:
             binds["payload_hash"] = None  # validation changes the predicates' shape (constant false)
         return cls(**binds)
@@ -96,16 +92,14 @@ class ClaimArgs:
             "lease_expires": now + self.lease,
             "payload_hash": sa.null() if self.payload_hash is None else self.payload_hash,
             "content_type": sa.null(), "data": sa.null(), "updated": now, "expires": now + self.ttl,
-            "claim_id": self.claim_id,
-        }
+            "claim_id": self.claim_id}
 
 
 def _decide(t: sa.Table, args: ClaimArgs) -> sa.Select[Any]:
     """The unlocked look at the key's row (NULLs when absent) with ``now`` and ``status``."""
     clock = sa.select(db_now().label("now")).subquery("clock")
     return sa.select(clock.c.now, *t.c, args.status(t, clock.c.now).label("status")).select_from(
-        clock.outerjoin(t, t.c.key == args.key)
-    )
+        clock.outerjoin(t, t.c.key == args.key))
 
 
 def build_pg_claim(table: sa.Table, validate: bool) -> sa.Select[Any]:
@@ -148,64 +142,41 @@ def build_pg_claim(table: sa.Table, validate: bool) -> sa.Select[Any]:
     peek = _decide(t, args).cte("peek").prefix_with("MATERIALIZED")
     # Uncorrelated: evaluated once (an InitPlan), it skips the locking scans when false.
     must_lock = sa.exists().where(sa.or_(*(peek.c.status == s for s in LOCKED)))
-    old = (
-        sa.select(t)
-        .where(t.c.key == args.key, must_lock)
-        .with_for_update()
-        .cte("old")
+    old = sa.select(t).where(t.c.key == args.key, must_lock).with_for_update().cte("old") \
         .prefix_with("MATERIALIZED")
-    )
     # The clock is read in the row that takes the lock, so a claim that waited for the lock
     # decides on the time it got it.
     one = sa.select(sa.literal(1).label("one")).subquery("one")
-    locked = (
-        sa.select(db_now().label("now"), *old.c)
-        .select_from(one.outerjoin(old, sa.true()))
-        .where(must_lock)
-        .cte("locked")
-        .prefix_with("MATERIALIZED")
-    )
+    locked = sa.select(db_now().label("now"), *old.c).select_from(one.outerjoin(old, sa.true())) \
+        .where(must_lock).cte("locked").prefix_with("MATERIALIZED")
     decide = (
         sa.union_all(
-            sa.select(
-                locked.c.now,
-                *(locked.c[c.name] for c in t.c),
-                args.status(locked, locked.c.now).label("status"),
-            ),
+            sa.select(locked.c.now, *(locked.c[c.name] for c in t.c),
+                      args.status(locked, locked.c.now).label("status")),
             # NULL (a state we do not know) is answered unlocked too: CorruptRecord.
             sa.select(*peek.c).where(
-                sa.or_(peek.c.status.is_(None), sa.and_(*(peek.c.status != s for s in LOCKED)))
-            ),
-        )
+                sa.or_(peek.c.status.is_(None), sa.and_(*(peek.c.status != s for s in LOCKED)))))
         .cte("decide")
-        .prefix_with("MATERIALIZED")
-    )
+        .prefix_with("MATERIALIZED"))
     values = args.values(now=decide.c.now, token=token_for(decide.c.token, decide.c.now))
+    # Not IN (...): SQLAlchemy expands an IN list at execution time (not the compile-once path).
     insert = pg_insert(t).from_select(
-        # Not IN (...): SQLAlchemy expands an IN list at execution time, which the
-        # compile-once fast path does not do.
-        list(values),
-        sa.select(*values.values()).where(sa.or_(*(decide.c.status == s for s in HOLDS))),
-    )
+        list(values), sa.select(*values.values()).where(sa.or_(*(decide.c.status == s for s in HOLDS))))
     up = (
         insert.on_conflict_do_update(
             index_elements=[t.c.key],
             set_={name: insert.excluded[name] for name in values if name != "key"},
             # The row met must be the row decided on: its token (0: none, the key was
             # absent and a concurrent first claim inserted it; nothing is written).
-            where=t.c.token == sa.select(sa.func.coalesce(decide.c.token, 0)).scalar_subquery(),
-        )
+            where=t.c.token == sa.select(sa.func.coalesce(decide.c.token, 0)).scalar_subquery())
         .returning(t.c.token)
-        .cte("up")
-    )
+        .cte("up"))
     return sa.select(decide, up.c.token.label("taken_token")).select_from(
-        decide.outerjoin(up, sa.true())
-    )
+        decide.outerjoin(up, sa.true()))
 
 
-def select_then_write(
-    conn: Connection, table: sa.Table, dialect: str, args: ClaimArgs
-) -> tuple[RowMapping, int | None]:
+def select_then_write(conn: Connection, table: sa.Table, dialect: str,
+                      args: ClaimArgs) -> tuple[RowMapping, int | None]:
     """The SQLite and MySQL claim: a SELECT that decides, then a conditional INSERT or UPDATE.
 
     Returns the decided row (with ``now`` and ``status``) and the token written (None when the
@@ -230,17 +201,10 @@ def select_then_write(
             except sa_exc.IntegrityError:
                 raise ClaimRaced from None  # a concurrent first claim inserted the key
         else:
-            still_same = sa.and_(
-                t.c.key == args.key,
-                t.c.token == row["token"],
-                t.c.state == row["state"],
-                args.status(t, sa.literal(now, sa.Double)) == row["status"],
-            )
-            update = (
-                sa.update(t)
-                .where(still_same)
-                .values({name: value for name, value in values.items() if name != "key"})
-            )
+            still_same = sa.and_(t.c.key == args.key, t.c.token == row["token"], t.c.state == row["state"],
+                                 args.status(t, sa.literal(now, sa.Double)) == row["status"])
+            update = sa.update(t).where(still_same).values(
+                {name: value for name, value in values.items() if name != "key"})
             if conn.execute(update).rowcount != 1:
                 raise ClaimRaced
     return row, token
@@ -248,11 +212,8 @@ def select_then_write(
 
 @contextlib.contextmanager
 def _immediate_transaction(conn: Connection) -> Iterator[None]:
-    """SQLite's ``BEGIN IMMEDIATE ... COMMIT`` around the block (ROLLBACK if it raises).
-
-    The engine is in autocommit (pysqlite's own implicit BEGIN is off), so the transaction
-    is ours to open and close, as SQLAlchemy's pysqlite documentation recommends.
-    """
+    """SQLite's ``BEGIN IMMEDIATE ... COMMIT`` around the block (ROLLBACK if it raises); the
+    engine is in autocommit, so the transaction is ours to open and close."""
     conn.exec_driver_sql("BEGIN IMMEDIATE")
     try:
         yield

@@ -23,16 +23,14 @@ __all__ = ["BACKENDS", "build_engine", "importable", "sqlalchemy_url"]
 DRIVER_FALLBACKS: Final = {
     "postgresql": ("psycopg2", "psycopg"),
     "mysql": ("MySQLdb", "pymysql"),
-    "mariadb": ("mariadb", "pymysql"),
-}
+    "mariadb": ("mariadb", "pymysql")}
 BACKENDS: Final = ("postgresql", "mysql", "mariadb", "sqlite")
 # pip package of a DBAPI module, where its name is not the module's.
 _DRIVER_PACKAGES: Final = {
     "psycopg2": "psycopg2-binary",
     "psycopg": "psycopg[binary]",
     "MySQLdb": "mysqlclient",
-    "mysql": "mysql-connector-python",
-}
+    "mysql": "mysql-connector-python"}
 
 # Workers fork after the store is built: a child must never reuse the parent's sockets (two
 # processes talking over one connection corrupt both). Engines are held weakly so a closed
@@ -84,8 +82,7 @@ def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
         # In autocommit the ROLLBACK on check-in is pointless and costs PyMySQL a round trip
         # (not on SQLite: there the claim's BEGIN IMMEDIATE must be rolled back if it fails).
         "skip_autocommit_rollback": backend != "sqlite",
-        **engine_options,
-    }
+        **engine_options}
     if backend == "sqlite":
         # Several worker processes share the file: wait for the write lock instead of failing
         # with "database is locked" at once.
@@ -98,8 +95,7 @@ def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
             f"the db+{backend}:// store needs the database driver {module!r} for "
             f"{sa_url.drivername!r}, which is not installed: pip install "
             f"'{_DRIVER_PACKAGES.get(module, module or 'the driver')}' (celery-idem[sql] brings "
-            f"SQLAlchemy, not the driver)"
-        ) from exc
+            f"SQLAlchemy, not the driver)") from exc
     if backend == "sqlite":
         sa.event.listen(engine, "connect", _sqlite_on_connect)
     elif backend in ("mysql", "mariadb"):

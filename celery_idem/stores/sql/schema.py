@@ -1,8 +1,5 @@
-"""The SQL store's schema: the records table, its column types and the database clock.
-
-Public so other tables celery_idem keeps in SQL (:mod:`celery_idem.contrib.receipts`) use the
-same types, not copies.
-"""
+"""The SQL store's schema: the records table, its column types and the database clock (public:
+celery_idem's other SQL tables use the same types)."""
 
 from __future__ import annotations
 
@@ -56,11 +53,8 @@ def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
 
 
 def token_for(previous: ColumnElement[Any], now: ColumnElement[float]) -> ColumnElement[int]:
-    """A taking claim's token in SQL: ``max(previous + 1, now in µs)``, ``previous`` NULL = 0.
-
-    The SQL twin of :func:`celery_idem.stores.base.next_token`, on the database clock ``now``.
-    The cast rounds (PostgreSQL, MySQL) or truncates (SQLite): either is a clock reading.
-    """
+    """A taking claim's token in SQL: ``max(previous + 1, now in µs)``, ``previous`` NULL = 0
+    (:func:`celery_idem.stores.base.next_token` on the database clock ``now``)."""
     after = sa.func.coalesce(previous, 0) + 1
     micros = sa.cast(now * TOKEN_CLOCK_SCALE, sa.BigInteger)
     return sa.case((after > micros, after), else_=micros)
@@ -80,14 +74,10 @@ def _key_text_mysql(element: KeyText, compiler: Any, **kw: Any) -> str:
 
 
 def text_type(length: int) -> sa.types.TypeEngine[str]:
-    """A ``VARCHAR(length)`` that compares byte for byte on every database.
+    """A ``VARCHAR(length)`` (characters) that compares byte for byte on every database.
 
-    MySQL's default collations are case- and accent-insensitive (``Refund:ab`` and ``refund:ab``
-    would be one key), and its ``_bin`` ones ignore trailing spaces (``K`` and ``K `` would be
-    one key): the column takes the NO PAD binary collation (:func:`mysql_byte_collation`).
-
-    Args:
-        length: The column's length in characters.
+    MySQL's default collations are case- and accent-insensitive, and its ``_bin`` ones ignore
+    trailing spaces: the column takes the NO PAD binary collation (:func:`mysql_byte_collation`).
     """
     return KeyText(length)
 
@@ -103,14 +93,9 @@ def new_metadata() -> sa.MetaData:
 
 
 def records_table(name: str = DEFAULT_TABLE_NAME) -> sa.Table:
-    """The records table called ``name``, in a ``MetaData`` of its own (one per store).
-
-    Args:
-        name: The table's name.
-    """
+    """The records table called ``name``, in a ``MetaData`` of its own (one per store)."""
     return sa.Table(
-        name,
-        new_metadata(),
+        name, new_metadata(),
         sa.Column("key", text_type(255), primary_key=True),
         sa.Column("state", text_type(16), nullable=False, index=True),
         sa.Column("token", sa.BigInteger, nullable=False),
@@ -125,16 +110,12 @@ def records_table(name: str = DEFAULT_TABLE_NAME) -> sa.Table:
         # The TTL: after this (database clock) the row counts as absent.
         sa.Column("expires", sa.Double, nullable=False, index=True),
         # See Record.claim_id; NULL in a released tombstone and in rows older than claim ids.
-        sa.Column("claim_id", text_type(64), nullable=True),
-    )
+        sa.Column("claim_id", text_type(64), nullable=True))
 
 
 def add_missing_columns(engine: Engine, table: sa.Table) -> None:
-    """Bring ``table`` on ``engine``, as an earlier version made it, to this schema.
-
-    Adds the columns it lacks (each nullable without a default: an instant change on
-    PostgreSQL, MySQL 8 and SQLite), and on MySQL/MariaDB gives a text column the byte-for-byte
-    collation it lacks (a table rebuild, once).
+    """Bring ``table`` on ``engine``, as an earlier version made it, to this schema: add the
+    (nullable) columns it lacks, and on MySQL/MariaDB the byte-for-byte collation (once).
 
     Raises:
         ImproperlyConfigured: The change is needed and the store's user may not make it.
@@ -186,5 +167,4 @@ def _alter(engine: Engine, table: sa.Table, change: str, done: Callable[[], bool
             raise  # an outage, not a refusal: StoreUnavailable from the caller's seam
         raise ImproperlyConfigured(
             f"the SQL store's table {table.name!r} (made by an earlier celery_idem) needs a "
-            f"change it cannot make: {exc.orig}; run: {ddl}"
-        ) from exc
+            f"change it cannot make: {exc.orig}; run: {ddl}") from exc

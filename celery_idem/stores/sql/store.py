@@ -93,8 +93,7 @@ class VerbStatements:
         # (and with it the token that fences every earlier holder).
         renew = sa.update(t).where(fenced).values(
             lease_expires=db_now() + lease,
-            expires=sa.case((t.c.expires < db_now() + lease, db_now() + lease), else_=t.c.expires),
-        )
+            expires=sa.case((t.c.expires < db_now() + lease, db_now() + lease), else_=t.c.expires))
         # A RELEASED tombstone keeps the token and the TTL, and nothing of the holder.
         tombstone = {"state": State.RELEASED.value, "owner": "", "task_id": "", "attempt": 0,
                      "lease_expires": None, "payload_hash": None, "content_type": None,
@@ -114,8 +113,7 @@ class VerbStatements:
             forget=sa.update(t).where(
                 *live, t.c.token == sa.bindparam("idem_token"),
                 sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
-            ).values(**tombstone),
-        )
+            ).values(**tombstone))
 
 
 class SQLStore(Store):
@@ -141,10 +139,8 @@ class SQLStore(Store):
 
     accelerates = True
 
-    def __init__(
-        self, url: str, *, prefix: str = DEFAULT_PREFIX, table_name: str = DEFAULT_TABLE_NAME, engine_options:
-        Mapping[str, Any] | None = None, accelerate: bool = True
-    ) -> None:
+    def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX, table_name: str = DEFAULT_TABLE_NAME,
+                 engine_options: Mapping[str, Any] | None = None, accelerate: bool = True) -> None:
         super().__init__(prefix)
         self._engine = build_engine(sqlalchemy_url(url), engine_options or {})
         self.url: URL = self._engine.url
@@ -178,8 +174,7 @@ class SQLStore(Store):
         if unknown:
             raise TypeError(
                 f"SQLStore got unknown option(s) {', '.join(sorted(unknown))}; it takes "
-                f"table_name, engine_options (keyword arguments for create_engine) and accelerate"
-            )
+                f"table_name, engine_options (keyword arguments for create_engine) and accelerate")
         return cls(url, prefix=prefix, **options)
 
     # -- the seam between SQLAlchemy and the contract's exceptions ----------------------------
@@ -196,8 +191,7 @@ class SQLStore(Store):
             reason = getattr(exc, "orig", None) or exc
             first_line = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
             raise StoreUnavailable(
-                f"celery_idem could not reach the SQL store at {self._shown_url}: {first_line}"
-            ) from exc
+                f"celery_idem could not reach the SQL store at {self._shown_url}: {first_line}") from exc
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[Connection]:
@@ -269,12 +263,10 @@ class SQLStore(Store):
                 continue  # the winner's row is committed now; the next run sees it
         raise StoreUnavailable(
             f"the claim of {key!r} lost {_CLAIM_RUNS} races in a row in the SQL store at "
-            f"{self._shown_url}: the row kept changing between the decision and the write"
-        )
+            f"{self._shown_url}: the row kept changing between the decision and the write")
 
-    def _claim_postgresql(
-        self, args: ClaimArgs, execute: Callable[[Statement, Mapping[str, Any]], Outcome]
-    ) -> Claim:
+    def _claim_postgresql(self, args: ClaimArgs,
+                          execute: Callable[[Statement, Mapping[str, Any]], Outcome]) -> Claim:
         # A holding decision without a taken token lost the race for an absent key: no write.
         validate = bool(args.payload_hash)
         query = self._pg_claims.get(validate)
@@ -416,8 +408,7 @@ class SQLStore(Store):
         t = self._table
         page_size = max(1, count)
         query = (
-            sa.select(t).where(self._own_rows(), t.c.expires > db_now()).order_by(t.c.key).limit(page_size)
-        )
+            sa.select(t).where(self._own_rows(), t.c.expires > db_now()).order_by(t.c.key).limit(page_size))
         if state is not None:
             query = query.where(t.c.state == state.value)
         last: str | None = None

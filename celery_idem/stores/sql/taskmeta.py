@@ -86,8 +86,7 @@ def build_fold(record: sa.Update, records: sa.Table, meta: sa.Table,
     count = sa.func.count
     return sa.select(
         sa.select(count()).select_from(rec).scalar_subquery().label("recorded"),
-        sa.select(count()).select_from(upsert).scalar_subquery().label("written"),
-    )
+        sa.select(count()).select_from(upsert).scalar_subquery().label("written"))
 
 
 def fold_params(write: TaskMetaWrite) -> dict[str, Any]:

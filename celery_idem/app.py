@@ -66,14 +66,13 @@ def get_store(app: Celery) -> Store:
                 url = "memory://"
             if not isinstance(url, str):
                 url = getattr(url, "url", None) or repr(url)  # a backend class or instance
-            # Where Celery users already put a sentinel master_name (the sentinel:// store).
+            # backend_transport_options: where Celery users put a sentinel master_name.
             store = store_from_url(
                 url, prefix=read.key_prefix,
                 options={**(read.store_options or {}), "accelerate": read.accelerate},
                 backend_transport_options=conf.get("result_backend_transport_options"))
-            # A store built here is ours to close when the app is collected (psycopg warns
-            # about each connection left to the garbage collector); a Store the user passed,
-            # and Django's connections, are not. No store refers back to its app.
+            # A store built here is ours to close when the app is collected (not a Store the
+            # user passed, nor Django's connections). No store refers back to its app.
             if type(store).__module__.startswith("celery_idem.stores."):
                 weakref.finalize(app, _close_quietly, store)
         _stores[app] = store
@@ -87,17 +86,14 @@ def _close_quietly(store: Store) -> None:
 
 
 def forget_store(app: Celery) -> Store | None:
-    """Drop ``app``'s cached store (not closed; returned, or None) and settings, so
-    :func:`get_store` builds anew (for tests and tools; a task keeps its gate's store)."""
+    """Drop ``app``'s cached store (returned, not closed) and settings: :func:`get_store` builds anew."""
     forget_settings(app)
     return _stores.pop(app, None)
 
 
 def owner_id() -> str:
-    """Who runs an attempt, as stored in its claim: ``host:pid`` of the current process.
-
-    Fork-aware: a worker's pool child gets its own pid, not the parent's.
-    """
+    """Who runs an attempt, as stored in its claim: ``host:pid`` of the current process (a
+    forked pool child's own)."""
     global _owner
     pid = os.getpid()
     if not _owner.endswith(f":{pid}"):  # forked worker child
@@ -155,11 +151,8 @@ def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_tas
 
 
 # -- worker start ---------------------------------------------------------------------------------
-#
-# worker_init runs before Celery sets up logging, so a line logged there would reach Python's
-# last-resort handler and never a --logfile. The checks run there (a refusal still stops the
-# worker before it consumes), but what they log is held and logged again once Celery's logging
-# is set up (celeryd_after_setup), or at worker_shutdown if the worker stops before that.
+# worker_init runs before Celery sets up logging (a line would miss a --logfile): what the checks
+# log is held and logged at celeryd_after_setup, or at worker_shutdown if the worker stops first.
 
 
 _Held = tuple[Callable[[logging.LogRecord], bool], list[logging.LogRecord], int]
@@ -239,10 +232,8 @@ def check_pool(sender: Any, app: Celery) -> None:
 def check_worker(sender: Any = None, **_: Any) -> None:
     """Celery's ``worker_init`` hook: switch events on, and check the store, pool and time limits.
 
-    A misconfigured store or time limit (``celery_idem.probe``,
-    ``idempotency_require_durable_store``) stops the worker at start-up with ``SystemExit``,
-    logged at CRITICAL (Celery swallows other exceptions of signal handlers); what only
-    degrades is warned about once.
+    A misconfigured store or time limit stops the worker with ``SystemExit``, logged at CRITICAL
+    (Celery swallows other exceptions of signal handlers); what only degrades is warned about.
     """
     app = getattr(sender, "app", None)
     if app is None:

@@ -36,11 +36,8 @@ FOLLOW_STEP = 1.0
 
 
 def may_attach(task: Task, options: Mapping[str, Any]) -> bool:
-    """Whether this enqueue may attach to an action under way instead of publishing.
-
-    Not in eager mode (the body runs in place), not with a countdown or an ETA (attaching
-    would run it sooner than asked), not without a result backend (the handle waits there).
-    """
+    """Whether this enqueue may attach to an action under way instead of publishing: not eager,
+    not with a countdown or an ETA (sooner than asked), not without a result backend."""
     if task.app.conf.task_always_eager:
         return False
     if options.get("countdown") is not None or options.get("eta") is not None:
@@ -90,12 +87,10 @@ def _live(rec: Record) -> bool:
 class AttachedResult(AsyncResult):  # type: ignore[misc]
     """The result of an enqueue that attached to its action under way: nothing was published.
 
-    It is an ``AsyncResult`` of the attempt it attached to, so ``state``, ``ready()``,
-    ``ResultSet`` and ``id`` behave as for that task id. It resolves to the holder's result in
-    the backend, else to the outcome in the action's record (a takeover records it under the
-    key, whatever its task id); when the action has no attempt left (no claim, reservation or
-    outcome) for a whole lease, the handle publishes the call itself, once, under its id, and
-    follows that message; when the holder ends without an outcome, under a new task id
+    An ``AsyncResult`` of the attempt it attached to. It resolves to the holder's result in the
+    backend, else to the outcome in the action's record (a takeover records it under the key);
+    when the action has no attempt left for a whole lease, the handle publishes the call itself,
+    once, under its id, and follows it; when the holder ends without an outcome, under a new id
     (:meth:`_attempt_ended`). Revoking it revokes the shared action.
 
     Attributes:
@@ -103,8 +98,7 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         original_task_id: The same task id.
         idempotency_key: The key.
         attached: True (a published call's result has no such attribute).
-        followed: The result of the call this handle published itself, once the action had
-            no attempt left or the holder ended without an outcome; None until then.
+        followed: The result of the call this handle published itself (None until then).
     """
 
     attached = True
@@ -148,23 +142,18 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
 
     def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5,
             **kwargs: Any) -> Any:
-        """Wait for the action's outcome (see the class): its value, or its error raised.
-
-        Raises:
-            celery.exceptions.TimeoutError: Not ready within ``timeout``.
-        """
+        """Wait for the action's outcome: its value, or its error raised (``TimeoutError`` when
+        not ready within ``timeout``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.followed is not None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                return self.followed.get(timeout=left, propagate=propagate, interval=interval,
-                                         **kwargs)
+                return self.followed.get(timeout=left, propagate=propagate, interval=interval, **kwargs)
             if self._found is None:
                 step = FOLLOW_STEP if deadline is None else \
                     max(0.0, min(FOLLOW_STEP, deadline - time.monotonic()))
                 try:
-                    out = super().get(timeout=step, propagate=propagate, interval=interval,
-                                      **kwargs)
+                    out = super().get(timeout=step, propagate=propagate, interval=interval, **kwargs)
                 except CeleryTimeoutError:
                     self._look()
                 except Exception:
@@ -201,18 +190,15 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         elif self._gone_since is None:
             self._gone_since = time.monotonic()
         elif time.monotonic() - self._gone_since >= self._gate.config.lease:
-            # The message it attached to is gone (lost, or expired): send the call itself; the
-            # gate still runs the body at most once if that message turns up after all. Under
-            # the id it attached to, so whoever waits on that id gets the outcome too.
+            # The message it attached to is gone: send the call itself under that id (the gate
+            # still runs the body at most once if the message turns up after all).
             self._publish(self.id, "has no attempt left")
         return None
 
     def _attempt_ended(self) -> bool:
         """Whether the holder ended without an outcome: its result is FAILURE, or REVOKED before
-        this copy attached (a later revoke cancels the copy too), and the record holds none (a
-        time limit, a release, a crash). The handle then follows the record's outcome, or the
-        call published under a new id (the holder's keeps its error, and stays revoked in the
-        workers); the gate still runs the body at most once."""
+        this copy attached, and the record holds none. The handle then follows the record's
+        outcome, or the call published under a new id."""
         if self.followed is not None or self._found is not None:
             return True
         status = str(super().state)

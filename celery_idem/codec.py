@@ -1,15 +1,10 @@
 """Encoding of results and terminal errors for the store.
 
 Results are encoded with the app's ``result_serializer`` and decoded only if their content type
-is in ``result_accept_content`` (or ``accept_content``): a record written with pickle is refused,
-never unpickled, by an app that does not accept pickle.
-
-Terminal errors are stored as JSON ``{"module", "type", "message"}`` and re-raised as the same
-type with the same message when its module is already imported (the task module is); else as
-:class:`TerminalError` naming the type, so a record can never make a worker import a module.
-
-kombu is imported when a :class:`KombuCodec` is built: importing this module loads neither kombu
-nor Celery.
+is in ``result_accept_content`` (or ``accept_content``): pickle is never unpickled by an app that
+does not accept it. Terminal errors are stored as JSON ``{"module", "type", "message"}`` and
+re-raised as the same type when its module is already imported, else as :class:`TerminalError`
+naming it: a record never makes a worker import a module. kombu is imported by :class:`KombuCodec`.
 """
 
 from __future__ import annotations

@@ -38,13 +38,9 @@ _OPTIONAL_RELEASE_ON = (
 
 @functools.cache
 def default_release_on() -> tuple[type[BaseException], ...]:
-    """The timeout-class errors that release a claim by default.
-
-    ``TimeoutError``, ``ConnectionError``, billiard's ``SoftTimeLimitExceeded``, and the
-    timeout/connection errors of redis, kombu, requests and httpx where those are installed.
-    They mean "the effect may not have happened; trying again is the right thing". A remote
-    that honours the forwarded idempotency key makes the retry safe even when it did happen.
-    """
+    """The timeout-class errors that release a claim by default: ``TimeoutError``,
+    ``ConnectionError``, billiard's ``SoftTimeLimitExceeded``, and the timeout/connection errors
+    of redis, kombu, requests and httpx where installed ("the effect may not have happened")."""
     from billiard.exceptions import SoftTimeLimitExceeded
 
     found: list[type[BaseException]] = [TimeoutError, ConnectionError, SoftTimeLimitExceeded]
@@ -136,14 +132,9 @@ def _close_suffix(tail: str, options: Iterable[str] = KNOWN_OPTIONS) -> str | No
 
 
 def near_miss(name: str) -> str | None:
-    """The option ``name`` (without the exact prefix) was probably meant to be, or None.
-
-    A near miss is within two edits of an option (``idempotencyfields``), or is the prefix
-    misspelt or abbreviated (``idempotancy_``, ``idempotent_``, ``idem_``) before its first ``_``
-    and an option's suffix, give or take a typo, after it (``idem_feilds``). Celery's own task
-    attributes, private names and names merely sharing a word with an option (``fields``,
-    ``idempotent_transaction``) are not.
-    """
+    """The option ``name`` (without the exact prefix) was probably meant to be, or None: within
+    two edits of an option (``idempotencyfields``), or the prefix misspelt or abbreviated
+    (``idem_``) and an option's suffix give or take a typo (``idem_feilds``)."""
     if name.startswith("_") or name.startswith(f"{_PREFIX}_"):
         return None  # private, or handled as an unknown option by check_options
     for option in sorted(KNOWN_OPTIONS):
@@ -160,11 +151,8 @@ def near_miss(name: str) -> str | None:
 
 def check_options(owner: str, namespace: Iterable[str]) -> None:
     """Reject unknown ``idempotency_*`` names and near misses (:func:`near_miss`) of options in
-    ``namespace`` (``vars(cls)``), naming the option meant, with ``ImproperlyConfigured``.
-
-    Celery keeps any ``@app.task`` keyword as an attribute without a word, so a misspelt
-    ``idempotency_fields`` would silently key on every argument.
-    """
+    ``namespace`` (``vars(cls)``) with ``ImproperlyConfigured`` naming the option meant (Celery
+    keeps any ``@app.task`` keyword as an attribute without a word)."""
     for name in namespace:
         if name.startswith("idempotency_") and name not in KNOWN_OPTIONS | _RUNTIME_ATTRIBUTES:
             if name in _APP_SETTINGS:
@@ -207,8 +195,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
                 raise ImproperlyConfigured(
                     f"{owner}: idempotency_fields names {missing} that are not arguments of the "
                     f"task (its arguments: {', '.join(params)})")
-    # Read it without binding: a plain function stored on the task class would otherwise
-    # become a method and receive the task as its first argument.
+    # Read without binding: a plain function on the task class would become a method.
     key_func = inspect.getattr_static(attrs, "idempotency_key_func", None)
     if isinstance(key_func, (staticmethod, classmethod)):
         key_func = key_func.__func__
@@ -221,9 +208,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         raise ImproperlyConfigured(
             f"{owner}: idempotency_operation must be a non-empty str of printable characters, "
             f"got {operation!r}")
-    if "@" in operation:
-        # "@" separates the scope in a key (keys.py): one operation's unscoped keys would read
-        # as another's scoped ones.
+    if "@" in operation:  # it separates the scope in a key
         raise ImproperlyConfigured(
             f"{owner}: the operation {operation!r} contains '@', which separates the operation "
             f"from the scope in a key; set idempotency_operation to a name without '@'")
@@ -321,22 +306,15 @@ ACCELERATE_ENV = "CELERY_IDEM_ACCELERATE"
 
 def accelerate_switch(setting: bool = True) -> bool:
     """The acceleration switch: off when ``CELERY_IDEM_ACCELERATE`` is ``0``, ``false``, ``no``
-    or ``off`` (it wins over the app's ``idempotency_accelerate``), else ``setting``.
-
-    The package reads it in :func:`settings` only, once per app; the app's tasks and stores
-    are given what it said (``celery_idem.paths``).
-    """
+    or ``off`` (it wins over the app's ``idempotency_accelerate``), else ``setting``. Read by
+    :func:`settings` only, once per app (see ``celery_idem.paths``)."""
     return os.environ.get(ACCELERATE_ENV, "").strip().lower() not in {"0", "false", "no", "off"} \
         and setting
 
 
 def settings(app: Any) -> Settings:
-    """The ``idempotency_*`` settings of ``app`` (a Celery app), read at the first call.
-
-    Every ``idempotency_*`` app setting the package uses is read here (with the environment's
-    ``CELERY_IDEM_ACCELERATE``) and nowhere else; a change of ``app.conf`` after the first call
-    is not seen (see :func:`forget_settings`).
-    """
+    """The ``idempotency_*`` settings of ``app``, all read here at the first call and nowhere
+    else (a later change of ``app.conf`` is not seen: :func:`forget_settings`)."""
     found = _settings.get(app)
     if found is None:
         conf = app.conf

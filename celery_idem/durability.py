@@ -1,10 +1,6 @@
-"""The worker-start durability check: can the store lose records?
-
-A Redis without AOF forgets every record on a restart, and one with an evicting
-``maxmemory-policy`` drops them under memory pressure: either silently turns a routine event into
-duplicate effects. :func:`check_store` says so once, when the worker starts: one WARNING, or with
-``idempotency_require_durable_store = True`` a refusal to start.
-"""
+"""The worker-start durability check: can the store lose records (a Redis without AOF on a
+restart, an evicting ``maxmemory-policy`` under memory pressure)? One WARNING, or with
+``idempotency_require_durable_store = True`` a refusal to start."""
 
 from __future__ import annotations
 
@@ -22,16 +18,11 @@ REQUIRE_DURABLE_SETTING = "idempotency_require_durable_store"
 
 
 def check_store(store: Store, *, require: bool = False) -> None:
-    """Log what ``store.check_durability()`` finds; refuse to start on a risk if ``require``.
-
-    Raises:
-        ImproperlyConfigured: ``require`` is set and the store can lose records; the message
-            names the settings.
-    """
+    """Log what ``store.check_durability()`` finds; refuse to start on a risk if ``require``
+    (``ImproperlyConfigured`` naming the settings)."""
     try:
         findings = store.check_durability()
-    except StoreUnavailable as exc:
-        # Only advice: the gate handles an unreachable store.
+    except StoreUnavailable as exc:  # only advice: the gate handles an unreachable store
         logger.warning("celery_idem could not check the store's durability at worker start: %s", exc)
         return
     notes = [f for f in findings if f.level < logging.WARNING]

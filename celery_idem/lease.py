@@ -69,9 +69,8 @@ class Lease:
 
 
 #: The lease held by the body running in this context (thread), for ``idempotency_lease_lost``.
-current_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
-    "celery_idem_lease", default=None
-)
+current_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("celery_idem_lease",
+                                                                             default=None)
 
 
 class LeaseKeeper:
@@ -92,9 +91,7 @@ class LeaseKeeper:
         with self._cond:
             heapq.heappush(self._heap, (due, next(self._seq), lease))
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-idem-lease", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name="celery-idem-lease", daemon=True)
                 self._thread.start()
             elif due < self._wake_at:
                 self._cond.notify()
@@ -148,8 +145,7 @@ class _Held:
     __slots__ = ("_keeper", "_lease", "_reset")
 
     def __init__(self, keeper: LeaseKeeper, lease: Lease) -> None:
-        self._keeper = keeper
-        self._lease = lease
+        self._keeper, self._lease = keeper, lease
 
     def __enter__(self) -> Lease:
         lease = self._lease

@@ -2,17 +2,14 @@
 
 Where a faster way exists, its plain twin sits beside it in the module that owns the verb:
 
-============================  ==================================  ================================
-verb                          plain                               fast (accelerations on)
-============================  ==================================  ================================
-the enqueue check             :class:`.enqueue.ReadFirst`         :mod:`.enqueue_redis`: within the
-                                                                  Redis publish, and the memory of
-                                                                  this process's own messages
-a task's result write         :class:`.results.ResultWriter`      :mod:`.results_redis`, the
-                              (Celery writes)                     database backend's writer
-the Redis store's commands    ``stores.redis.Scripts``            :mod:`.stores.redis_wire`
-the SQL store's statements    SQLAlchemy's connection             psycopg's own connection
-============================  ==================================  ================================
+============================  ==============================  ==========================================
+verb                          plain                           fast (accelerations on)
+============================  ==============================  ==========================================
+the enqueue check             :class:`.enqueue.ReadFirst`     :mod:`.enqueue_redis` (within the publish)
+a task's result write         :class:`.results.ResultWriter`  :mod:`.results_redis`, :mod:`.results_db`
+the Redis store's commands    ``stores.redis.Scripts``        :mod:`.stores.redis_wire`
+the SQL store's statements    SQLAlchemy's connection         :mod:`.stores.sql.psycopg`, ``.taskmeta``
+============================  ==============================  ==========================================
 
 The switch is read once per app (:func:`celery_idem.config.settings`: the app setting
 ``idempotency_accelerate``, with ``CELERY_IDEM_ACCELERATE=0`` winning); the stores get it as

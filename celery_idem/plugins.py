@@ -4,8 +4,7 @@
   :class:`~celery_idem.stores.Store` class, ``"module:Class [pip extra]"``.
 * ``celery_idem.receipts``: ``sqlalchemy`` or ``django`` -> the callable that opens the receipt
   of ``IdempotentTask.idempotent_transaction``.
-* ``celery_idem.observers``: modules loaded with the app module, to register decision observers
-  (:func:`celery_idem.events.add_observer`) if their dependency is installed.
+* ``celery_idem.observers``: modules loaded with the app module, to register decision observers.
 """
 
 from __future__ import annotations

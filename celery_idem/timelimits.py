@@ -1,11 +1,10 @@
 """Celery time limits and the wait of a duplicate (the task seam's side; the gate gets a deadline).
 
-A duplicate that waits for a busy key spends its request's time limit; a limit firing during the
-wait ends the request as FAILURE and acknowledges its message, so nothing runs the action later.
-So the wait is bounded by what is left of the limit that fires first, less a margin for the
-re-queue. A limit comes from, first match wins (as in Celery's ``Request.execute_using_pool``):
-the call (``request.timelimit``), the task's options (which Celery fills from the app's
-``task_*time_limit``), the worker's ``--soft-time-limit``/``--time-limit``.
+A limit firing while a duplicate waits for a busy key ends the request as FAILURE and acks its
+message, so the wait is bounded by what is left of the limit that fires first, less a margin for
+the re-queue. A limit comes from, first match wins (as in Celery's ``Request.execute_using_pool``):
+the call (``request.timelimit``), the task's options (filled from the app's ``task_*time_limit``),
+the worker's ``--soft-time-limit``/``--time-limit``.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ __all__ = ["MARGIN_MAX", "MARGIN_MIN", "MIN_TIME_LIMIT", "Limits", "check_defini
 
 logger = logging.getLogger("celery_idem")
 
-#: The margin kept before a limit: a share of it, at least ``MARGIN_MIN`` s (a publish on a
-#: loaded host), at most ``MARGIN_MAX`` s.
+#: The margin kept before a limit: a share of it, within [``MARGIN_MIN``, ``MARGIN_MAX``] s.
 MARGIN_SHARE = 0.2
 MARGIN_MIN = 0.5
 MARGIN_MAX = 5.0

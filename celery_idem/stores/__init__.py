@@ -1,7 +1,5 @@
-"""Stores by URL scheme. Backends are imported only when their scheme is used.
-
-``celery_idem`` itself imports neither ``redis`` nor ``sqlalchemy``: a project that uses the SQL
-store does not need the Redis client, and the other way round. The stores of add-ons and other
+"""Stores by URL scheme, each imported only when its scheme is used (so neither ``redis`` nor
+``sqlalchemy`` is needed by a project that uses the other). The stores of add-ons and other
 packages come from the ``celery_idem.stores`` entry point group (:mod:`celery_idem.plugins`).
 """
 
@@ -51,9 +49,8 @@ def store_from_url(url: str, prefix: str = DEFAULT_PREFIX, options: Mapping[str,
             of the ``celery_idem.stores`` group: ``redis+cluster://``, ``sentinel://``,
             ``django://[alias]``; ``django-db`` reads as ``django://``).
         prefix: Key prefix (Redis) or key column prefix (SQL) that keeps apps apart.
-        options: Extra keyword arguments for the store's client (socket timeouts, pool size);
-            ``accelerate`` goes only to the stores that have accelerations
-            (:attr:`Store.accelerates`).
+        options: Extra keyword arguments for the store's client; ``accelerate`` goes only to
+            the stores that have fast paths (:attr:`Store.accelerates`).
         backend_transport_options: The app's ``result_backend_transport_options``, for a store
             that reads them (:attr:`Store.reads_transport_options`).
 

@@ -176,10 +176,8 @@ class Store(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> Store:
-        """Build the store from a URL whose scheme ``store_from_url`` maps to this class.
-
-        ``options`` go to the client.
-        """
+        """Build the store from a URL whose scheme ``store_from_url`` maps to this class
+        (``options`` go to the client)."""
 
     @abc.abstractmethod
     def claim(self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
@@ -240,16 +238,14 @@ class Store(abc.ABC):
                     also: BackendWrite, claim_id: str | None = None) -> bool:
         """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can.
 
-        The seam of the result fold, an acceleration (:mod:`celery_idem.results_redis`,
-        :mod:`celery_idem.results_db`): with accelerations off no task calls it. Raises
-        what :meth:`record` raises.
+        The result fold's seam (a fast path: :mod:`celery_idem.results_redis`,
+        :mod:`celery_idem.results_db`). Raises what :meth:`record` raises.
 
         Returns:
             True when ``also`` was written with the record; False when only the record was
             (the default: the caller leaves the result to the backend).
         """
-        self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
-                    claim_id=claim_id)
+        self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl, claim_id=claim_id)
         return False
 
     @abc.abstractmethod
@@ -286,10 +282,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
-        """Iterate over records, optionally of one state, in batches of about ``count``.
-
-        For operators and the CLI; not atomic as a whole and never on the hot path.
-        """
+        """Iterate over records, optionally of one state, in batches of about ``count`` (for
+        operators; not atomic as a whole and never on the hot path)."""
 
     # -- reservations (the enqueue check; optional) ---------------------------------------------
 
@@ -297,8 +291,8 @@ class Store(abc.ABC):
     #: :meth:`reserve` with the record (it only reads), and enqueues attach to claims only.
     reserves: ClassVar[bool] = False
 
-    def reserve(self, key: str, task_id: str, lease: float,
-                fingerprint: str | None = None) -> Record | Reservation | None:
+    def reserve(self, key: str, task_id: str, lease: float, fingerprint: str | None = None,
+                ) -> Record | Reservation | None:
         """Read ``key``'s record and, when no attempt holds or answers it, reserve the key.
 
         The enqueue check (one round trip): later enqueues of the key attach to ``task_id``'s
@@ -327,9 +321,8 @@ class Store(abc.ABC):
     # -- operator verbs (the CLI; never on a task's path) ---------------------------------------
 
     def forget(self, key: str, token: int) -> None:
-        """Atomically forget a done or failed outcome, so the next attempt runs the body. Fenced.
-
-        The record becomes a RELEASED tombstone that keeps the token, as :meth:`release` leaves it.
+        """Atomically forget a done or failed outcome, so the next attempt runs the body. Fenced:
+        the record becomes a RELEASED tombstone that keeps the token, as :meth:`release` leaves it.
 
         Raises:
             LeaseLost: The record's token is not ``token``, or it is not done or failed.
@@ -347,11 +340,9 @@ class Store(abc.ABC):
         return time.time()
 
     def check_durability(self) -> list[DurabilityFinding]:
-        """What about the store's server can lose records (a restart, memory pressure).
-
-        Called once at worker start, which logs the findings and, with
-        ``idempotency_require_durable_store``, refuses to start on a WARNING one. The default
-        finds nothing.
+        """What about the store's server can lose records (a restart, memory pressure): read once
+        at worker start, which logs the findings or refuses to start (see
+        ``idempotency_require_durable_store``). The default finds nothing.
 
         Raises:
             StoreUnavailable: The store could not be reached.

@@ -1,9 +1,5 @@
-"""In-process store (``memory://``): for unit tests of the gate and eager mode.
-
-Every verb of the contract under one lock, with an injectable clock so tests can expire leases
-without sleeping. State lives on the instance; it is not shared between processes, so never use
-it with real workers.
-"""
+"""In-process store (``memory://``) for unit tests of the gate and eager mode: every verb under
+one lock, with an injectable clock. Not shared between processes: never use it with workers."""
 
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ class MemoryStore(Store):
         super().__init__(prefix)
         self._clock = clock
         self._lock = threading.Lock()
-        # key -> (record, expires_at)
-        self._records: dict[str, tuple[Record, float]] = {}
+        self._records: dict[str, tuple[Record, float]] = {}  # key -> (record, expires_at)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> MemoryStore:

@@ -1,7 +1,5 @@
-"""What a Redis server's settings mean for the records it keeps (``RedisStore.check_durability``).
-
-Read once at worker start (``CONFIG GET``), never on a task's path.
-"""
+"""What a Redis server's settings mean for the records it keeps (``RedisStore.check_durability``,
+read once at worker start)."""
 
 from __future__ import annotations
 

@@ -39,18 +39,16 @@ from ..records import Record, State
 __all__ = ["CONTENT_TYPES", "MARK", "STATE_CODE", "STATE_OF", "content_code", "decode", "pack_task_id",
            "refuse_nul", "unpack_task_id", "unreadable"]
 
-#: The first byte of every record (format version 1): neither UTF-8 text nor msgpack ever starts
-#: with it, so a foreign string under the prefix is told apart at once.
+#: The first byte of every record (format version 1): no UTF-8 text or msgpack starts with it.
 MARK = b"\xc1"
 
 #: A record's state byte -> State, and the state codes ``record`` sends.
 STATE_OF = {ord("i"): State.IN_PROGRESS, ord("d"): State.DONE, ord("f"): State.FAILED,
-             ord("r"): State.RELEASED}
+            ord("r"): State.RELEASED}
 STATE_CODE = {State.DONE: b"d", State.FAILED: b"f"}
 
-#: Content types stored as a one-byte code (its index + 1): what the result codec and the error
-#: codec write. Any other content type is stored verbatim (control characters refused, so a code
-#: never reads as a verbatim type).
+#: Content types stored as a one-byte code (its index + 1); any other is stored verbatim (control
+#: characters refused, so a code never reads as a verbatim type).
 CONTENT_TYPES = (
     "application/json;utf-8",
     "application/x-celery-idem-error+json",

@@ -83,13 +83,11 @@ class _Lane:
             self.poller.register(sock, select.POLLIN)
             self.sock = sock
         if self.poller.poll(0):
-            # Readable while idle: EOF (a restart, an idle timeout) or a stray reply. Nothing
-            # of this verb was sent yet, so a fresh connection is safe.
+            # Readable while idle: EOF or a stray reply. Nothing was sent yet: reconnect safely.
             self.conn.disconnect()
 
 
-#: Every live wire, so a forked child drops the connections it inherited (sockets it shares
-#: with its parent) before it can use them.
+#: Every live wire, so a forked child drops the connections (sockets) it shares with its parent.
 _WIRES: weakref.WeakSet[Wire] = weakref.WeakSet()
 
 
@@ -103,11 +101,8 @@ if hasattr(os, "register_at_fork"):
 
 
 class Wire:
-    """Send one packed command and read its reply on a connection of ``pool``.
-
-    Args:
-        pool: The client's ``ConnectionPool`` (or ``BlockingConnectionPool``).
-    """
+    """Send one packed command and read its reply on a connection of ``pool`` (the client's
+    ``ConnectionPool`` or ``BlockingConnectionPool``)."""
 
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self.pool = pool
@@ -136,8 +131,7 @@ class Wire:
             lanes.append(lane)  # a whole reply was read: the connection is clean
             raise
         except BaseException:
-            # redis-py's send and read disconnect on their own errors; an error between them
-            # (an interrupt) may leave a reply unread: never reuse the connection as it is.
+            # An error between send and read (an interrupt) may leave a reply unread.
             conn.disconnect()
             self.pool.release(conn)
             raise
@@ -186,13 +180,8 @@ def wire_for(client: Any) -> Wire | None:
 
 
 class WireScripts:
-    """The store's scripts (``run``, ``get``, ``close`` as the plain ones) over a :class:`Wire`.
-
-    Args:
-        plain: The store's plain scripts: ``client`` (a ``redis.Redis``) and ``registered``
-            (script name -> redis-py ``Script``).
-        wire: The wire on that client's pool.
-    """
+    """The store's plain scripts (``client``, ``registered``; ``run``, ``get``, ``close`` as
+    theirs) over a :class:`Wire` on that client's pool."""
 
     def __init__(self, plain: Any, wire: Wire) -> None:
         self.client = plain.client

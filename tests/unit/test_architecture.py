@@ -246,7 +246,7 @@ def test_no_module_is_over_600_lines() -> None:
 
 #: The core's lines (celery_idem/ without contrib/, the fast paths included, as ``wc -l`` counts
 #: them): a core a newcomer reads in an afternoon. Lower it as the core shrinks; never raise it.
-CORE_LIMIT = 8_100
+CORE_LIMIT = 7_500
 
 
 def test_the_core_is_not_over_its_limit() -> None:

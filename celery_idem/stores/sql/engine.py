@@ -17,24 +17,16 @@ from ...exceptions import ImproperlyConfigured
 
 __all__ = ["BACKENDS", "build_engine", "importable", "sqlalchemy_url"]
 
-# URL backend -> (DBAPI module SQLAlchemy uses when the URL names no driver, fallback driver).
-# A project that installed the fallback (psycopg 3, PyMySQL) but not the default driver gets a
-# working store from a plain ``db+postgresql://`` or ``db+mysql://`` URL.
-DRIVER_FALLBACKS: Final = {
-    "postgresql": ("psycopg2", "psycopg"),
-    "mysql": ("MySQLdb", "pymysql"),
-    "mariadb": ("mariadb", "pymysql")}
+# URL backend -> (SQLAlchemy's default DBAPI module, the fallback driver when only it is installed).
+DRIVER_FALLBACKS: Final = {"postgresql": ("psycopg2", "psycopg"), "mysql": ("MySQLdb", "pymysql"),
+                           "mariadb": ("mariadb", "pymysql")}
 BACKENDS: Final = ("postgresql", "mysql", "mariadb", "sqlite")
 # pip package of a DBAPI module, where its name is not the module's.
-_DRIVER_PACKAGES: Final = {
-    "psycopg2": "psycopg2-binary",
-    "psycopg": "psycopg[binary]",
-    "MySQLdb": "mysqlclient",
-    "mysql": "mysql-connector-python"}
+_DRIVER_PACKAGES: Final = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]",
+                           "MySQLdb": "mysqlclient", "mysql": "mysql-connector-python"}
 
-# Workers fork after the store is built: a child must never reuse the parent's sockets (two
-# processes talking over one connection corrupt both). Engines are held weakly so a closed
-# store can be collected; os.register_at_fork hooks cannot be unregistered.
+# Workers fork after the store is built: a child must never reuse the parent's sockets. Held
+# weakly so a closed store can be collected (an at-fork hook cannot be unregistered).
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -71,21 +63,15 @@ def importable(module: str) -> bool:
 def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
     backend = sa_url.get_backend_name()
     options: dict[str, Any] = {
-        # No pre-ping: it would double every verb's round trips. A connection the server closed
-        # fails its statement as a disconnect (StoreUnavailable), which the gate retries anyway.
-        "pool_pre_ping": False,
-        # Recycle before the usual server/proxy idle limits (MySQL wait_timeout, PgBouncer).
-        "pool_recycle": 1800,
-        # Each verb is one statement (or opens its own transaction explicitly): autocommit
-        # spares the BEGIN/COMMIT round trips.
-        "isolation_level": "AUTOCOMMIT",
-        # In autocommit the ROLLBACK on check-in is pointless and costs PyMySQL a round trip
-        # (not on SQLite: there the claim's BEGIN IMMEDIATE must be rolled back if it fails).
-        "skip_autocommit_rollback": backend != "sqlite",
+        # No pre-ping (it doubles round trips): a closed connection fails as a disconnect,
+        # which the gate retries. Recycled before the usual idle limits (MySQL, PgBouncer).
+        "pool_pre_ping": False, "pool_recycle": 1800,
+        # Each verb is one statement or opens its own transaction: no BEGIN/COMMIT round trips,
+        # nor a ROLLBACK on check-in (but on SQLite, for a failed BEGIN IMMEDIATE).
+        "isolation_level": "AUTOCOMMIT", "skip_autocommit_rollback": backend != "sqlite",
         **engine_options}
     if backend == "sqlite":
-        # Several worker processes share the file: wait for the write lock instead of failing
-        # with "database is locked" at once.
+        # Several worker processes share the file: wait for the write lock, not fail at once.
         options["connect_args"] = {"timeout": 30.0, **engine_options.get("connect_args", {})}
     try:
         engine = sa.create_engine(sa_url, **options)
@@ -105,9 +91,8 @@ def build_engine(sa_url: URL, engine_options: Mapping[str, Any]) -> Engine:
 
 
 def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
-    # WAL lets readers run while one process writes (a property of the file: cheap once on).
-    # Switching needs the file to itself: connections opening a new file at once get "database
-    # is locked" at once (no busy timeout). Retry for up to 5 s.
+    # WAL lets readers run while one process writes. Switching needs the file to itself and gets
+    # "database is locked" at once (no busy timeout): retry for up to 5 s.
     deadline = time.monotonic() + 5.0
     delay = 0.005
     while True:
@@ -122,8 +107,7 @@ def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
 
 
 def _mysql_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
-    # UNIX_TIMESTAMP(NOW(6)) goes through the session time zone; in a zone with daylight saving
-    # time the repeated autumn hour would make the clock jump back an hour. UTC has no fold.
+    # UNIX_TIMESTAMP(NOW(6)) goes through the session time zone: UTC has no DST fold.
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("SET time_zone = '+00:00'")

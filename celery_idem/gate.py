@@ -151,9 +151,8 @@ class Gate:
             body: Called with the fencing token; its return value is recorded.
             fold: Builds the result backend's write from the body's result, written in the
                 record's store call (:meth:`Store.record_with`); an error it raises means no fold.
-            deadline: ``monotonic()`` time to stop waiting by, as the caller's own time limit
-                fires soon after (None: none). A key freed during such a wait is not claimed:
-                the body would start with only the rest of the limit.
+            deadline: ``monotonic()`` time to stop waiting by, before the caller's time limit
+                (None: none); a key freed during such a wait is not claimed.
 
         Returns:
             A :class:`RunOutcome`.
@@ -170,8 +169,7 @@ class Gate:
         try:
             claim, waited = self._settle(attempt, deadline)
         except self.interrupts as exc:
-            # Nothing ran: the message can go round again. (A claim that landed just before the
-            # interrupt expires and is taken over, like a crashed holder's.)
+            # Nothing ran; a claim that landed just before the interrupt expires like a crash's.
             self.emit(Outcome.REQUEUED, attempt.key, 0, "", {"reason": type(exc).__name__})
             raise Requeue(attempt.key, None) from exc
         if claim.status.holds:

@@ -134,18 +134,16 @@ class RedisStore(Store):
     Args:
         client: A ``redis.Redis`` client (``decode_responses`` must be False).
         prefix: Prepended to every key.
-        wait_replicas: After each write (claim, record, release, renew), wait (``WAIT``)
-            until this many replicas have it, so a failover cannot lose an acknowledged claim
-            or result. 0 (the default): no wait; see docs/redis-cluster.md for the trade.
+        wait_replicas: After each write, ``WAIT`` until this many replicas have it, so a
+            failover cannot lose an acknowledged write (0: no wait; docs/redis-cluster.md).
         wait_timeout: Seconds ``WAIT`` may take; fewer replicas by then raises
-            ``StoreUnavailable`` (the write is on the master but not known to be durable).
+            ``StoreUnavailable``.
         location: Where the store is, for messages (default: host:port/db of ``client``).
         accelerate: Send the verbs through :mod:`celery_idem.stores.redis_wire` when the client
             allows it (an app passes its acceleration switch; False: redis-py's own path).
 
-    A store for another Redis deployment (:mod:`celery_idem.contrib.redis_ha`: Cluster,
-    Sentinel) subclasses this one and overrides where a record lives and how a script reaches
-    it: :meth:`name_of`, :meth:`key_of`, :meth:`client_for`, :meth:`servers`, :meth:`run_script`.
+    A store for another Redis deployment (Cluster, Sentinel) subclasses this one and overrides
+    :meth:`name_of`, :meth:`key_of`, :meth:`client_for`, :meth:`servers`, :meth:`run_script`.
     """
 
     accelerates: ClassVar[bool] = True
@@ -155,8 +153,7 @@ class RedisStore(Store):
         super().__init__(prefix)
         if not isinstance(wait_replicas, int) or isinstance(wait_replicas, bool) or wait_replicas < 0:
             raise ImproperlyConfigured(
-                f"wait_replicas must be an int >= 0 (replicas to confirm each write), "
-                f"got {wait_replicas!r}")
+                f"wait_replicas must be an int >= 0 (replicas to confirm each write), got {wait_replicas!r}")
         if not isinstance(wait_timeout, (int, float)) or wait_timeout <= 0:
             raise ImproperlyConfigured(
                 f"wait_timeout must be a number of seconds > 0, got {wait_timeout!r}")

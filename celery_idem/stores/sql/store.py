@@ -102,8 +102,7 @@ class VerbStatements:
             record=sa.update(t).where(fenced).values(
                 state=sa.bindparam("idem_state"), content_type=sa.bindparam("idem_content_type"),
                 data=sa.bindparam("idem_data", type_=t.c.data.type), lease_expires=None,
-                updated=db_now(), expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double),
-            ),
+                updated=db_now(), expires=db_now() + sa.bindparam("idem_ttl", type_=sa.Double)),
             release=sa.update(t).where(fenced).values(**tombstone, claim_id=None),
             renew=renew,
             renew_returning=renew.returning(t.c.lease_expires),
@@ -112,8 +111,7 @@ class VerbStatements:
             expires=sa.select(t.c.expires).where(*live),
             forget=sa.update(t).where(
                 *live, t.c.token == sa.bindparam("idem_token"),
-                sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value),
-            ).values(**tombstone))
+                sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value)).values(**tombstone))
 
 
 class SQLStore(Store):
@@ -124,8 +122,7 @@ class SQLStore(Store):
             ``db+sqlite:///path.db`` (the ``db+`` is optional).
         prefix: Prepended to every key, so several apps can share one table.
         table_name: The table to use; created on first use.
-        engine_options: Extra keyword arguments for :func:`sqlalchemy.create_engine`
-            (``pool_size``, ``connect_args``, ...); they win over the store's defaults.
+        engine_options: Keyword arguments for :func:`sqlalchemy.create_engine`, over the defaults.
         accelerate: On PostgreSQL through psycopg 3, run the verbs on psycopg's connection
             (:mod:`celery_idem.stores.sql.psycopg`); the app passes its acceleration switch.
 

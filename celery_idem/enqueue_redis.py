@@ -62,18 +62,17 @@ _CHECK = b"check"
 #: On a channel: whether it takes the hook, per store checked against it.
 _ATTR = "_celery_idem_stores"
 
-#: The Celery backends whose ``on_task_call`` leaves nothing to undo when a publish turns out
-#: to be answered from the record (by name: importing them needs their client libraries).
+#: The Celery backends whose ``on_task_call`` leaves nothing to undo (by name: no import).
 _NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
 
 
 @dataclass
 class _Pending:
-    """The enqueue whose message the hooked ``_put`` checks; ``found`` is what stopped it."""
+    """The enqueue whose message the hooked ``_put`` checks; ``found`` is what stopped it;
+    ``reserve``, when it may attach: (task id, fingerprint or "", reservation lease in ms)."""
 
     store: RedisStore
     key: str
-    #: When the enqueue may attach: (task id, fingerprint or "", reservation lease in ms).
     reserve: tuple[str, str, int] | None = None
     found: Record | Reservation | None = None
 
@@ -103,8 +102,7 @@ class WithinPublish(ReadFirst):
         self._mine: dict[str, tuple[Reservation, weakref.ref[AsyncResult], float]] = {}
 
     def decide(self, req: EnqueueRequest) -> Decision:
-        """Answer a copy of this process's own message, or publish with the check within;
-        else read first."""
+        """Answer a copy of this process's own message, or publish with the check within, or read first."""
         attaching = self.attaching(req)
         if attaching and req.gate.store.reserves:
             found = self.mine(req.key)

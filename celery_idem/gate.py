@@ -109,14 +109,12 @@ class Gate:
         config: The task's resolved options.
         codec: Encodes results and errors for the store.
         emit: Called once per decision.
-        retry_signals: "The task re-published itself" (Celery's ``Retry``): the claim is
-            released so the new attempt passes the gate.
-        handover_signals: "The body handed its action to another task" (``Task.replace``
-            raises ``Ignore``): nothing is recorded, the claim is released.
+        retry_signals: "The task re-published itself" (Celery's ``Retry``): the claim is released.
+        handover_signals: "The body handed its action to another task" (``Task.replace``):
+            nothing is recorded, the claim is released.
         interrupts: The task's soft time limit: a :class:`Requeue` while claiming or waiting;
             raised by the body, any error.
-        sleep: Injectable for tests.
-        monotonic: Injectable for tests.
+        sleep, monotonic: Injectable for tests.
         lease_keeper: Renews the lease while the body runs (default: the process's).
     """
 
@@ -144,7 +142,7 @@ class Gate:
     def run(self, attempt: Attempt, body: Callable[[int], T],
             fold: Callable[[T], BackendWrite | None] | None = None, *, deadline: float | None = None,
             ) -> RunOutcome[T]:
-        """Run ``body(token)`` if and only if this attempt wins the key.
+        """Run ``body(token)`` if and only if this attempt wins the key; a :class:`RunOutcome`.
 
         Args:
             attempt: Who runs, under which key.
@@ -154,13 +152,9 @@ class Gate:
             deadline: ``monotonic()`` time to stop waiting by, before the caller's time limit
                 (None: none); a key freed during such a wait is not claimed.
 
-        Returns:
-            A :class:`RunOutcome`.
-
         Raises:
-            Requeue: The key is still in progress after ``config.wait`` seconds (or at
-                ``deadline``), was freed during a wait under a ``deadline``, or one of
-                ``interrupts`` arrived while claiming or waiting.
+            Requeue: The key is still in progress after ``config.wait`` s (or at ``deadline``),
+                was freed during a wait under a ``deadline``, or an interrupt arrived first.
             StoreUnavailable: The store could not be reached at claim time (the body did not run).
             IdempotencyKeyMismatch: Same key, different payload.
             LeaseLost: The body ran but another holder took over before it was recorded.

@@ -141,10 +141,8 @@ class DurabilityFinding:
 
 @dataclass(frozen=True)
 class BackendWrite:
-    """The result backend's write of one task result, for a store that can fold it into a record.
-
-    When the idempotency store lives on the backend's server, :meth:`Store.record_with` makes
-    this write in the record's own round trip, fenced like the record.
+    """The result backend's write of one task result, which :meth:`Store.record_with` makes in
+    the record's own round trip, fenced like it, when the store lives on the backend's server.
 
     Attributes:
         key: The backend's result key.
@@ -295,9 +293,8 @@ class Store(abc.ABC):
                 ) -> Record | Reservation | None:
         """Read ``key``'s record and, when no attempt holds or answers it, reserve the key.
 
-        The enqueue check (one round trip): later enqueues of the key attach to ``task_id``'s
-        message instead of publishing copies. Not a claim (a claim never reads reservations);
-        it expires after ``lease`` seconds, so a lost message lets the next enqueue publish.
+        The enqueue check (one round trip): later enqueues attach to ``task_id``'s message. Not
+        a claim; it expires after ``lease`` seconds, so a lost message lets the next one publish.
 
         Returns:
             The record when one is not released (the caller answers a done or failed one and

@@ -1,19 +1,15 @@
 """SQL store (``db+postgresql://``, ``db+mysql://``, ``db+sqlite://``): SQLAlchemy Core.
 
-One table (``celery_idem_records`` by default) holds one row per stored key (``prefix + key``);
-the verbs are :mod:`celery_idem.stores.base`'s contract as conditional SQL. Every lease and
-expiry uses the *database's* clock inside the statement (:class:`db_now`). An expired row counts
-as absent but keeps its token until :meth:`SQLStore.purge_expired` deletes it, so a claim on it
-still gets a higher token (:func:`token_for`). Engines run in autocommit and without pre-ping;
-each verb is one statement but where docs/stores.md ("Statements") counts more per dialect. A
-refused fenced verb reads the row once more to say why (not the hot path). On PostgreSQL
-through psycopg 3 the statements may run on psycopg's own connection: the fast twin
-(:mod:`celery_idem.stores.sql.psycopg`).
+One row per stored key (``prefix + key``) in one table (``celery_idem_records`` by default);
+the verbs are the contract as conditional SQL on the *database's* clock (:class:`db_now`). An
+expired row counts as absent but keeps its token until :meth:`SQLStore.purge_expired` deletes
+it. Engines run in autocommit without pre-ping; each verb is one statement but where
+docs/stores.md ("Statements") counts more.
 
 Modules, imports running down the list: ``schema`` (the table, types and clock; public),
 ``engine`` (URL -> engine), ``claims`` (the claim's decision and statements), ``store``
-(:class:`SQLStore`: the other statements, the verbs, the errors); the store's fast twins,
-imported only when it takes them: ``psycopg`` and ``taskmeta`` (Celery's result row).
+(:class:`SQLStore`); its fast twins, imported only when taken: ``psycopg`` (the statements on
+psycopg 3's own connection) and ``taskmeta`` (Celery's result row).
 """
 
 from __future__ import annotations

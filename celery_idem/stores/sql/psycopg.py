@@ -37,10 +37,9 @@ class PsycopgPath:
         self._statements: dict[Statement, RawStatement] = {}
 
     def statement(self, statement: Statement) -> RawStatement:
-        """``statement`` compiled for this path (once per statement)."""
+        """``statement`` compiled for this path (once; two threads compiling it get equal ones)."""
         raw = self._statements.get(statement)
         if raw is None:
-            # Two threads may both compile it: the results are equal, either one is kept.
             raw = self._statements[statement] = RawStatement.compile(statement, self.engine.dialect)
         return raw
 

@@ -230,15 +230,11 @@ class SQLStore(Store):
             add_missing_columns(self._engine, self._table)
             self._table_ready = True
 
-    # -- rows <-> records ---------------------------------------------------------------------
-
     def _stored(self, key: str) -> str:
         return self.prefix + key
 
     def _record(self, row: Row) -> Record:
         return record_from_row(row, self.prefix, self._table.name)
-
-    # -- claim --------------------------------------------------------------------------------
 
     def claim(self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
               payload_hash: str | None = None) -> Claim:
@@ -380,8 +376,6 @@ class SQLStore(Store):
         """One UPDATE, fenced by the token, of a DONE or FAILED row to a RELEASED tombstone."""
         if self._execute(self._verbs.forget, {"idem_key": self._stored(key), "idem_token": token})[0] != 1:
             raise lease_lost("forget", key, token, self.get(key))
-
-    # -- reads --------------------------------------------------------------------------------
 
     def expires_at(self, key: str) -> float | None:
         """When the row of ``key`` expires (database clock), or None when it is absent."""

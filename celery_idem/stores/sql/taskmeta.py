@@ -55,19 +55,10 @@ class TaskMetaWrite(BackendWrite):
 
 def build_fold(record: sa.Update, records: sa.Table, meta: sa.Table,
                columns: tuple[str, ...]) -> sa.Select[Any]:
-    """The record's UPDATE and Celery's upsert of ``columns`` of ``meta`` as one statement.
-
-    Args:
-        record: The store's fenced record UPDATE (``idem_*`` parameters).
-        records: The store's records table.
-        meta: Celery's result table (``celery_taskmeta`` unless configured otherwise).
-        columns: The row's columns given per call (``idem_meta_<name>`` parameters), ``task_id``
-            among them; ``id`` comes from the table's sequence when it has one.
-
-    Returns:
-        A SELECT of ``recorded`` (1 when the record was written) and ``written`` (1 when the
-        result row was inserted or updated; 0 beside a SUCCESS row already there).
-    """
+    """The store's fenced ``record`` UPDATE on ``records`` and Celery's upsert of ``columns``
+    (``idem_meta_<name>`` parameters; ``id`` from the table's sequence) of ``meta`` as one
+    SELECT of ``recorded`` (1: the record was written) and ``written`` (1: the row was
+    inserted or updated; 0 beside a SUCCESS row already there)."""
     rec = record.returning(records.c.key).cte("rec")
     values: dict[str, Any] = {
         name: sa.bindparam(_META + name, type_=meta.c[name].type) for name in columns

@@ -33,11 +33,14 @@ from .keys import (
     select_fields,
 )
 
-__all__ = ["ERRBACK_FIELD", "HEADER", "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request",
-           "fingerprint_of", "header_key", "identify", "message_time", "slot_fields"]
+__all__ = ["ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind",
+           "failed_request", "fingerprint_of", "header_key", "identify", "message_time",
+           "slot_fields"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
+#: Message header naming who asked for the action (``IdempotentTask.idempotency_principal``).
+PRINCIPAL_HEADER = "idempotency_principal"
 #: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
 #: field that marks a new-style errback's key. Not identifiers, so no parameter has these names.
 UNBOUND_ARGS = "*args"
@@ -119,23 +122,25 @@ def fingerprint_of(
     return payload_hash(bound)
 
 
-def header_key(task: Any, header: Any) -> tuple[str, bool]:
-    """The stored key of a message's key header, and whether it is a per-call key.
+def header_key(task: Any, header: Any, scope: str | None = None, *,
+               any_scope: bool = False) -> tuple[str, bool, str | None]:
+    """The stored key of a message's key header, whether it is a per-call key, and its scope.
 
     A message can be forged or written by another program, so the header is checked as a
     caller's key is (``InvalidKey``: nothing is claimed or stored). A key of this task's
-    operation is used as it is; anything else is a caller's key of this operation, so a header
-    never names another operation's record.
+    operation in ``scope`` (in any scope with ``any_scope``: the worker, whose message is
+    the authority) is used as it is; anything else is a caller's key of this operation in
+    ``scope``, so a header never names another operation's record, nor another scope's.
     """
     what = f"{task.name}: the message's {HEADER} header"
     check_text(what, header, MAX_KEY_LENGTH)
     operation = task.idempotency_config.operation
     parts = parse_key(header, operation)
-    if parts is not None:
-        return header, parts.per_call
+    if parts is not None and (any_scope or parts.scope == scope):
+        return header, parts.per_call, parts.scope
     if len(header) > MAX_CALLER_KEY:
         check_text(what, header)  # raises: too long for a caller's key
-    return caller_key(operation, header), True
+    return caller_key(operation, header, scope), True, scope
 
 
 def bind(

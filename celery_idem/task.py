@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task
+from celery._state import get_current_task
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
@@ -35,7 +36,7 @@ from .delivery import REQUEUES_HEADER, deliver
 from .enqueue import CachedResult, EnqueueCheck, check_enqueue, unsendable
 from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
-from .identity import HEADER, failed_request, message_time
+from .identity import HEADER, PRINCIPAL_HEADER, failed_request, message_time
 from .keys import bind_arguments, signature_of
 from .lease import current_lease
 from .results import ResultWriter, result_writer
@@ -203,6 +204,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return getattr(self.request, "idempotency_key_", None)
 
     @property
+    def idempotency_scope(self) -> str | None:
+        """The scope of the business action being run (inside the body), else None."""
+        return getattr(self.request, "idempotency_scope_", None)
+
+    @property
+    def idempotency_principal(self) -> str | None:
+        """Who asked for the action being run (inside the body): the message's
+        ``idempotency_principal`` header (the tools runtime and the MCP server set it), else None.
+
+        Whoever can publish to the broker can write any header: trust it as far as the broker.
+        """
+        value = (self.request.headers or {}).get(PRINCIPAL_HEADER)
+        return value if type(value) is str and value.isprintable() else None
+
+    @property
     def idempotency_token(self) -> int | None:
         """The fencing token of this attempt's claim (inside the body), else None.
 
@@ -322,13 +338,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             InvalidKey: The per-call key or the scope is not usable.
         """
         explicit = options.pop(HEADER, None)
-        scope = options.pop("idempotency_scope", None)
         headers = dict(options.pop("headers", None) or {})
+        scope = self._call_scope(options.pop("idempotency_scope", None), headers)
         header = headers.get(HEADER) if explicit is None else None
         if header is not None:
             # A publish that carries the key already (a retry, a re-queue, a canvas step made
-            # from a request): it must be a key of this task, as the worker checks.
-            key, per_call = identity.header_key(self, header)
+            # from a request): it must be a key of this task in this call's scope.
+            key, per_call, _ = identity.header_key(self, header, scope)
             fingerprint: Callable[[], str | None] = functools.partial(
                 identity.fingerprint_of, self, tuple(args or ()), dict(kwargs or {}), per_call)
         else:
@@ -378,6 +394,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
         result.idempotency_key = key
         return result
 
+    def _call_scope(self, scope: str | None, headers: dict[str, Any]) -> str | None:
+        """The scope of a call: the one it names, else that of the body enqueueing it.
+
+        Work follows its scope: a task a scoped body enqueues (a chain's next step, a saga's,
+        a tool's) is keyed in the body's scope, so two tenants' orders never share a child's
+        record. The body's principal rides along unless the call names one.
+        """
+        parent = get_current_task()
+        req = parent.request if parent is not None else None
+        if req is None:
+            return scope
+        principal = (req.headers or {}).get(PRINCIPAL_HEADER)
+        if principal is not None:
+            headers.setdefault(PRINCIPAL_HEADER, principal)
+        return getattr(req, "idempotency_scope_", None) if scope is None else scope
+
     # -- worker side ---------------------------------------------------------------------------
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
@@ -406,7 +438,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if not req.called_directly:
                 req.headers = {**(req.headers or {}), HEADER: key}
         else:
-            key, per_call = identity.header_key(self, header)
+            key, per_call, req.idempotency_scope_ = identity.header_key(self, header,
+                                                                        any_scope=True)
             digest = identity.fingerprint_of(self, args, kwargs, per_call)
         attempt = Attempt(key=key, task_id=req.id or "", attempt=req.retries or 0, owner=owner_id(),
                           payload_hash=digest)

@@ -1,0 +1,40 @@
+"""Orchestrating tasks of the scope tests: bodies that enqueue other tasks.
+
+The app of ``app.py`` (same environment), plus tasks whose bodies enqueue a child and report what
+the enqueue answered. A body cannot wait for its child (Celery forbids it), so it returns the
+child's task id and key, and the test waits for the child.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_idem import CachedResult, IdempotentTask
+from tests.integration.app import app, charge, effect
+
+__all__ = ["app"]
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id", "amount_cents"))
+def place_order(self: Any, order_id: str, amount_cents: int) -> dict[str, Any]:
+    """Charge the order from inside the body: the charge is in this body's scope."""
+    effect(f"order:{order_id}", self.idempotency_scope)
+    child = charge.apply_async((order_id, amount_cents))
+    return {"scope": self.idempotency_scope, "principal": self.idempotency_principal,
+            "child_id": child.id, "child_key": child.idempotency_key,
+            "child_cached": isinstance(child, CachedResult)}
+
+
+@app.task(base=IdempotentTask, bind=True)
+def pick(self: Any, order_id: str) -> str:
+    """The first step of a chain: its result is the next step's argument."""
+    effect(f"pick:{order_id}", self.idempotency_scope)
+    return order_id
+
+
+@app.task(base=IdempotentTask, bind=True)
+def ship(self: Any, order_id: str) -> dict[str, Any]:
+    """The chain's next step, published by the worker that ran ``pick``."""
+    effect(f"ship:{order_id}", self.idempotency_scope)
+    return {"order_id": order_id, "scope": self.idempotency_scope, "key": self.idempotency_key,
+            "principal": self.idempotency_principal}

@@ -21,7 +21,8 @@ from celery.states import FAILURE, READY_STATES, REVOKED, SUCCESS
 
 from ...app import get_store
 from ...exceptions import IdempotencyKeyMismatch, InvalidKey, StoreUnavailable, TerminalError
-from ...keys import canonical, check_scope
+from ...identity import PRINCIPAL_HEADER
+from ...keys import canonical, check_scope, check_text
 from ...task import IdempotentTask
 from . import formats
 from .outcome import MAX_ARGUMENT_DEPTH, MAX_ARGUMENTS_SIZE, ToolKind, short
@@ -89,8 +90,8 @@ class Tool:
         """Call the tool with keyword arguments and wait up to :attr:`timeout` seconds."""
         return self.invoke(arguments)
 
-    def invoke(self, arguments: str | Mapping[str, Any] | None,
-               timeout: float | None = None, *, scope: str | None = None) -> dict[str, Any]:
+    def invoke(self, arguments: str | Mapping[str, Any] | None, timeout: float | None = None, *,
+               scope: str | None = None, principal: str | None = None) -> dict[str, Any]:
         """Call the tool with a model's arguments (a JSON object text, or a dict).
 
         Args:
@@ -99,22 +100,24 @@ class Tool:
             timeout: Seconds to wait for the result (default :attr:`timeout`).
             scope: The caller's scope (a tenant, a principal): the same arguments or key in
                 two scopes are two actions (see :meth:`start`).
+            principal: Who is calling, for the body (see :meth:`start`).
 
         Returns:
             The outcome dict (``status``, ``result``, ``message``, ...).
 
         Raises:
-            InvalidKey: ``scope`` is not a valid scope (the caller's mistake, not the model's).
+            InvalidKey: ``scope`` or ``principal`` is not valid (the caller's mistake, not the
+                model's).
         """
-        return self.start(arguments, scope=scope).wait(timeout)
+        return self.start(arguments, scope=scope, principal=principal).wait(timeout)
 
     async def acall(self, **arguments: Any) -> dict[str, Any]:
         """Async :meth:`__call__`: enqueue and wait without blocking the event loop."""
         return await self.ainvoke(arguments)
 
     async def ainvoke(self, arguments: str | Mapping[str, Any] | None,
-                      timeout: float | None = None, *, scope: str | None = None
-                      ) -> dict[str, Any]:
+                      timeout: float | None = None, *, scope: str | None = None,
+                      principal: str | None = None) -> dict[str, Any]:
         """Async :meth:`invoke`: the enqueue and every poll of the result run in a thread.
 
         Cancelling the awaiting coroutine stops only the wait: the task goes on running and
@@ -124,20 +127,22 @@ class Tool:
             arguments: The model's arguments (JSON text or a mapping; None for none).
             timeout: Seconds to wait for the result (default :attr:`timeout`).
             scope: The caller's scope (see :meth:`start`).
+            principal: Who is calling (see :meth:`start`).
 
         Returns:
             The outcome dict, as :meth:`invoke` returns it.
 
         Raises:
-            InvalidKey: ``scope`` is not a valid scope.
+            InvalidKey: ``scope`` or ``principal`` is not valid.
         """
         # The enqueue talks to the store and the broker (blocking sockets): off the loop. A
         # cancellation while it runs leaves the thread to finish the publish.
-        pending = await asyncio.to_thread(lambda: self.start(arguments, scope=scope))
+        pending = await asyncio.to_thread(
+            lambda: self.start(arguments, scope=scope, principal=principal))
         return await pending.wait_async(timeout)
 
     def start(self, arguments: str | Mapping[str, Any] | None, *,
-              scope: str | None = None) -> Pending:
+              scope: str | None = None, principal: str | None = None) -> Pending:
         """Check the arguments and start the call, without waiting for its result.
 
         A write tool's task is enqueued (or answered from the store at once, when the action
@@ -155,13 +160,19 @@ class Tool:
                 scope, so the same arguments (or the same ``key_argument``) in two scopes are
                 two actions, and one scope never reads another's result. A read tool has no
                 key and ignores it.
+            principal: Who is calling (an authenticated user or service), sent in the
+                ``idempotency_principal`` header: the body reads it as
+                ``self.idempotency_principal``, and the tasks it enqueues carry it on.
 
         Raises:
             InvalidKey: ``scope`` is not a valid scope (1 to 64 characters of
-                ``A-Z a-z 0-9 . _ ~ + = / -``). The scope is the caller's, not the model's.
+                ``A-Z a-z 0-9 . _ ~ + = / -``), or ``principal`` is not printable text of at most
+                200 characters. Both are the caller's, not the model's.
         """
         if scope is not None:
             check_scope(scope)
+        if principal is not None:
+            check_text("principal", principal)
         parsed, problems = self._parse(arguments)
         if problems:
             # Nothing was enqueued: the model can fix the call and try again.
@@ -175,6 +186,8 @@ class Tool:
             options["idempotency_key"] = own
         if gated and scope is not None:
             options["idempotency_scope"] = scope
+        if principal is not None:
+            options["headers"] = {**(options.get("headers") or {}), PRINCIPAL_HEADER: principal}
         key: str | None = None
         try:
             if gated:
@@ -187,15 +200,15 @@ class Tool:
             # The model's key (its key_argument): one it can fix. A bad scope was refused above.
             where = f"argument {self.key_argument!r}: " if own is not None else ""
             return Pending(self, outcome=self._invalid(f"{where}{short(exc)}", key))
-        except (TypeError, ValueError) as exc:
-            return Pending(self, outcome=self._invalid(short(exc), key))
-        except Exception as exc:  # broker down, ...: nothing (or nothing known) was sent
-            # The text can hold a broker URL with its password: the log has it, the model not.
+        except Exception as exc:  # broker down, a key_func's TypeError, ...: nothing was sent
+            # The text can hold a broker URL or a DSN with its password: the log has it, the
+            # model only the type and the error id. Only the model's own mistakes are shown.
             error_id = self._log_failure("could not be started", exc, key, None)
             return Pending(self, outcome=self._error(
                 type(exc).__name__, f"{self.name} could not be started ({type(exc).__name__}; "
                 f"error id {error_id}). Calling it again with the same arguments is safe.",
-                retryable=True, key=key, error_id=error_id))
+                retryable=not isinstance(exc, (TypeError, ValueError)), key=key,
+                error_id=error_id))
         key = getattr(result, "idempotency_key", None) or key
         return Pending(self, result=result, key=key, per_call=own is not None)
 

@@ -11,12 +11,31 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ANSWERS", "EVENT_TYPE", "OBSERVERS", "Emit", "Observer", "Outcome", "add_observer",
-           "log_outcome", "notify_observers"]
+           "escape_args", "log_outcome", "notify_observers"]
 
 #: The Celery event type sent for every decision.
 EVENT_TYPE = "task-idempotency"
 
 logger = logging.getLogger("celery_idem")
+
+
+def escape_args(record: logging.LogRecord) -> bool:
+    """A log filter: every str argument of the line (a key, a scope) with anything but printable
+    ASCII written as an escape (``\\u043e``, ``\\xa0``, ``\\n``), as the CLI's JSON writes keys.
+
+    A look-alike key (a Cyrillic o, U+043E; a non-breaking space) then reads as one, and a key can
+    neither forge a line nor reach a terminal as an escape sequence.
+    """
+    args = record.args
+    if isinstance(args, tuple) and any(type(a) is str and not (a.isascii() and a.isprintable())
+                                       for a in args):
+        record.args = tuple(
+            "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in a) if type(a) is str else a
+            for a in args)
+    return True
+
+
+logger.addFilter(escape_args)
 
 
 class Outcome(str, enum.Enum):

@@ -20,6 +20,7 @@ from celery.result import AsyncResult
 from celery.states import FAILURE, READY_STATES, REVOKED, SUCCESS
 
 from ...app import get_store
+from ...events import escape_args
 from ...exceptions import IdempotencyKeyMismatch, InvalidKey, StoreUnavailable, TerminalError
 from ...identity import PRINCIPAL_HEADER
 from ...keys import canonical, check_scope, check_text
@@ -33,6 +34,7 @@ __all__ = ["Pending", "Tool"]
 # The name users configure logging by (the module was celery_idem.tools); a child of the
 # library's "celery_idem" logger, so configuring that one covers it.
 logger = logging.getLogger("celery_idem.tools")
+logger.addFilter(escape_args)
 
 #: An exception class with this attribute set to True may be shown to the model (its type and
 #: its text), as a ``TerminalError`` is; see :func:`~celery_idem.contrib.tools.tool`'s

@@ -33,12 +33,14 @@ from .keys import (
     select_fields,
 )
 
-__all__ = ["ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind",
-           "failed_request", "fingerprint_of", "header_key", "identify", "message_time",
-           "slot_fields"]
+__all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "UNBOUND_ARGS",
+           "UNBOUND_KWARGS", "bind", "failed_request", "fingerprint_of", "header_key", "identify",
+           "message_time", "slot_fields"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
+#: Message header Celery beat sets on every message it sends: a send of the schedule.
+BEAT_HEADER = "celery_beat_task"
 #: Message header naming who asked for the action (``IdempotentTask.idempotency_principal``).
 PRINCIPAL_HEADER = "idempotency_principal"
 #: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
@@ -50,12 +52,13 @@ ERRBACK_FIELD = "$errback"
 
 def identify(
     task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, explicit: Any,
-    scope: Any, at: float | dt.datetime | None = None,
+    scope: Any, at: float | dt.datetime | None = None, scheduled: bool = False,
 ) -> tuple[str, Callable[[], str | None]]:
     """The call's key, and a function computing its fingerprint (None: not checked) when asked.
 
     With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now; the header
-    carries the key, so retries and redeliveries keep the slot).
+    carries the key, so retries and redeliveries keep the slot): the nearest slot for a send of
+    the schedule (``scheduled``), the current one for any other call.
     """
     cfg = task.idempotency_config
     args, kwargs = tuple(args or ()), dict(kwargs or {})
@@ -71,7 +74,7 @@ def identify(
                 f"{task.name}: idempotency_key_func returned {identity!r}; it must return a "
                 f"non-empty str"
             )
-        key = key_from_fields(cfg.operation, slot_fields(task, {}, at), identity)
+        key = key_from_fields(cfg.operation, slot_fields(task, {}, at, scheduled), identity)
         fingerprint: Callable[[], str | None] = functools.partial(
             fingerprint_of, task, args, kwargs, False)
     else:
@@ -80,7 +83,7 @@ def identify(
         if failed_request(args) is not None:
             # Handling a failure is an action of its own, apart from any ordinary call.
             fields[ERRBACK_FIELD] = True
-        key = key_from_fields(cfg.operation, slot_fields(task, fields, at))
+        key = key_from_fields(cfg.operation, slot_fields(task, fields, at, scheduled))
         # The arguments are bound once, for the key and (when validating) the fingerprint.
         fingerprint = functools.partial(payload_hash, bound) if cfg.validate else _unchecked
     key = scoped(key, cfg.operation, scope)
@@ -97,11 +100,12 @@ def _unchecked() -> None:
     return None
 
 
-def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None) -> dict[str, Any]:
+def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None,
+                scheduled: bool = False) -> dict[str, Any]:
     """``fields`` with the slot of ``at`` under ``$slot`` when the task has a period."""
     period = task.idempotency_config.period
     if period is not None:
-        fields[SLOT_FIELD] = period_slot(_unix_time(at), period)
+        fields[SLOT_FIELD] = period_slot(_unix_time(at), period, nearest=scheduled)
     return fields
 
 

@@ -98,17 +98,20 @@ def payload_hash(arguments: Mapping[str, Any]) -> str:
 SLOT_FIELD = "$slot"
 
 
-def period_slot(at: float, period: float) -> int | float:
-    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds).
+def period_slot(at: float, period: float, *, nearest: bool = True) -> int | float:
+    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds), or with
+    ``nearest=False`` the current one (the last multiple at or before ``at``).
 
-    Nearest, not ``floor(at / period)``: two sends of one scheduled instant, one a moment early
-    and one a moment late, share its slot. An ``int`` when whole, so ``60`` and ``60.0`` agree.
+    Nearest for the schedule's own sends: two sends of one scheduled instant, one a moment early
+    and one a moment late, share its slot. The current one for any other call, which must not
+    take (and so suppress) the next scheduled run. An ``int`` when whole, so ``60`` and ``60.0``
+    agree.
 
     Example:
         >>> period_slot(1796461199.6, 60), period_slot(1796461200.9, 60)
         (1796461200, 1796461200)
     """
-    centre = math.floor(at / period + 0.5) * period
+    centre = math.floor(at / period + (0.5 if nearest else 0.0)) * period
     return int(centre) if float(centre).is_integer() else centre
 
 

@@ -36,7 +36,7 @@ from .delivery import REQUEUES_HEADER, deliver
 from .enqueue import CachedResult, EnqueueCheck, check_enqueue, unsendable
 from .exceptions import adopt_celery_base
 from .gate import Attempt, Gate
-from .identity import HEADER, PRINCIPAL_HEADER, failed_request, message_time
+from .identity import BEAT_HEADER, HEADER, PRINCIPAL_HEADER, failed_request, message_time
 from .keys import bind_arguments, signature_of
 from .lease import current_lease
 from .results import ResultWriter, result_writer
@@ -174,7 +174,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def idempotency_key_for(
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, *,
         idempotency_key: str | None = None, idempotency_scope: str | None = None,
-        at: float | dt.datetime | None = None,
+        at: float | dt.datetime | None = None, scheduled: bool = False,
     ) -> str:
         """Return the key a call with these arguments gets (as stored, without the prefix).
 
@@ -189,6 +189,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             idempotency_scope: A scope, as passed to ``apply_async``.
             at: With ``idempotency_period``, the enqueue time whose slot a derived key gets (Unix
                 seconds or an aware datetime; default: now).
+            scheduled: The key of a send of the schedule (Celery beat's): the slot nearest to
+                ``at``, rather than the current one.
 
         Raises:
             TypeError: The arguments do not match the task's signature (and the task checks
@@ -196,7 +198,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             InvalidKey: The per-call key or the scope is not usable.
             ValueError: ``at`` is a naive datetime.
         """
-        return identity.identify(self, args, kwargs, idempotency_key, idempotency_scope, at)[0]
+        return identity.identify(self, args, kwargs, idempotency_key, idempotency_scope, at,
+                                 scheduled)[0]
 
     @property
     def idempotency_key(self) -> str | None:
@@ -348,7 +351,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             fingerprint: Callable[[], str | None] = functools.partial(
                 identity.fingerprint_of, self, tuple(args or ()), dict(kwargs or {}), per_call)
         else:
-            key, fingerprint = identity.identify(self, args, kwargs, explicit, scope)
+            key, fingerprint = identity.identify(self, args, kwargs, explicit, scope,
+                                                 scheduled=bool(headers.get(BEAT_HEADER)))
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.
@@ -429,7 +433,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if header is None:
             # send_task by name, another language's producer, Task.apply(): derive it here
             # (a period's slot from the message's time, when it has one, else from now).
-            key, fingerprint = identity.identify(self, args, kwargs, None, None, message_time(req))
+            key, fingerprint = identity.identify(self, args, kwargs, None, None, message_time(req),
+                                                 bool((req.headers or {}).get(BEAT_HEADER)))
             digest = fingerprint()
             # A re-queue and Celery's retry publish from the request's headers: they must carry
             # this key, or the copy derives it again from a later clock (another period slot).

@@ -1,4 +1,4 @@
-"""Orchestrating tasks of the scope tests: bodies that enqueue other tasks.
+"""Tasks of the scope and slot tests: bodies that enqueue other tasks, and a periodic one.
 
 The app of ``app.py`` (same environment), plus tasks whose bodies enqueue a child and report what
 the enqueue answered. A body cannot wait for its child (Celery forbids it), so it returns the
@@ -38,3 +38,10 @@ def ship(self: Any, order_id: str) -> dict[str, Any]:
     effect(f"ship:{order_id}", self.idempotency_scope)
     return {"order_id": order_id, "scope": self.idempotency_scope, "key": self.idempotency_key,
             "principal": self.idempotency_principal}
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_period=10)
+def report(self: Any) -> str:
+    """A periodic report: one run per 10-second slot."""
+    effect("report", self.idempotency_key)
+    return str(self.idempotency_key)

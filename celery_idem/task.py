@@ -186,7 +186,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             args: The call's positional arguments.
             kwargs: The call's keyword arguments.
             idempotency_key: A per-call key, as passed to ``apply_async``.
-            idempotency_scope: A scope, as passed to ``apply_async``.
+            idempotency_scope: A scope, as passed to ``apply_async`` (default: inside a scoped
+                body, the body's).
             at: With ``idempotency_period``, the enqueue time whose slot a derived key gets (Unix
                 seconds or an aware datetime; default: now).
             scheduled: The key of a send of the schedule (Celery beat's): the slot nearest to
@@ -198,8 +199,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             InvalidKey: The per-call key or the scope is not usable.
             ValueError: ``at`` is a naive datetime.
         """
-        return identity.identify(self, args, kwargs, idempotency_key, idempotency_scope, at,
-                                 scheduled)[0]
+        scope = self._call_scope(idempotency_scope, {})  # inside a body, as apply_async has it
+        return identity.identify(self, args, kwargs, idempotency_key, scope, at, scheduled)[0]
 
     @property
     def idempotency_key(self) -> str | None:

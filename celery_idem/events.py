@@ -20,18 +20,12 @@ logger = logging.getLogger("celery_idem")
 
 
 def escape_args(record: logging.LogRecord) -> bool:
-    """A log filter: every str argument of the line (a key, a scope) with anything but printable
-    ASCII written as an escape (``\\u043e``, ``\\xa0``, ``\\n``), as the CLI's JSON writes keys.
-
-    A look-alike key (a Cyrillic o, U+043E; a non-breaking space) then reads as one, and a key can
-    neither forge a line nor reach a terminal as an escape sequence.
-    """
-    args = record.args
-    if isinstance(args, tuple) and any(type(a) is str and not (a.isascii() and a.isprintable())
-                                       for a in args):
-        record.args = tuple(
-            "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in a) if type(a) is str else a
-            for a in args)
+    """A log filter writing every str argument (a key) with anything but printable ASCII as an
+    escape (``\\u043e``, ``\\xa0``), as the CLI's JSON does: a look-alike key reads as one."""
+    if isinstance(record.args, tuple):
+        record.args = tuple("".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in a)
+                            if type(a) is str and not (a.isascii() and a.isprintable()) else a
+                            for a in record.args)
     return True
 
 

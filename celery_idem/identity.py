@@ -15,23 +15,9 @@ from typing import Any
 
 from celery.app.task import Context
 
+from . import keys
 from .accel.celery_compat import dump_pydantic_arguments
 from .exceptions import InvalidKey
-from .keys import (
-    MAX_CALLER_KEY,
-    MAX_KEY_LENGTH,
-    SLOT_FIELD,
-    bind_arguments,
-    caller_key,
-    check_scope,
-    check_text,
-    key_from_fields,
-    parse_key,
-    payload_hash,
-    period_slot,
-    scoped,
-    select_fields,
-)
 
 __all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "UNBOUND_ARGS",
            "UNBOUND_KWARGS", "bind", "failed_request", "fingerprint_of", "header_key", "identify",
@@ -63,9 +49,9 @@ def identify(
     cfg = task.idempotency_config
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     if scope is not None:
-        check_scope(scope)
+        keys.check_scope(scope)
     if explicit is not None:
-        key = caller_key(cfg.operation, explicit, scope)
+        key = keys.caller_key(cfg.operation, explicit, scope)
         return key, functools.cache(functools.partial(fingerprint_of, task, args, kwargs, True))
     if cfg.key_func is not None:
         identity = cfg.key_func(*args, **kwargs)
@@ -74,30 +60,25 @@ def identify(
                 f"{task.name}: idempotency_key_func returned {identity!r}; it must return a "
                 f"non-empty str"
             )
-        key = key_from_fields(cfg.operation, slot_fields(task, {}, at, scheduled), identity)
+        key = keys.key_from_fields(cfg.operation, slot_fields(task, {}, at, scheduled), identity)
         fingerprint: Callable[[], str | None] = functools.partial(
             fingerprint_of, task, args, kwargs, False)
     else:
         bound = bind(task, args, kwargs)
-        fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
+        fields = dict(bound) if UNBOUND_ARGS in bound else keys.select_fields(bound, cfg.fields)
         if failed_request(args) is not None:
             # Handling a failure is an action of its own, apart from any ordinary call.
             fields[ERRBACK_FIELD] = True
-        key = key_from_fields(cfg.operation, slot_fields(task, fields, at, scheduled))
+        key = keys.key_from_fields(cfg.operation, slot_fields(task, fields, at, scheduled))
         # The arguments are bound once, for the key and (when validating) the fingerprint.
-        fingerprint = functools.partial(payload_hash, bound) if cfg.validate else _unchecked
-    key = scoped(key, cfg.operation, scope)
-    if len(key) > MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
+        fingerprint = functools.partial(keys.payload_hash, bound) if cfg.validate else lambda: None
+    key = keys.scoped(key, cfg.operation, scope)
+    if len(key) > keys.MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
         raise InvalidKey(
             f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
-            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
+            f"{keys.MAX_KEY_LENGTH}: set a shorter idempotency_operation"
         )
     return key, functools.cache(fingerprint)  # asked by the check, the reservation and the memory
-
-
-def _unchecked() -> None:
-    """The fingerprint of a derived key whose task does not validate: none."""
-    return None
 
 
 def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None,
@@ -105,7 +86,7 @@ def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | Non
     """``fields`` with the slot of ``at`` under ``$slot`` when the task has a period."""
     period = task.idempotency_config.period
     if period is not None:
-        fields[SLOT_FIELD] = period_slot(_unix_time(at), period, nearest=scheduled)
+        fields[keys.SLOT_FIELD] = keys.period_slot(_unix_time(at), period, nearest=scheduled)
     return fields
 
 
@@ -122,29 +103,28 @@ def fingerprint_of(
         return None
     bound = bind(task, args, kwargs)
     if not cfg.validate and UNBOUND_ARGS not in bound:
-        bound = select_fields(bound, cfg.fields)
-    return payload_hash(bound)
+        bound = keys.select_fields(bound, cfg.fields)
+    return keys.payload_hash(bound)
 
 
 def header_key(task: Any, header: Any, scope: str | None = None, *,
                any_scope: bool = False) -> tuple[str, bool, str | None]:
     """The stored key of a message's key header, whether it is a per-call key, and its scope.
 
-    A message can be forged or written by another program, so the header is checked as a
-    caller's key is (``InvalidKey``: nothing is claimed or stored). A key of this task's
-    operation in ``scope`` (in any scope with ``any_scope``: the worker, whose message is
-    the authority) is used as it is; anything else is a caller's key of this operation in
-    ``scope``, so a header never names another operation's record, nor another scope's.
+    A message can be forged, so the header is checked as a caller's key is (``InvalidKey``:
+    nothing is claimed or stored). A key of this task's operation in ``scope`` (any scope with
+    ``any_scope``: the worker's message is the authority) is used as it is; anything else is a
+    caller's key of this operation in ``scope``: never another operation's or scope's record.
     """
     what = f"{task.name}: the message's {HEADER} header"
-    check_text(what, header, MAX_KEY_LENGTH)
+    keys.check_text(what, header, keys.MAX_KEY_LENGTH)
     operation = task.idempotency_config.operation
-    parts = parse_key(header, operation)
+    parts = keys.parse_key(header, operation)
     if parts is not None and (any_scope or parts.scope == scope):
         return header, parts.per_call, parts.scope
-    if len(header) > MAX_CALLER_KEY:
-        check_text(what, header)  # raises: too long for a caller's key
-    return caller_key(operation, header, scope), True, scope
+    if len(header) > keys.MAX_CALLER_KEY:
+        keys.check_text(what, header)  # raises: too long for a caller's key
+    return keys.caller_key(operation, header, scope), True, scope
 
 
 def bind(
@@ -167,7 +147,7 @@ def bind(
     if signature is None:
         return {"args": list(args), "kwargs": dict(kwargs)}
     try:
-        return bind_arguments(signature, args, kwargs)
+        return keys.bind_arguments(signature, args, kwargs)
     except TypeError as exc:
         typing = task.typing if task.typing is not None else task.app.strict_typing
         if not typing:

@@ -100,12 +100,11 @@ SLOT_FIELD = "$slot"
 
 def period_slot(at: float, period: float, *, nearest: bool = True) -> int | float:
     """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds), or with
-    ``nearest=False`` the current one (the last multiple at or before ``at``).
+    ``nearest=False`` the last one at or before it.
 
-    Nearest for the schedule's own sends: two sends of one scheduled instant, one a moment early
-    and one a moment late, share its slot. The current one for any other call, which must not
-    take (and so suppress) the next scheduled run. An ``int`` when whole, so ``60`` and ``60.0``
-    agree.
+    Nearest for the schedule's sends: a send a moment early and one a moment late share the
+    instant's slot. The current one for any other call, so it never takes (and suppresses) the
+    next scheduled run. An ``int`` when whole, so ``60`` and ``60.0`` agree.
 
     Example:
         >>> period_slot(1796461199.6, 60), period_slot(1796461200.9, 60)

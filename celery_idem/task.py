@@ -22,7 +22,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task
-from celery._state import get_current_task
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
@@ -214,11 +213,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def idempotency_principal(self) -> str | None:
-        """Who asked for the action being run (inside the body): the message's
-        ``idempotency_principal`` header (the tools runtime and the MCP server set it), else None.
-
-        Whoever can publish to the broker can write any header: trust it as far as the broker.
-        """
+        """Who asked for the action being run (inside the body), else None: the message's
+        ``idempotency_principal`` header, as trustworthy as whoever can publish to the broker."""
         value = (self.request.headers or {}).get(PRINCIPAL_HEADER)
         return value if type(value) is str and value.isprintable() else None
 
@@ -400,13 +396,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return result
 
     def _call_scope(self, scope: str | None, headers: dict[str, Any]) -> str | None:
-        """The scope of a call: the one it names, else that of the body enqueueing it.
-
-        Work follows its scope: a task a scoped body enqueues (a chain's next step, a saga's,
-        a tool's) is keyed in the body's scope, so two tenants' orders never share a child's
-        record. The body's principal rides along unless the call names one.
-        """
-        parent = get_current_task()
+        """The scope a call names, else that of the body enqueueing it (a chain's next step, a
+        tool's, a saga's), whose principal rides along: two tenants never share a child's key."""
+        parent = self.app.current_task
         req = parent.request if parent is not None else None
         if req is None:
             return scope

@@ -11,6 +11,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from celery.app.task import Context
@@ -19,9 +20,9 @@ from . import keys
 from .accel.celery_compat import dump_pydantic_arguments
 from .exceptions import InvalidKey
 
-__all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "UNBOUND_ARGS",
-           "UNBOUND_KWARGS", "bind", "failed_request", "fingerprint_of", "header_key", "identify",
-           "message_time", "slot_fields"]
+__all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "SCOPED_BODY",
+           "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request", "fingerprint_of",
+           "header_key", "identify", "message_time", "slot_fields"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
@@ -29,6 +30,9 @@ HEADER = "idempotency_key"
 BEAT_HEADER = "celery_beat_task"
 #: Message header naming who asked for the action (``IdempotentTask.idempotency_principal``).
 PRINCIPAL_HEADER = "idempotency_principal"
+#: Set once a body with a scope or a principal ran in this thread: only then does an enqueue look
+#: the running task up (Celery's lookup costs microseconds) to inherit them.
+SCOPED_BODY: ContextVar[bool] = ContextVar("celery_idem_scoped_body", default=False)
 #: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
 #: field that marks a new-style errback's key. Not identifiers, so no parameter has these names.
 UNBOUND_ARGS = "*args"

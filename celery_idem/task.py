@@ -398,7 +398,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _call_scope(self, scope: str | None, headers: dict[str, Any]) -> str | None:
         """The scope a call names, else that of the body enqueueing it (a chain's next step, a
         tool's, a saga's), whose principal rides along: two tenants never share a child's key."""
-        parent = self.app.current_task
+        parent = self.app.current_task if identity.SCOPED_BODY.get() else None
         req = parent.request if parent is not None else None
         if req is None:
             return scope
@@ -439,6 +439,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             key, per_call, req.idempotency_scope_ = identity.header_key(self, header,
                                                                         any_scope=True)
             digest = identity.fingerprint_of(self, args, kwargs, per_call)
+        if getattr(req, "idempotency_scope_", None) or PRINCIPAL_HEADER in (req.headers or {}):
+            identity.SCOPED_BODY.set(True)  # this thread's enqueues now look for their parent
         attempt = Attempt(key=key, task_id=req.id or "", attempt=req.retries or 0, owner=owner_id(),
                           payload_hash=digest)
         req.idempotency_key_ = key

@@ -60,10 +60,8 @@ def identify(
     if cfg.key_func is not None:
         identity = cfg.key_func(*args, **kwargs)
         if not isinstance(identity, str) or not identity:
-            raise TypeError(
-                f"{task.name}: idempotency_key_func returned {identity!r}; it must return a "
-                f"non-empty str"
-            )
+            raise TypeError(f"{task.name}: idempotency_key_func returned {identity!r}; it must "
+                            f"return a non-empty str")
         key = keys.key_from_fields(cfg.operation, slot_fields(task, {}, at, scheduled), identity)
         fingerprint: Callable[[], str | None] = functools.partial(
             fingerprint_of, task, args, kwargs, False)
@@ -78,10 +76,8 @@ def identify(
         fingerprint = functools.partial(keys.payload_hash, bound) if cfg.validate else lambda: None
     key = keys.scoped(key, cfg.operation, scope)
     if len(key) > keys.MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
-        raise InvalidKey(
-            f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
-            f"{keys.MAX_KEY_LENGTH}: set a shorter idempotency_operation"
-        )
+        raise InvalidKey(f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the "
+                         f"limit is {keys.MAX_KEY_LENGTH}: set a shorter idempotency_operation")
     return key, functools.cache(fingerprint)  # asked by the check, the reservation and the memory
 
 
@@ -94,9 +90,8 @@ def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | Non
     return fields
 
 
-def fingerprint_of(
-    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], per_call: bool
-) -> str | None:
+def fingerprint_of(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+                   per_call: bool) -> str | None:
     """The hash stored with the record and compared on every later use of its key.
 
     A per-call key's covers the identifying arguments; with ``idempotency_validate`` any key's
@@ -131,9 +126,8 @@ def header_key(task: Any, header: Any, scope: str | None = None, *,
     return keys.caller_key(operation, header, scope), True, scope
 
 
-def bind(
-    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, as_sent: bool = True
-) -> dict[str, Any]:
+def bind(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+         as_sent: bool = True) -> dict[str, Any]:
     """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls).
 
     Raises:
@@ -179,9 +173,8 @@ def _unix_time(at: float | dt.datetime | None) -> float:
         return _clock()
     if isinstance(at, dt.datetime):
         if at.tzinfo is None or at.utcoffset() is None:
-            raise ValueError(
-                f"at={at!r} is a naive datetime; pass an aware one (tzinfo set) or Unix seconds"
-            )
+            raise ValueError(f"at={at!r} is a naive datetime; pass an aware one (tzinfo set) "
+                             f"or Unix seconds")
         return at.timestamp()
     if isinstance(at, bool) or not isinstance(at, (int, float)):
         raise TypeError(f"at must be Unix seconds or an aware datetime, got {at!r}")
@@ -194,9 +187,7 @@ def message_time(request: Any) -> float | None:
     properties = getattr(request, "properties", None)
     stamp = properties.get("timestamp") if isinstance(properties, Mapping) else None
     if isinstance(stamp, dt.datetime):
-        if stamp.tzinfo is None:
-            stamp = stamp.replace(tzinfo=dt.timezone.utc)
-        return stamp.timestamp()
+        return (stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.timezone.utc)).timestamp()
     if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp) \
             and stamp > 0:
         return float(stamp)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_idem import CachedResult, IdempotentTask
+from celery_idem.contrib.saga import Saga
 from tests.integration.app import app, charge, effect
 
 __all__ = ["app"]
@@ -23,6 +24,15 @@ def place_order(self: Any, order_id: str, amount_cents: int) -> dict[str, Any]:
     return {"scope": self.idempotency_scope, "principal": self.idempotency_principal,
             "child_id": child.id, "child_key": child.idempotency_key,
             "child_cached": isinstance(child, CachedResult)}
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",))
+def saga_order(self: Any, order_id: str, amount_cents: int) -> dict[str, Any]:
+    """A saga whose step enqueues the charge: the charge is in the saga's scope."""
+    saga = Saga(self)
+    child = saga.step("enqueue_charge", lambda step: charge.apply_async(
+        (order_id, amount_cents)).idempotency_key)
+    return {"scope": self.idempotency_scope, "child_key": child}
 
 
 @app.task(base=IdempotentTask, bind=True)

@@ -40,6 +40,15 @@ def test_a_child_enqueued_by_a_scoped_body_is_in_its_scope(cluster: Cluster) -> 
     assert len(cluster.effects("charge:1001")) == 2
 
 
+def test_a_sagas_step_enqueues_in_the_sagas_scope(cluster: Cluster) -> None:
+    cluster.worker(app=APP)
+    out = [scope_app.saga_order.apply_async(("2002", 70), idempotency_scope=tenant).get(timeout=30)
+           for tenant in ("alice", "bob")]
+    assert [o["child_key"].split(":")[0] for o in out] == [
+        f"{tasks.charge.name}@alice", f"{tasks.charge.name}@bob"]
+    wait_for(lambda: len(cluster.effects("charge:2002")) == 2, what="one charge per tenant")
+
+
 def test_a_chains_next_step_is_in_the_first_steps_scope(cluster: Cluster) -> None:
     cluster.worker(app=APP)
     results = [chain(scope_app.pick.s("o-7"), scope_app.ship.s()).apply_async(

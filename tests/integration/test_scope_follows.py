@@ -85,3 +85,12 @@ def test_a_header_spelling_another_scopes_key_never_reads_its_record(cluster: Cl
         assert r.id != alice.id and r.get(timeout=30)["refunded"] == "ord-10"
     wait_for(lambda: len(cluster.effects("refund:ord-10")) == 2, what="both refunds")
     assert len(cluster.effects("refund:ord-9")) == 1
+
+
+def test_a_scoped_retry_keeps_its_key(cluster: Cluster) -> None:
+    cluster.worker()
+    r = tasks.flaky.apply_async(("ord-r",), idempotency_scope="t-r")
+    assert r.get(timeout=30)["retries"] == 2
+    assert r.idempotency_key.startswith(f"{tasks.flaky.name}@t-r:")
+    assert cluster.store.get(r.idempotency_key) is not None  # recorded under the caller's key
+    assert len(cluster.effects("charge:ord-r")) == 1

@@ -75,10 +75,8 @@ _LOUD = {
 Emit = Callable[[Outcome, str, int, str, dict[str, Any]], None]
 
 
-def log_outcome(
-    outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str, extra: dict[str, Any],
-    answers: bool = True,
-) -> None:
+def log_outcome(outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str,
+                extra: dict[str, Any], answers: bool = True) -> None:
     """Log one decision as one line of ``name=value`` pairs (never the task's arguments).
 
     ``token`` is the record's (0: none), ``original_task_id`` the task that claimed, holds or
@@ -88,10 +86,8 @@ def log_outcome(
     if not logger.isEnabledFor(level):
         return
     tail = "".join(f" {name}={value}" for name, value in extra.items())
-    logger.log(
-        level, "celery_idem %s key=%s task_id=%s token=%s original_task_id=%s%s",
-        outcome.value, key, task_id, token, original_task_id, tail,
-    )
+    logger.log(level, "celery_idem %s key=%s task_id=%s token=%s original_task_id=%s%s",
+               outcome.value, key, task_id, token, original_task_id, tail)
 
 
 #: Called with every decision: ``(task_name, outcome_value, key, token, original_task_id, *,

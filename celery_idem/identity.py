@@ -1,8 +1,5 @@
-"""A task's key identity: the key of a call, its fingerprint, and the key a message's header names.
-
-The key derivation of :class:`~celery_idem.task.IdempotentTask` (``idempotency_key_for`` is its
-public face). Arguments are bound to the task's business signature (``task._signature``).
-"""
+"""A task's key identity (``IdempotentTask.idempotency_key_for``): the key of a call, bound to
+the task's business signature, its fingerprint, and the key a message's header names."""
 
 from __future__ import annotations
 

@@ -296,19 +296,15 @@ def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
     if not value:
         raise InvalidKey(f"{what} must not be empty")
     if len(value) > limit:
-        raise InvalidKey(
-            f"{what} is {len(value)} characters; the limit is {limit} (hash long identities "
-            f"with celery_idem.idempotency_key)"
-        )
+        raise InvalidKey(f"{what} is {len(value)} characters; the limit is {limit} (hash long "
+                         f"identities with celery_idem.idempotency_key)")
     if not value.isprintable():
         # str.isprintable() is False for non-ASCII spaces (Zs) too, which a terminal prints.
         bad = next(((i, c) for i, c in enumerate(value)
                     if not c.isprintable() and unicodedata.category(c) != "Zs"), None)
         if bad is not None:
-            raise InvalidKey(
-                f"{what} has the control or format character U+{ord(bad[1]):04X} at position "
-                f"{bad[0]}; keys are printable text"
-            )
+            raise InvalidKey(f"{what} has the control or format character U+{ord(bad[1]):04X} at "
+                             f"position {bad[0]}; keys are printable text")
     return value
 
 
@@ -321,10 +317,8 @@ def check_scope(scope: Any) -> str:
     check_text("idempotency_scope", scope, MAX_SCOPE)
     bad = next((c for c in scope if c not in _SCOPE_CHARS), None)
     if bad is not None:
-        raise InvalidKey(
-            f"idempotency_scope {scope!r} has the character {bad!r}; a scope is 1 to {MAX_SCOPE} "
-            f"characters of A-Z a-z 0-9 . _ ~ + = / -"
-        )
+        raise InvalidKey(f"idempotency_scope {scope!r} has the character {bad!r}; a scope is 1 "
+                         f"to {MAX_SCOPE} characters of A-Z a-z 0-9 . _ ~ + = / -")
     return str(scope)
 
 

@@ -399,9 +399,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The scope a call names, else that of the body enqueueing it (a chain's next step, a
         tool's, a saga's), whose principal rides along: two tenants never share a child's key."""
         parent = self.app.current_task if identity.SCOPED_BODY.get() else None
-        req = parent.request if parent is not None else None
-        if req is None:
+        if parent is None or parent.request is None:
             return scope
+        req = parent.request
         principal = (req.headers or {}).get(PRINCIPAL_HEADER)
         if principal is not None:
             headers.setdefault(PRINCIPAL_HEADER, principal)

@@ -19,7 +19,7 @@ from .exceptions import InvalidKey
 
 __all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "SCOPED_BODY",
            "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request", "fingerprint_of",
-           "header_key", "identify", "message_time", "slot_fields"]
+           "header_key", "identify", "message_time"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
@@ -54,21 +54,22 @@ def identify(
     if explicit is not None:
         key = keys.caller_key(cfg.operation, explicit, scope)
         return key, functools.cache(functools.partial(fingerprint_of, task, args, kwargs, True))
+    slot = {} if cfg.period is None else {
+        keys.SLOT_FIELD: keys.period_slot(_unix_time(at), cfg.period, nearest=scheduled)}
     if cfg.key_func is not None:
         identity = cfg.key_func(*args, **kwargs)
         if not isinstance(identity, str) or not identity:
             raise TypeError(f"{task.name}: idempotency_key_func returned {identity!r}; it must "
                             f"return a non-empty str")
-        key = keys.key_from_fields(cfg.operation, slot_fields(task, {}, at, scheduled), identity)
-        fingerprint: Callable[[], str | None] = functools.partial(
-            fingerprint_of, task, args, kwargs, False)
+        key = keys.key_from_fields(cfg.operation, slot, identity)
+        fingerprint: Callable[[], str | None] = functools.partial(fingerprint_of, task, args, kwargs, False)
     else:
         bound = bind(task, args, kwargs)
         fields = dict(bound) if UNBOUND_ARGS in bound else keys.select_fields(bound, cfg.fields)
         if failed_request(args) is not None:
             # Handling a failure is an action of its own, apart from any ordinary call.
             fields[ERRBACK_FIELD] = True
-        key = keys.key_from_fields(cfg.operation, slot_fields(task, fields, at, scheduled))
+        key = keys.key_from_fields(cfg.operation, {**fields, **slot} if slot else fields)
         # The arguments are bound once, for the key and (when validating) the fingerprint.
         fingerprint = functools.partial(keys.payload_hash, bound) if cfg.validate else lambda: None
     key = keys.scoped(key, cfg.operation, scope)
@@ -76,15 +77,6 @@ def identify(
         raise InvalidKey(f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the "
                          f"limit is {keys.MAX_KEY_LENGTH}: set a shorter idempotency_operation")
     return key, functools.cache(fingerprint)  # asked by the check, the reservation and the memory
-
-
-def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None,
-                scheduled: bool = False) -> dict[str, Any]:
-    """``fields`` with the slot of ``at`` under ``$slot`` when the task has a period."""
-    period = task.idempotency_config.period
-    if period is not None:
-        fields[keys.SLOT_FIELD] = keys.period_slot(_unix_time(at), period, nearest=scheduled)
-    return fields
 
 
 def fingerprint_of(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -125,11 +117,8 @@ def header_key(task: Any, header: Any, scope: str | None = None, *,
 
 def bind(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
          as_sent: bool = True) -> dict[str, Any]:
-    """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls).
-
-    Raises:
-        TypeError: They do not bind, and the task checks its arguments (``typing``).
-    """
+    """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls);
+    TypeError when they do not bind and the task checks its arguments (``typing``)."""
     if as_sent:
         # A new-style errback's request, exception and traceback become the failed task's id,
         # None and None (the id names the failure); a pydantic=True task's models are dumped as

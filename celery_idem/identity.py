@@ -27,8 +27,7 @@ HEADER = "idempotency_key"
 BEAT_HEADER = "celery_beat_task"
 #: Message header naming who asked for the action (``IdempotentTask.idempotency_principal``).
 PRINCIPAL_HEADER = "idempotency_principal"
-#: Set once a body with a scope or a principal ran in this thread: only then does an enqueue look
-#: the running task up (Celery's lookup costs microseconds) to inherit them.
+#: Set once a scoped body ran in this thread: only then does an enqueue look its parent up (µs).
 SCOPED_BODY: ContextVar[bool] = ContextVar("celery_idem_scoped_body", default=False)
 #: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
 #: field that marks a new-style errback's key. Not identifiers, so no parameter has these names.
@@ -43,10 +42,8 @@ def identify(
 ) -> tuple[str, Callable[[], str | None]]:
     """The call's key, and a function computing its fingerprint (None: not checked) when asked.
 
-    With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now; the header
-    carries the key, so retries and redeliveries keep the slot): the nearest slot for a send of
-    the schedule (``scheduled``), the current one for any other call.
-    """
+    With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now): the nearest
+    one for a send of the schedule (``scheduled``), the current one for any other call."""
     cfg = task.idempotency_config
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     if scope is not None:
@@ -99,11 +96,9 @@ def header_key(task: Any, header: Any, scope: str | None = None, *,
                any_scope: bool = False) -> tuple[str, bool, str | None]:
     """The stored key of a message's key header, whether it is a per-call key, and its scope.
 
-    A message can be forged, so the header is checked as a caller's key is (``InvalidKey``:
-    nothing is claimed or stored). A key of this task's operation in ``scope`` (any scope with
-    ``any_scope``: the worker's message is the authority) is used as it is; anything else is a
-    caller's key of this operation in ``scope``: never another operation's or scope's record.
-    """
+    Checked as a caller's key is (``InvalidKey``: nothing is claimed or stored). A key of this
+    task's operation in ``scope`` (any scope with ``any_scope``: the worker's message is the
+    authority) is used as it is; anything else is a caller's key of this operation in ``scope``."""
     what = f"{task.name}: the message's {HEADER} header"
     keys.check_text(what, header, keys.MAX_KEY_LENGTH)
     operation = task.idempotency_config.operation

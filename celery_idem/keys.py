@@ -99,12 +99,10 @@ SLOT_FIELD = "$slot"
 
 
 def period_slot(at: float, period: float, *, nearest: bool = True) -> int | float:
-    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds), or with
-    ``nearest=False`` the last one at or before it.
-
-    Nearest for the schedule's sends: a send a moment early and one a moment late share the
-    instant's slot. The current one for any other call, so it never takes (and suppresses) the
-    next scheduled run. An ``int`` when whole, so ``60`` and ``60.0`` agree.
+    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds): a send of
+    the schedule a moment early and one a moment late share it; with ``nearest=False`` (any other
+    call, which must never take the next scheduled run) the last one at or before ``at``. An
+    ``int`` when whole, so ``60`` and ``60.0`` agree.
 
     Example:
         >>> period_slot(1796461199.6, 60), period_slot(1796461200.9, 60)

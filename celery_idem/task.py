@@ -402,9 +402,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if parent is None or parent.request is None:
             return scope
         req = parent.request
-        principal = (req.headers or {}).get(PRINCIPAL_HEADER)
-        if principal is not None:
-            headers.setdefault(PRINCIPAL_HEADER, principal)
+        if PRINCIPAL_HEADER in (req.headers or {}):
+            headers.setdefault(PRINCIPAL_HEADER, req.headers[PRINCIPAL_HEADER])
         return getattr(req, "idempotency_scope_", None) if scope is None else scope
 
     # -- worker side ---------------------------------------------------------------------------

@@ -66,8 +66,7 @@ class Tool:
     def __init__(self, target: Any, *, kind: ToolKind, name: str, description: str,
                  parameters: dict[str, Any], timeout: float, options: dict[str, Any],
                  destructive: bool = True, open_world: bool = True,
-                 key_argument: str | None = None, key_passed_on: bool = True,
-                 title: str | None = None,
+                 key_argument: str | None = None, key_passed_on: bool = True, title: str | None = None,
                  expose_errors: tuple[type[BaseException], ...] = ()) -> None:
         self.target = target
         self.kind: ToolKind = kind
@@ -100,16 +99,14 @@ class Tool:
             arguments: The model's arguments: a JSON text (OpenAI's ``arguments``) or a
                 mapping (Anthropic's ``input``); None for no arguments.
             timeout: Seconds to wait for the result (default :attr:`timeout`).
-            scope: The caller's scope (a tenant, a principal): the same arguments or key in
-                two scopes are two actions (see :meth:`start`).
+            scope: The caller's scope (a tenant): two scopes are two actions (see :meth:`start`).
             principal: Who is calling, for the body (see :meth:`start`).
 
         Returns:
             The outcome dict (``status``, ``result``, ``message``, ...).
 
         Raises:
-            InvalidKey: ``scope`` or ``principal`` is not valid (the caller's mistake, not the
-                model's).
+            InvalidKey: ``scope`` or ``principal`` is not valid (the caller's mistake).
         """
         return self.start(arguments, scope=scope, principal=principal).wait(timeout)
 
@@ -139,8 +136,7 @@ class Tool:
         """
         # The enqueue talks to the store and the broker (blocking sockets): off the loop. A
         # cancellation while it runs leaves the thread to finish the publish.
-        pending = await asyncio.to_thread(
-            lambda: self.start(arguments, scope=scope, principal=principal))
+        pending = await asyncio.to_thread(self.start, arguments, scope=scope, principal=principal)
         return await pending.wait_async(timeout)
 
     def start(self, arguments: str | Mapping[str, Any] | None, *,
@@ -162,14 +158,12 @@ class Tool:
                 scope, so the same arguments (or the same ``key_argument``) in two scopes are
                 two actions, and one scope never reads another's result. A read tool has no
                 key and ignores it.
-            principal: Who is calling (an authenticated user or service), sent in the
-                ``idempotency_principal`` header: the body reads it as
-                ``self.idempotency_principal``, and the tasks it enqueues carry it on.
+            principal: Who is calling, sent in the ``idempotency_principal`` header: the body
+                reads it as ``self.idempotency_principal``; the tasks it enqueues carry it on.
 
         Raises:
-            InvalidKey: ``scope`` is not a valid scope (1 to 64 characters of
-                ``A-Z a-z 0-9 . _ ~ + = / -``), or ``principal`` is not printable text of at most
-                200 characters. Both are the caller's, not the model's.
+            InvalidKey: ``scope`` is not a valid scope (1 to 64 characters of ``A-Z a-z 0-9 . _ ~
+                + = / -``), or ``principal`` not printable text of at most 200 characters.
         """
         if scope is not None:
             check_scope(scope)
@@ -232,9 +226,8 @@ class Tool:
         try:
             return self._parse_bounded(arguments)
         except Exception as exc:  # a RecursionError or any other surprise of a validator
-            # The docs promise an outcome, never an exception: whatever a hostile input makes
-            # the parser or the schema check do, the call is refused as invalid. No traceback:
-            # a recursion's is a thousand frames, per hostile call.
+            # An outcome, never an exception, whatever a hostile input makes the parser or the
+            # schema check do. No traceback: a recursion's is a thousand frames, per call.
             logger.info("celery_idem.tools %s: arguments refused: %s: %r", self.name,
                         type(exc).__name__, str(exc)[:200])
             return {}, [f"the arguments could not be read ({type(exc).__name__})"]
@@ -263,9 +256,8 @@ class Tool:
         return parsed, validate(self.parameters, parsed)
 
     def _null_is_default(self, name: str) -> bool:
-        """Whether a null for ``name`` means "not given": OpenAI's strict mode sends null for
-        an optional argument (see ``openai(strict=True)``); when the argument cannot be null,
-        its default applies."""
+        """Whether a null for ``name`` means "not given" (OpenAI's strict mode sends null for an
+        optional argument): when the argument cannot be null, its default applies."""
         prop = self.parameters.get("properties", {}).get(name)
         if not isinstance(prop, Mapping) or "default" not in prop:
             return False
@@ -293,11 +285,9 @@ class Tool:
             return self._error("UnserializableResult", f"{self.name} finished, but its result "
                                f"({type(value).__name__}) cannot be shown as JSON.",
                                retryable=False, key=key, task_id=task_id)
-        if status == "duplicate":
-            message = (f"{self.name} had already been done with these arguments (task "
-                       f"{original}); this is its recorded result. It was not done again.")
-        else:
-            message = f"{self.name} succeeded."
+        message = (f"{self.name} had already been done with these arguments (task {original}); "
+                   f"this is its recorded result. It was not done again." if status == "duplicate"
+                   else f"{self.name} succeeded.")
         return self._outcome(status, value, message, key, task_id)
 
     def _error(self, error: str, message: str, *, retryable: bool, key: str | None = None,
@@ -340,7 +330,6 @@ class Tool:
         """Log ``exc`` in full under a new error id, and return the id (the model gets it)."""
         error_id = uuid.uuid4().hex[:16]
         detail = f"\n{traceback.rstrip()}" if traceback else ""
-        # %r: the text is the exception's own, whatever it holds (a newline cannot forge a line).
         logger.warning("celery_idem.tools %s %s [error_id=%s task_id=%s key=%r]: %s: %r%s",
                        self.name, what, error_id, task_id, key, type(exc).__name__, str(exc),
                        detail, exc_info=exc if exc_info else None)
@@ -358,9 +347,8 @@ class Tool:
         if self._shown(exc):
             text, error_id = f"{kind}: {short(exc)}", None
         else:
-            # An exception's text can hold anything the body had (a DSN with its password, a
-            # token, another customer's data): the model gets the type and an id to quote;
-            # the operator finds the text under that id in the log.
+            # An exception's text can hold anything the body had (a DSN with its password,
+            # another customer's data): the model gets the type and an id the log has it under.
             error_id = self._log_failure("failed", exc, key, task_id, traceback, exc_info)
             text = f"{kind} (the details are in the server's log under error id {error_id})"
         if isinstance(exc, terminal):
@@ -376,14 +364,11 @@ class Tool:
             retryable=True, key=key, task_id=task_id, error_id=error_id)
 
     def _in_progress(self, waited: float, key: str | None, task_id: str | None) -> dict[str, Any]:
-        if self.kind == "write":
-            message = (f"{self.name} is still in progress after {waited:g} s. It is safe to call "
-                       f"it again with the same arguments: the call waits on the same running "
-                       f"action (nothing is sent again, the action will not be done twice), "
-                       f"and returns its result once it is ready.")
-        else:
-            message = (f"{self.name} gave no result within {waited:g} s; it has no effect, so "
-                       f"calling it again is safe.")
+        message = (f"{self.name} is still in progress after {waited:g} s. It is safe to call it "
+                   f"again with the same arguments: the call waits on the same running action "
+                   f"(nothing is sent again, the action will not be done twice), and returns its "
+                   f"result once it is ready." if self.kind == "write" else f"{self.name} gave no "
+                   f"result within {waited:g} s; it has no effect, so calling it again is safe.")
         return self._outcome("in_progress", None, message, key, task_id)
 
     # -- vendor formats --------------------------------------------------------------------

@@ -11,12 +11,25 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ANSWERS", "EVENT_TYPE", "OBSERVERS", "Emit", "Observer", "Outcome", "add_observer",
-           "log_outcome", "notify_observers"]
+           "escape_args", "log_outcome", "notify_observers"]
 
 #: The Celery event type sent for every decision.
 EVENT_TYPE = "task-idempotency"
 
 logger = logging.getLogger("celery_idem")
+
+
+def escape_args(record: logging.LogRecord) -> bool:
+    """A log filter writing every str argument (a key) with anything but printable ASCII as an
+    escape (``\\u043e``, ``\\xa0``), as the CLI's JSON does: a look-alike key reads as one."""
+    if isinstance(record.args, tuple):
+        record.args = tuple("".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in a)
+                            if type(a) is str and not (a.isascii() and a.isprintable()) else a
+                            for a in record.args)
+    return True
+
+
+logger.addFilter(escape_args)
 
 
 class Outcome(str, enum.Enum):
@@ -62,10 +75,8 @@ _LOUD = {
 Emit = Callable[[Outcome, str, int, str, dict[str, Any]], None]
 
 
-def log_outcome(
-    outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str, extra: dict[str, Any],
-    answers: bool = True,
-) -> None:
+def log_outcome(outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str,
+                extra: dict[str, Any], answers: bool = True) -> None:
     """Log one decision as one line of ``name=value`` pairs (never the task's arguments).
 
     ``token`` is the record's (0: none), ``original_task_id`` the task that claimed, holds or
@@ -75,10 +86,8 @@ def log_outcome(
     if not logger.isEnabledFor(level):
         return
     tail = "".join(f" {name}={value}" for name, value in extra.items())
-    logger.log(
-        level, "celery_idem %s key=%s task_id=%s token=%s original_task_id=%s%s",
-        outcome.value, key, task_id, token, original_task_id, tail,
-    )
+    logger.log(level, "celery_idem %s key=%s task_id=%s token=%s original_task_id=%s%s",
+               outcome.value, key, task_id, token, original_task_id, tail)
 
 
 #: Called with every decision: ``(task_name, outcome_value, key, token, original_task_id, *,

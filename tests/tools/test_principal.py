@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from celery_idem import IdempotentTask, InvalidKey
-from celery_idem.contrib.tools import tool
+from celery_idem.contrib.tools import Toolbox, tool
 from tests.tools import app as app_module
 from tests.tools.conftest import Env
 
@@ -29,6 +29,13 @@ def test_the_body_and_its_children_see_the_callers_principal_and_scope(live: Env
     with pytest.raises(InvalidKey, match="principal"):
         place.invoke({"order_id": "o-78"}, principal="bob\n[forged]")
 
+
+def test_a_toolbox_passes_its_callers_principal_to_the_body(live: Env) -> None:
+
+    box = Toolbox([tool(app_module.place_order, timeout=30)])
+    out = box.call("place_order", {"order_id": "o-79"}, scope="acme", principal="carol-bot")
+    assert out["status"] == "ok", out
+    assert out["result"]["principal"] == "carol-bot" and out["result"]["scope"] == "acme"
 
 
 @pytest.mark.parametrize("error", [TypeError, ValueError])

@@ -112,7 +112,8 @@ def _driver_message(exc: BaseException) -> str:
         if not isinstance(item, StoreUnavailable):
             innermost = item
     lines = str(innermost).strip().splitlines()
-    return lines[0] if lines else type(innermost).__name__
+    # Without its final period: the messages quoting it go on with their own sentence.
+    return lines[0].rstrip(".") if lines else type(innermost).__name__
 
 
 def probe_store(store: Store, setting: str) -> bool:

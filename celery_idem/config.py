@@ -332,6 +332,7 @@ class Settings:
     require_durable_store: bool = False
     log_answers: bool = True
     accelerate: bool = True
+    store_requeues: int | None = 3
 
 
 _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
@@ -361,8 +362,16 @@ def settings(app: Any) -> Settings:
             require_durable_store=bool(conf.get("idempotency_require_durable_store")),
             log_answers=conf.get("idempotency_log_answers", True) is not False,
             accelerate=accel.enabled(conf.get("idempotency_accelerate", True) is not False),
+            store_requeues=_store_requeues(conf.get("idempotency_store_requeues", 3)),
         )
     return found
+
+
+def _store_requeues(value: Any) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ImproperlyConfigured(
+        f"idempotency_store_requeues must be an int >= 0 or None (re-queue without limit), got {value!r}")
 
 
 def forget_settings(app: Any) -> None:

@@ -11,6 +11,7 @@ from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
 
 from . import timelimits
 from .app import emit_decision
+from .config import settings
 from .events import Outcome
 from .exceptions import StoreUnavailable
 from .gate import Attempt, Gate, Requeue, RunOutcome
@@ -20,10 +21,13 @@ from .results import ResultWriter
 if TYPE_CHECKING:
     from celery import Task
 
-__all__ = ["BUSY_FIRST", "BUSY_MAX", "REQUEUES_HEADER", "deliver", "requeue", "write_result"]
+__all__ = ["BUSY_FIRST", "BUSY_MAX", "OUTAGE_HEADER", "REQUEUES_HEADER", "deliver", "requeue",
+           "write_result"]
 
 #: Message header counting re-queues of a duplicate that found the key busy (not retries).
 REQUEUES_HEADER = "idempotency_requeues"
+#: Message header counting re-queues because the store could not be used at claim time.
+OUTAGE_HEADER = "idempotency_store_requeues"
 #: A copy of a busy key goes back with a countdown of BUSY_FIRST x 2^n seconds, at most
 #: BUSY_MAX, on its n-th re-queue, holding no pool process meanwhile (docs/scenarios.md).
 BUSY_FIRST = 0.5
@@ -64,10 +68,23 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
         except StoreUnavailable as down:
             if local:
                 raise
+            outages = int((req.headers or {}).get(OUTAGE_HEADER, 0))
+            limit = settings(task.app).store_requeues
+            if limit is not None and outages >= limit:
+                # The body did not run and nothing was claimed: fail the call with the reason
+                # (its caller may send it again) rather than re-queue it without end.
+                where = getattr(gate.store, "location", None) or repr(gate.store)  # no password
+                raise StoreUnavailable(
+                    f"the idempotency store ({where}) could not be used on {outages + 1} "
+                    f"deliveries of this message ({outages} re-queues, "
+                    f"idempotency_store_requeues = {limit}): {down}. The task did not run; "
+                    f"send it again once the store answers"
+                ) from down
             emit_decision(task, Outcome.REQUEUED, attempt.key, 0, req.id or "",
                           {"reason": "store_unavailable"})
-            log_store_down(task.name, req.id or "", attempt.key, down, n)
-            requeue(task, countdown=requeue_delay(n), reason=str(down), exc=down)
+            log_store_down(task.name, req.id or "", attempt.key, down, outages, limit)
+            requeue(task, countdown=requeue_delay(outages), reason=str(down), exc=down,
+                    counter=OUTAGE_HEADER)
         else:
             if writer is not None:
                 write_result(writer, req, outcome)
@@ -85,12 +102,14 @@ def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> No
     req.ignore_result = True
 
 
-def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None) -> NoReturn:
-    """Publish the current message again (same task id, same ``retries``) and raise ``Retry``
-    (Celery then acknowledges this delivery), or ``Reject(requeue=True)`` when it cannot."""
+def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None,
+            counter: str = REQUEUES_HEADER) -> NoReturn:
+    """Publish the current message again (same task id, same ``retries``, header ``counter``
+    one more) and raise ``Retry`` (Celery then acknowledges this delivery), or
+    ``Reject(requeue=True)`` when it cannot."""
     req = task.request
     headers = dict(req.headers or {})
-    headers[REQUEUES_HEADER] = int(headers.get(REQUEUES_HEADER, 0)) + 1
+    headers[counter] = int(headers.get(counter, 0)) + 1
     sig = task.signature_from_request(req, countdown=countdown, retries=req.retries,
                                       headers=headers)
     try:

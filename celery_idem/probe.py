@@ -27,7 +27,7 @@ __all__ = [
 logger = logging.getLogger("celery_idem")
 
 #: The longest delay (s) before a message re-queued for an unavailable store is delivered again;
-#: it doubles from 1 s, with no limit on re-queues (docs/reliability.md, "When the store is down").
+#: it doubles from 1 s (docs/reliability.md, "When the store is down").
 REQUEUE_DELAY_CAP = 30.0
 
 AUTHENTICATION = "rejected the credentials (authentication failed)"
@@ -159,7 +159,7 @@ def requeue_delay(requeues: int) -> float:
 
 
 def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException,
-                   requeues: int) -> None:
+                   requeues: int, limit: int | None = None) -> None:
     """Log one re-queue of a message because the store could not be used.
 
     WARNING for an outage, with the delay; ERROR, with the cause and the fix, for an error no
@@ -175,7 +175,7 @@ def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException,
             _FIX[reason])
         return
     logger.warning(
-        "celery_idem store unavailable: task %s[%s] key=%s re-queued in %g s (re-queue %d; the "
-        "delay doubles from 1 s up to %g s, with no limit on re-queues: the message waits for "
-        "the store): %s",
-        task_name, task_id, key, delay, requeues + 1, REQUEUE_DELAY_CAP, exc)
+        "celery_idem store unavailable: task %s[%s] key=%s re-queued in %g s (re-queue %d of %s; "
+        "the delay doubles from 1 s up to %g s): %s",
+        task_name, task_id, key, delay, requeues + 1, "no limit" if limit is None else limit,
+        REQUEUE_DELAY_CAP, exc)

@@ -1,30 +1,28 @@
 """Show celery_idem's decisions in Flower: a small, opt-in Flower extension.
 
 Why it is needed: Flower keeps one ``celery.events.state.Task`` per task id and shows only the
-fields that class lists in ``_fields``, on the task page and in ``/api/task/info`` and
-``/api/tasks``. The fields of a custom event such as ``task-idempotency`` are merged into the
-object but never shown, its type only becomes a transient task state ``IDEMPOTENCY``, and its
-``state`` field (the record's state, ``done``) can even overwrite the task's Celery state when
-the event arrives after ``task-succeeded``. Prometheus gets one ``flower_events_total`` count
-for all outcomes together.
+fields that class lists in ``_fields``. The fields of a custom event such as ``task-idempotency``
+are merged into the object but never shown, its ``state`` field (the record's ``done``) can
+overwrite the task's Celery state, and an event a producer sends under a task's id (``delay()``
+answered from the record returns the original's id) makes the producer that task's worker.
 
 What it does: :func:`install` gives Flower's monitor state (``flower.events.EventsState``) the
-task class :class:`IdempotencyTaskState`. For every ``task-idempotency`` event that class
+task class :class:`IdempotencyTaskState`, and the task list a column ``Idempotency outcome``.
+For every ``task-idempotency`` event that class
 
-* stores the event's fields under the names in :data:`FIELDS` (``idempotency_key``,
-  ``original_task_id``, ``idempotency_outcomes`` in the order they arrived, ...), which Flower
-  then shows on the task page and returns from its API;
-* leaves the task's Celery state alone (no ``IDEMPOTENCY`` state, no ``done``);
-* counts the decision in the Prometheus counter ``celery_idem_decisions_total{task,outcome}``,
-  which Flower's ``/metrics`` exposes next to its own metrics.
+* stores the event's fields under the names in :data:`FIELDS` (``idempotency_outcome``,
+  ``idempotency_key``, ``original_task_id``, ...), which Flower shows on the task page and
+  returns from its API;
+* lists, on the page of the run that recorded the action, the answers given from its record
+  (``idempotency_duplicates``): copies delivered under their own ids, and enqueues answered
+  under the run's own id, which leave the run's outcome (``recorded``) and worker as they are;
+* leaves the task's Celery state alone, and counts the decision in the Prometheus counter
+  ``celery_idem_decisions_total{task,outcome}``, which Flower's ``/metrics`` exposes.
 
-Decisions made at enqueue (``outcome="answered"``: ``delay()`` found the key done and
-published nothing; ``mismatch`` with ``at=enqueue``) arrive from the producer, when it sends
-events (``idempotency_events = True`` or ``task_send_sent_event = True``), under the id of the
-result ``delay()`` returned; they are shown and counted the same way.
-
-Every other event is handled exactly as before. Load it from Flower's own configuration file,
-read with ``--conf`` (a Python file; ``flowerconfig.py`` in the working directory by default)::
+Decisions made at enqueue (``answered``, ``attached``, ``mismatch``) come from the producer,
+and only when it sends events: ``app.conf.idempotency_events = True`` (or
+``task_send_sent_event``) in the application that calls ``delay()``. Load the extension from
+Flower's configuration file, read with ``--conf``::
 
     # flowerconfig.py
     import celery_idem.contrib.flower
@@ -48,17 +46,27 @@ __all__ = ["FIELDS", "IdempotencyTaskState", "install"]
 _SUBJECT = "idempotency"
 
 #: The task fields the extension adds, in the order Flower shows them (after the result).
+#: Flower's page labels a field by its name ("idempotency_record_state": "Idempotency record
+#: state"), upper-casing "eta", "uri", "url", "ssl" and "uuid" wherever they occur: no name here
+#: contains one.
 FIELDS: tuple[str, ...] = (
-    "idempotency_outcome",  # the latest decision
+    "idempotency_outcome",  # the latest decision for this task id
     "idempotency_key",
     "original_task_id",  # the task that claimed, holds or recorded the key
+    "idempotency_duplicates",  # the answers given from this run's record
     "idempotency_token",
     "idempotency_outcomes",  # every decision for this task id, in the order they arrived
     "idempotency_record_state",  # the record's state, for duplicate / waited / record_failed
     "previous_task_id",  # takeover: the holder whose lease had expired
     "previous_owner",
-    "idempotency_detail",  # the latest other fields: error, reason, verb, held_for
+    "idempotency_context",  # the latest other fields: error, reason, verb, held_for, at
 )
+
+#: Outcomes that answer from another run's record (or its claim) without running the body.
+_ANSWERS = frozenset({"duplicate", "waited", "answered", "attached"})
+
+#: The task list's column (Flower's ``tasks_columns``), after the state.
+COLUMN = "idempotency_outcome"
 
 # Event fields that are not the decision's own (standard Celery event fields).
 _STANDARD = frozenset({
@@ -81,12 +89,14 @@ class IdempotencyTaskState(_CeleryTaskState):  # type: ignore[misc, unused-ignor
     idempotency_outcome: str | None = None
     idempotency_key: str | None = None
     original_task_id: str | None = None
+    idempotency_duplicates: str | None = None
     idempotency_token: int | None = None
     idempotency_outcomes: list[str] | None = None
     idempotency_record_state: str | None = None
     previous_task_id: str | None = None
     previous_owner: str | None = None
-    idempotency_detail: str | None = None
+    idempotency_context: str | None = None
+    _ran_on: Any = None  # the worker of this task's own events
 
     def event(
         self, type_: str, timestamp: float | None = None, local_received: float | None = None,
@@ -94,13 +104,31 @@ class IdempotencyTaskState(_CeleryTaskState):  # type: ignore[misc, unused-ignor
     ) -> None:
         if type_ != _SUBJECT:
             super().event(type_, timestamp, local_received, fields, *args, **kwargs)
+            if type_ != "sent":  # task-sent comes from the client, the rest from the worker
+                self._ran_on = getattr(self, "worker", None)
             return
         fields = fields or {}
         outcome = str(fields.get("outcome") or "")
+        original = fields.get("original_task_id")
         if not getattr(self, "name", None) and fields.get("name"):
-            # An enqueue answered from the record (outcome ``answered``) publishes nothing, so
-            # no task-sent/received event names the task: the decision's own event does.
+            # An enqueue answered from the record publishes nothing, so no task-sent/received
+            # event names the task: the decision's own event does.
             self.name = fields["name"]
+        if _decisions is not None:
+            _decisions.labels(task=self.name or fields.get("name") or "", outcome=outcome).inc()
+        if outcome in _ANSWERS and original:
+            if original == self.uuid:
+                # delay() answered under the run's own id (or a redelivery of the run's message):
+                # the run's page keeps its outcome and its worker, which Celery's state just
+                # replaced with the event's sender.
+                if self._ran_on is not None:
+                    self.worker = self._ran_on
+                where = "at enqueue" if fields.get("at") == "enqueue" else "redelivered"
+                self._add_duplicate(f"{outcome} {where} on {fields.get('hostname')}")
+                return
+            ran = self.cluster_state.tasks.get(original) if self.cluster_state else None
+            if isinstance(ran, IdempotencyTaskState):
+                ran._add_duplicate(f"{self.uuid} ({outcome})")
         # A new list each time: Flower's task page works on shallow copies of this object.
         self.idempotency_outcomes = [*(self.idempotency_outcomes or ()), outcome]
         self.idempotency_outcome = outcome
@@ -112,11 +140,12 @@ class IdempotencyTaskState(_CeleryTaskState):  # type: ignore[misc, unused-ignor
                                 ("previous_owner", "previous_owner")):
             if fields.get(name) not in (None, ""):
                 setattr(self, attribute, fields[name])
-        detail = " ".join(f"{k}={v}" for k, v in sorted(fields.items()) if k not in _STANDARD)
-        if detail:
-            self.idempotency_detail = detail
-        if _decisions is not None:
-            _decisions.labels(task=self.name or fields.get("name") or "", outcome=outcome).inc()
+        context = " ".join(f"{k}={v}" for k, v in sorted(fields.items()) if k not in _STANDARD)
+        if context:
+            self.idempotency_context = context
+
+    def _add_duplicate(self, answer: str) -> None:
+        self.idempotency_duplicates = ", ".join(filter(None, (self.idempotency_duplicates, answer)))
 
 
 def install() -> None:
@@ -141,3 +170,24 @@ def install() -> None:
         )
     # Celery's event state builds every task object from its ``Task`` class attribute.
     flower.events.EventsState.Task = IdempotencyTaskState
+    _add_column()
+
+
+def _add_column() -> None:
+    """Show :data:`COLUMN` in Flower's task list (its ``tasks_columns`` option, after the state).
+
+    A ``tasks_columns`` set in the configuration file or on the command line is applied after
+    this runs, and wins. A Flower without configurable columns is left as it is.
+    """
+    import flower.views.tasks  # type: ignore[import-untyped, unused-ignore]
+    from tornado.options import options
+
+    columns = getattr(flower.views.tasks, "TASK_COLUMNS", None)
+    current = getattr(options, "tasks_columns", None)
+    if columns is None or not isinstance(current, str):
+        return
+    columns.setdefault(COLUMN, "Idempotency outcome")
+    names = [name.strip() for name in current.split(",")]
+    if COLUMN not in names:
+        names.insert(names.index("state") + 1 if "state" in names else len(names), COLUMN)
+        options.tasks_columns = ",".join(names)

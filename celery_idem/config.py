@@ -368,10 +368,9 @@ def settings(app: Any) -> Settings:
 
 
 def _store_requeues(value: Any) -> int | None:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+    if value is None or (type(value) is int and value >= 0):
         return value
-    raise ImproperlyConfigured(
-        f"idempotency_store_requeues must be an int >= 0 or None (re-queue without limit), got {value!r}")
+    raise ImproperlyConfigured(f"idempotency_store_requeues must be an int >= 0 or None, got {value!r}")
 
 
 def forget_settings(app: Any) -> None:

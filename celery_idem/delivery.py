@@ -21,8 +21,7 @@ from .results import ResultWriter
 if TYPE_CHECKING:
     from celery import Task
 
-__all__ = ["BUSY_FIRST", "BUSY_MAX", "OUTAGE_HEADER", "REQUEUES_HEADER", "deliver", "requeue",
-           "write_result"]
+__all__ = ["BUSY_FIRST", "BUSY_MAX", "OUTAGE_HEADER", "REQUEUES_HEADER", "deliver", "requeue"]
 
 #: Message header counting re-queues of a duplicate that found the key busy (not retries).
 REQUEUES_HEADER = "idempotency_requeues"
@@ -37,10 +36,9 @@ BUSY_MAX = 5.0
 def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attempt,
             body: Callable[[int], Any], started: float) -> Any:
     """Run ``body`` (given the fencing token) through ``gate`` for ``task``'s current request,
-    under its time limit (counted from ``started``, a ``time.monotonic()``), and return the
-    body's result or the recorded one. A busy key or a store outage re-publishes the message
-    (:func:`requeue` raises ``Retry``, or ``Reject``); in eager mode or a direct call it waits
-    another round in place, or raises."""
+    under its time limit (from ``started``, monotonic), and return the body's or the recorded
+    result. A busy key or a store outage re-publishes the message (:func:`requeue`), up to
+    ``idempotency_store_requeues`` times for an outage; eager or direct calls wait or raise."""
     req = task.request
     local = req.is_eager or req.called_directly
     # No pool enforces a limit in the calling process (eager mode, a direct call).
@@ -70,16 +68,12 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
                 raise
             outages = int((req.headers or {}).get(OUTAGE_HEADER, 0))
             limit = settings(task.app).store_requeues
-            if limit is not None and outages >= limit:
-                # The body did not run and nothing was claimed: fail the call with the reason
-                # (its caller may send it again) rather than re-queue it without end.
+            if limit is not None and outages >= limit:  # fail the call, naming the store
                 where = getattr(gate.store, "location", None) or repr(gate.store)  # no password
                 raise StoreUnavailable(
-                    f"the idempotency store ({where}) could not be used on {outages + 1} "
-                    f"deliveries of this message ({outages} re-queues, "
-                    f"idempotency_store_requeues = {limit}): {down}. The task did not run; "
-                    f"send it again once the store answers"
-                ) from down
+                    f"the idempotency store ({where}) could not be used on {outages + 1} deliveries"
+                    f" of this message ({outages} re-queues, idempotency_store_requeues = {limit}):"
+                    f" {down}. The task did not run; send it again once the store answers") from down
             emit_decision(task, Outcome.REQUEUED, attempt.key, 0, req.id or "",
                           {"reason": "store_unavailable"})
             log_store_down(task.name, req.id or "", attempt.key, down, outages, limit)
@@ -93,8 +87,7 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
 
 def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> None:
     """Store the result with ``writer`` (unless it rode on the record), or leave it to Celery."""
-    if not outcome.folded:
-        # Another server, a duplicate answered from its record, an ACL that refused the fold.
+    if not outcome.folded:  # another server, a duplicate's answer, an ACL that refused the fold
         write = outcome.write or writer.build(req, outcome.value)
         if write is None or not writer.write(write):
             return
@@ -104,9 +97,8 @@ def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> No
 
 def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None,
             counter: str = REQUEUES_HEADER) -> NoReturn:
-    """Publish the current message again (same task id, same ``retries``, header ``counter``
-    one more) and raise ``Retry`` (Celery then acknowledges this delivery), or
-    ``Reject(requeue=True)`` when it cannot."""
+    """Publish the current message again (same id and ``retries``, header ``counter`` + 1) and
+    raise ``Retry`` (Celery acknowledges this delivery), or ``Reject(requeue=True)``."""
     req = task.request
     headers = dict(req.headers or {})
     headers[counter] = int(headers.get(counter, 0)) + 1

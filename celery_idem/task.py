@@ -111,8 +111,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         check_options(label, vars(cls))
         # Check the values now too, so a wrong option fails at definition, not at first call.
         terminal = resolve(label, cls, signature_of(vars(cls).get("run"))).terminal_on
-        # A recorded terminal outcome (a declined card) is expected: Celery logs the exceptions
-        # in ``throws`` at INFO without a traceback ("raised expected"), the others at ERROR.
+        # A recorded terminal outcome is expected: Celery logs ``throws`` at INFO, no traceback.
         cls.throws = (*cls.throws, *(t for t in terminal if t not in cls.throws))
         timelimits.check_definition(label, cls)
 

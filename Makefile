@@ -64,10 +64,12 @@ test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whol
 FAST_TESTS ?= tests/unit tests/stores
 FAST_MARKS ?= not server and not worker and not slow
 # The venv for it: the package's [test] extra only (no agent framework, browser driver or linter),
-# unless `make install` put the whole [dev] set there already.
+# unless `make install` put the whole [dev] set there already. --no-compile: the tests import a
+# small part of what is installed, and Python compiles that on first import (pip's compile of
+# every file took a third of the install).
 $(FAST_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if [ $(STAMP) -nt pyproject.toml ]; then :; else $(PY) -m pip install -q -e '.[test]'; fi
+	@if [ $(STAMP) -nt pyproject.toml ]; then :; else $(PY) -m pip install -q --no-compile -e '.[test]'; fi
 	@touch $@
 
 test-fast: $(FAST_STAMP)  ## unit + in-process store tests (memory, SQLite): no servers, under 30 s

@@ -6,6 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 DEMO_STAMP := $(VENV)/.demo-installed
+FAST_STAMP := $(VENV)/.fast-installed
 DEMO_ARGS  ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -62,7 +63,16 @@ test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whol
 # busy disk costs more than the test. The logs are printed when all are done, in order.
 FAST_TESTS ?= tests/unit tests/stores
 FAST_MARKS ?= not server and not worker and not slow
-test-fast: $(STAMP)  ## unit + in-process store tests (memory, SQLite): no servers, under 30 s
+# The venv for it: the package's [test] extra only (no agent framework, browser driver or linter),
+# unless `make install` put the whole [dev] set there already. --no-compile: the tests import a
+# small part of what is installed, and Python compiles that on first import (pip's compile of
+# every file took a third of the install).
+$(FAST_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ $(STAMP) -nt pyproject.toml ]; then :; else $(PY) -m pip install -q --no-compile -e '.[test]'; fi
+	@touch $@
+
+test-fast: $(FAST_STAMP)  ## unit + in-process store tests (memory, SQLite): no servers, under 30 s
 	@base=$$( [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm || echo "$${TMPDIR:-/tmp}" ); \
 	tmp=$$(mktemp -d "$$base/celery-idem-fast.XXXXXX"); pids=""; i=0; \
 	for t in $(FAST_TESTS); do \
@@ -157,4 +167,4 @@ celery-suite-ci: $(STAMP)  ## the conformance subset (tests/conformance/subset.t
 	$(PY) scripts/celery_suite.py --subset
 
 clean:  ## remove the built site and the install stamps (keeps .venv, .compat/ and .pyver/)
-	rm -rf site $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP) $(COMPAT_DIR)/*/.installed $(PYVER_DIR)/*/.installed
+	rm -rf site $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP) $(FAST_STAMP) $(COMPAT_DIR)/*/.installed $(PYVER_DIR)/*/.installed

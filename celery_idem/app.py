@@ -294,5 +294,6 @@ def check_worker(sender: Any = None, **_: Any) -> None:
         # Celery swallows a signal handler's exception and the worker would consume messages
         # it can only fail: stop it, with the reason and what was held.
         release_held_logs(app)
-        logger.critical("celery_idem: %s", exc)
+        if logger.hasHandlers():  # else Python's last resort prints it, as SystemExit does
+            logger.critical("celery_idem: %s", exc)
         raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc

@@ -1,7 +1,5 @@
-"""What the gate decided, as an enum, the one place decisions are logged, and their observers.
-
-Celery-free: the gate imports it. Sending decisions as Celery events is ``celery_idem.app``'s.
-"""
+"""What the gate decided, the one place decisions are logged, and their observers (Celery-free:
+the gate imports it; ``celery_idem.app`` sends decisions as Celery events)."""
 
 from __future__ import annotations
 
@@ -56,8 +54,7 @@ class Outcome(str, enum.Enum):
 
 
 #: Answers given without running the body: INFO (DEBUG with ``idempotency_log_answers = False``),
-#: so a log says which of several ``succeeded`` lines for one action ran, and which enqueues
-#: published nothing.
+#: so a log says which ``succeeded`` line of an action ran, and which enqueues published nothing.
 ANSWERS = frozenset({Outcome.DUPLICATE, Outcome.WAITED, Outcome.ANSWERED, Outcome.ATTACHED})
 
 #: Outcomes an operator should see at INFO or above; the rest log at DEBUG.
@@ -91,12 +88,10 @@ def log_outcome(outcome: Outcome, key: str, token: int, original_task_id: str, t
 
 
 #: Called with every decision: ``(task_name, outcome_value, key, token, original_task_id, *,
-#: task_span)``; ``task_span`` is True in a worker (the current span is the task's run), False at
-#: enqueue (the caller's own).
+#: task_span)``; ``task_span``: True in a worker (the span is the task's run), False at enqueue.
 Observer = Callable[..., None]
 
-#: The registered observers (the bundled OpenTelemetry add-on, ``celery_idem.contrib.otel``,
-#: adds itself when the OpenTelemetry API is installed).
+#: The registered observers (``celery_idem.contrib.otel`` adds itself when OpenTelemetry is).
 OBSERVERS: list[Observer] = []
 
 

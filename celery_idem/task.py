@@ -106,7 +106,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         label = str(vars(cls).get("name") or cls.__qualname__)
         check_options(label, vars(cls))
         # Check the values now too, so a wrong option fails at definition, not at first call.
-        resolve(label, cls, signature_of(vars(cls).get("run")))
+        terminal = resolve(label, cls, signature_of(vars(cls).get("run"))).terminal_on
+        # A recorded terminal outcome is expected: Celery logs ``throws`` at INFO, no traceback.
+        cls.throws = (*cls.throws, *(t for t in terminal if t not in cls.throws))
         timelimits.check_definition(label, cls)
 
     # -- configuration -------------------------------------------------------------------------

@@ -502,13 +502,15 @@ def test_configuration_states_the_requeue_bound_of_the_code() -> None:
                           r"re-queued.*?\n\n", text, re.S)
     assert paragraph, "configuration.md: the paragraph on re-queues for an unavailable store"
     flat = " ".join(paragraph[0].split())
-    # The delay doubles from 1 s up to the cap, then stays there, with no limit on re-queues
+    # The delay doubles from 1 s up to the cap, then stays there, up to the default bound
     doubling = [1]
     while doubling[-1] * 2 < REQUEUE_DELAY_CAP:
         doubling.append(doubling[-1] * 2)
     steps = ", ".join(str(d) for d in doubling[1:])
     assert f"after 1 s, then {steps} and {cap} s, and every {cap} s after that" in flat, flat
-    assert "no limit" in flat
+    from celery_idem.config import Settings
+
+    assert f"(default {Settings.store_requeues}:" in flat and "`StoreUnavailable`" in flat, flat
     # Every page that gives the countdown as a formula gives the same cap
     for path in DOCS:
         for bound in re.findall(r"min\(2\^n, (\d+(?:\.\d+)?)\)", path.read_text()):

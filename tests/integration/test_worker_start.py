@@ -157,6 +157,8 @@ def test_a_wrong_redis_password_in_idempotency_store_stops_the_worker(
     store = f"redis://:wrong@127.0.0.1:{server.port}/1"
     text = refused(env_for(broker, store, broker), tmp_path)
     assert "idempotency_store" in text and "authentication failed" in text, text[-3000:]
+    # Said once, in sentences that end once
+    assert text.count("rejected the credentials") == 1 and ".." not in text, text[-3000:]
     assert "wrong" not in text.split("cannot start")[-1].split("idempotency_store")[0]
 
 

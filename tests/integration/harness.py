@@ -39,6 +39,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def drop_result_backend(app: Any) -> None:
+    """Drop ``app``'s cached result backend, and cut its result consumer from its server.
+
+    An ``AsyncResult`` that outlives its test still holds this backend, and its ``__del__``
+    unsubscribes from its result channel: with the subscription connection left open, the
+    collector would reconnect to the old port, which by then may belong to another server
+    (under pytest-xdist, another worker's), and raise there, in whichever test it runs.
+    """
+    for backend in (app.__dict__.pop("backend", None), app._local.__dict__.pop("backend", None)):
+        consumer = getattr(backend, "result_consumer", None)
+        pubsub = getattr(consumer, "_pubsub", None)
+        if pubsub is None:
+            continue
+        consumer.subscribed_to.clear()
+        consumer._pubsub = None
+        try:
+            pubsub.close()
+        except Exception:  # noqa: BLE001 - the server may be gone already: nothing left to close
+            pass
+
+
 def stop_group(proc: subprocess.Popen[Any]) -> None:
     """SIGTERM a process started in its own session, its children included; SIGKILL if it
     has not exited after 20 s (every wait bounded)."""

@@ -5,6 +5,7 @@ Nothing here sleeps to synchronise: every wait polls a condition against a deadl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -54,10 +55,8 @@ def drop_result_backend(app: Any) -> None:
             continue
         consumer.subscribed_to.clear()
         consumer._pubsub = None
-        try:
+        with contextlib.suppress(Exception):  # the server may be gone: nothing left to close
             pubsub.close()
-        except Exception:  # noqa: BLE001 - the server may be gone already: nothing left to close
-            pass
 
 
 def stop_group(proc: subprocess.Popen[Any]) -> None:

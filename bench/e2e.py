@@ -164,7 +164,7 @@ COLLECT_INTERVAL = 0.01
 #: IdempotentTask on the Redis store with ``idempotency_check_on_enqueue=False``.
 NOCHECK = "idem/redis-nocheck"
 #: IdempotentTask on the Redis store whose copies always ask the store (no memory of this
-#: process's own recent messages, ``EnqueueCheck.RECENT = 0``): the path before it, beside it.
+#: process's own recent messages, ``EnqueueCheck.RECENT = 0``), beside the default path.
 ASKSTORE = "idem/redis (copies ask the store)"
 #: Suffix of the systems whose apps set ``idempotency_accelerate = False`` (issue 27: the plain
 #: paths measured beside the accelerated ones, interleaved in the same run).

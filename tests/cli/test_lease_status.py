@@ -1,4 +1,4 @@
-"""What ``idem list`` and ``idem show`` say about an in-progress claim's holder (issue 28).
+"""What ``idem list`` and ``idem show`` say about an in-progress claim's holder.
 
 The record does not keep why a claim is held. A running holder renews its lease every third of
 ``idempotency_lease``, so it always has two thirds of it left; a claim held after an error the

@@ -1,4 +1,4 @@
-"""What an operator's tools do with records they cannot trust (issue 25, items 8 to 10).
+"""What an operator's tools do with records they cannot trust.
 
 * Stored strings print escaped: a record planted straight in the store (no key check on the
   way) with ANSI escapes, newlines or a bidi override in its key, owner, task id or error

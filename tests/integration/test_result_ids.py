@@ -1,4 +1,4 @@
-"""Results follow Celery's rules (issue 19): every result handle Celery hands out resolves.
+"""Results follow Celery's rules: every result handle Celery hands out resolves.
 
 An enqueue answered from the record publishes nothing; when the caller (or Celery, for a chain
 step, a chord body or a frozen link) chose the task id, the recorded outcome is stored under

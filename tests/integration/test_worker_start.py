@@ -1,4 +1,4 @@
-"""What a worker says at start, through Celery's logging, and what it refuses (issue 28).
+"""What a worker says at start, through Celery's logging, and what it refuses.
 
 Real ``celery worker`` processes, private ``redis-server``s (the shared Redis is never
 reconfigured), the shared PostgreSQL and MariaDB with database names that do not exist.

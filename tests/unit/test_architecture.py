@@ -215,7 +215,7 @@ def test_a_new_package_is_listed_by_the_script(tmp_path: Path, name: str) -> Non
 def test_no_module_is_over_600_lines() -> None:
     over = {name: n for name, path in arch.modules().items()
             if (n := len(path.read_text().splitlines())) > 600}
-    assert over == {}, f"modules over 600 lines (issue 27: split them): {over}"
+    assert over == {}, f"modules over 600 lines (split them): {over}"
 
 
 #: The core's lines (celery_idem/ without contrib/ and accel/, as ``wc -l`` counts them): issue
@@ -228,5 +228,5 @@ def test_the_core_is_not_over_its_limit() -> None:
             if arch.group_of(name) not in ("addons", "accel")}
     assert sum(core.values()) <= CORE_LIMIT, (
         f"the core (celery_idem/ without contrib/ and accel/) is {sum(core.values()):,} lines, over "
-        f"CORE_LIMIT {CORE_LIMIT:,} (issue 27): move what is not the contract to contrib/, "
+        f"CORE_LIMIT {CORE_LIMIT:,}: move what is not the contract to contrib/, "
         f"accelerations to accel/, or say it in fewer lines")

@@ -1,4 +1,4 @@
-"""No other library's private name outside celery_idem/accel/ (issue 27), but the few listed.
+"""No other library's private name outside celery_idem/accel/, but the few listed.
 
 The accelerations reach into celery, kombu, redis-py, SQLAlchemy and psycopg where their public
 API has no equivalent; they live in celery_idem/accel/, each private name listed in

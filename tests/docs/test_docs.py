@@ -318,9 +318,9 @@ def test_the_readme_starts_with_the_two_commands_then_the_first_hours_sections()
     # Contributor material is in docs/contributing.md, not before Why; make test says what it costs
     for word in ("test-fast", "test-compat", "marker", "warnings"):
         assert word not in head, word
-    assert "17-20 minutes" in head and "apt-get" in head and "scripts/browser.sh" in head
+    assert "12-25 minutes" in head and "apt-get" in head and "scripts/browser.sh" in head
     contributing = (ROOT / "docs" / "contributing.md").read_text()
-    for needle in ("17-20 min", "apt-get install chromium chromium-driver", "make test-fast",
+    for needle in ("12-25 min", "apt-get install chromium chromium-driver", "make test-fast",
                    "make test-compat", "make test-pythons", "--strict-markers", "filterwarnings"):
         assert needle in contributing, needle
 

@@ -41,11 +41,17 @@ demo-mcp: $(STAMP)  ## the example's tools over MCP: an MCP client's repeated ca
 	$(PY) -m example_app.mcp_demo
 
 # The docs toolchain too: tests/docs builds the site and opens it offline in Chromium.
+# TEST_JOBS pytest-xdist workers, each test file whole on one of them (--dist loadfile: a file's
+# module fixtures, servers and apps are set up once). Most tests wait on real workers, servers,
+# leases and subprocesses rather than compute, so 3 workers on 2 CPUs still shorten the run;
+# every test isolates itself (own prefix, queue, table, free port) as on a shared machine.
+# TEST_JOBS=0 runs it in one process.
+TEST_JOBS ?= 3
 test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
 	bash scripts/services.sh
 	bash scripts/browser.sh
 	@# --durations: the 30 slowest steps in the log, to keep CI's wall time in view (docs/contributing.md)
-	rc=0; $(PY) -m pytest -q --durations=30 || rc=$$?; \
+	rc=0; $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc
 	$(VENV)/bin/ruff check .

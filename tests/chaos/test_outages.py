@@ -90,6 +90,6 @@ def test_redis_restart_with_aof_keeps_the_records_and_without_persistence_loses_
     for n in names:
         assert stack.store.get(tasks.chaos_effect.idempotency_key_for((n,))) is None
         # Its token is above the lost one: tokens never go backwards, even across the loss
-        # (issue 13; they used to restart at 1 and match a stale holder's)
+        # (a token restarting at 1 would match a stale holder's)
         assert duplicate_on_a_worker(n)["token"] > first[n]["token"]
     assert stack.ledger.effect_counts(action("")) == {n: 2 for n in names}

@@ -1,4 +1,4 @@
-"""Periodic tasks under two real ``celery beat`` processes (issue 28, ``idempotency_period``).
+"""Periodic tasks under two real ``celery beat`` processes (``idempotency_period``).
 
 Two beat processes (each with its own schedule file, started about a second apart, the classic
 production mistake) send the same no-argument entries every 3 s to one real worker on a private

@@ -1,4 +1,4 @@
-"""What a worker says at start, through Celery's logging, and what it refuses (issue 28).
+"""What a worker says at start, through Celery's logging, and what it refuses.
 
 Real ``celery worker`` processes, private ``redis-server``s (the shared Redis is never
 reconfigured), the shared PostgreSQL and MariaDB with database names that do not exist.
@@ -134,7 +134,7 @@ def test_the_durability_warning_is_in_the_logfile_with_level_and_timestamp_once(
     assert level == "WARNING" and "appendonly no" in message
     # logged in order, before the worker consumed: the line precedes "ready."
     assert text.index("can lose records") < text.index(" ready.")
-    # and no longer on stderr without a format (Python's last-resort handler)
+    # and not on stderr without a format (Python's last-resort handler)
     assert "can lose records" not in stdout, stdout
 
 

@@ -1,4 +1,4 @@
-"""``idempotency_period``: a key per schedule slot (issue 28, periodic tasks).
+"""``idempotency_period``: a key per schedule slot (periodic tasks).
 
 The slot is the multiple of the period nearest to the enqueue time, read once by the producer
 (``apply_async``) and carried in the key header; a worker that derives the key itself reads the

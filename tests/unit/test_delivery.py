@@ -12,12 +12,19 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from celery.signals import before_task_publish
 
 from celery_idem import IdempotentTask
 from celery_idem.app import get_store
-from celery_idem.delivery import BUSY_FIRST, BUSY_MAX, REQUEUES_HEADER, requeue, write_result
+from celery_idem.delivery import (
+    BUSY_FIRST,
+    BUSY_MAX,
+    OUTAGE_HEADER,
+    REQUEUES_HEADER,
+    requeue,
+    write_result,
+)
 from celery_idem.exceptions import StoreUnavailable
 from celery_idem.gate import RunOutcome
 from celery_idem.probe import requeue_delay
@@ -26,7 +33,7 @@ from celery_idem.probe import requeue_delay
 @pytest.fixture
 def app() -> Celery:
     app = Celery("test_delivery", broker="memory://", set_as_current=False)
-    app.conf.update(idempotency_store="memory://", idempotency_wait=0, task_publish_retry=False)
+    app.conf.update(idempotency_store="memory://", task_publish_retry=False)
     return app
 
 
@@ -61,9 +68,10 @@ def busy(task: Any, order: str, lease: float = 60) -> str:
     return key
 
 
-def deliver_as_worker(task: Any, order: str, requeues: int | None = None) -> Any:
-    """Call ``task`` as a worker delivers a message (``requeues``: its re-queue header)."""
-    headers = {} if requeues is None else {REQUEUES_HEADER: requeues}
+def deliver_as_worker(task: Any, order: str, requeues: int | None = None,
+                      header: str = REQUEUES_HEADER) -> Any:
+    """Call ``task`` as a worker delivers a message (``requeues``: its ``header`` count)."""
+    headers = {} if requeues is None else {header: requeues}
     task.push_request(id="t-1", args=[order], kwargs={}, headers=headers, retries=0,
                       is_eager=False, called_directly=False, delivery_info={})
     try:
@@ -101,11 +109,26 @@ def test_a_store_outage_requeues_with_the_outage_delay(app: Celery,
     runs: list[str] = []
     task = make_task(app, runs)
     with pytest.raises(Retry) as retry:
-        deliver_as_worker(task, "o2", requeues=2)
+        deliver_as_worker(task, "o2", requeues=2, header=OUTAGE_HEADER)
     assert runs == []
     assert isinstance(retry.value.exc, StoreUnavailable)
     assert retry.value.when == requeue_delay(2)
-    assert [h[REQUEUES_HEADER] for h in published] == [3]
+    assert [h[OUTAGE_HEADER] for h in published] == [3]
+
+
+def test_the_last_outage_requeue_fails_the_callers_result_and_keeps_the_message(
+        app: Celery, published: list[dict[str, Any]]) -> None:
+    # A Redis store that does not answer, on the delivery after the last allowed re-queue
+    app.conf.update(idempotency_store="redis://127.0.0.1:1/0", idempotency_store_requeues=3,
+                    result_backend="cache+memory://")
+    runs: list[str] = []
+    task = make_task(app, runs)
+    with pytest.raises(Ignore):
+        deliver_as_worker(task, "o3", requeues=3, header=OUTAGE_HEADER)
+    assert runs == []
+    assert [h[OUTAGE_HEADER] for h in published] == [4]  # the message is kept
+    failed = task.backend.get_task_meta("t-1")
+    assert failed["status"] == "FAILURE" and "127.0.0.1:1/0" in str(failed["result"])
 
 
 def test_a_requeue_that_cannot_publish_hands_the_message_back(app: Celery) -> None:

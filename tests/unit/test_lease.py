@@ -17,6 +17,7 @@ from celery_idem import lease as lease_module
 from celery_idem.exceptions import StoreUnavailable
 from celery_idem.lease import Lease, LeaseKeeper, current_lease, keeper
 from celery_idem.records import ClaimStatus
+from celery_idem.stores.base import Fence
 from celery_idem.stores.memory import MemoryStore
 from tests.integration.harness import wait_for
 
@@ -67,7 +68,7 @@ def test_a_held_claim_is_renewed_at_a_third_of_its_lease_until_the_block_ends() 
     got = _claim(store)
     first_expiry = store.get("k").lease_expires  # type: ignore[union-attr]
     keeper_ = LeaseKeeper()
-    with keeper_.hold(store, "k", got.token, LEASE, claim_id=got.claim_id) as lease:
+    with keeper_.hold(store, "k", Fence(got.token, got.claim_id), LEASE) as lease:
         assert current_lease.get() is lease
         # Then the record's lease moves forward: it outlives its first expiry
         wait_for(lambda: lease.renewals >= 3, timeout=10, what="three renewals")
@@ -78,7 +79,7 @@ def test_a_held_claim_is_renewed_at_a_third_of_its_lease_until_the_block_ends() 
     wait_for(lambda: not _in_heap(keeper_, lease), timeout=10, what="the lease to be dropped")
     renewals = lease.renewals
     other = _claim(store, "k2")  # the keeper still serves other claims
-    with keeper_.hold(store, "k2", other.token, LEASE) as second:
+    with keeper_.hold(store, "k2", Fence(other.token), LEASE) as second:
         wait_for(lambda: second.renewals >= 1, timeout=10, what="the second lease's renewal")
     assert lease.renewals == renewals
 
@@ -86,7 +87,7 @@ def test_a_held_claim_is_renewed_at_a_third_of_its_lease_until_the_block_ends() 
 def test_a_body_shorter_than_a_third_of_the_lease_causes_no_renewal() -> None:
     store = FlakyStore([])
     got = _claim(store)
-    with LeaseKeeper().hold(store, "k", got.token, 60.0, claim_id=got.claim_id) as lease:
+    with LeaseKeeper().hold(store, "k", Fence(got.token, got.claim_id), 60.0) as lease:
         pass
     assert store.calls == 0 and lease.renewals == 0
 
@@ -96,7 +97,7 @@ def test_a_takeover_sets_lost_and_logs_lease_lost(caplog: pytest.LogCaptureFixtu
     store = MemoryStore(prefix="unit:", clock=clock)
     got = _claim(store)
     keeper_ = LeaseKeeper()
-    with keeper_.hold(store, "k", got.token, LEASE, claim_id=got.claim_id) as lease:
+    with keeper_.hold(store, "k", Fence(got.token, got.claim_id), LEASE) as lease:
         # Given another worker that took the key over once the lease ran out (a stalled holder)
         clock.offset = 10 * LEASE
         taken = store.claim("k", owner="h:2", task_id="t-2", attempt=0, lease=60, ttl=60)
@@ -113,7 +114,7 @@ def test_a_takeover_sets_lost_and_logs_lease_lost(caplog: pytest.LogCaptureFixtu
 def test_a_store_outage_retries_the_renewal_sooner(caplog: pytest.LogCaptureFixture) -> None:
     store = FlakyStore([StoreUnavailable("down"), StoreUnavailable("down")])
     got = _claim(store)
-    with LeaseKeeper().hold(store, "k", got.token, 3.0, claim_id=got.claim_id) as lease:
+    with LeaseKeeper().hold(store, "k", Fence(got.token, got.claim_id), 3.0) as lease:
         # The first renewal is due after 1 s; two failures retry 0.3 s apart, then it works
         wait_for(lambda: lease.renewals >= 1, timeout=10, what="a renewal after the outage")
         assert store.calls == 3 and not lease.lost.is_set()
@@ -124,7 +125,7 @@ def test_a_store_outage_retries_the_renewal_sooner(caplog: pytest.LogCaptureFixt
 def test_a_crash_in_one_renewal_keeps_the_heartbeat(caplog: pytest.LogCaptureFixture) -> None:
     store = FlakyStore([RuntimeError("a bug in a store")])
     got = _claim(store)
-    with LeaseKeeper().hold(store, "k", got.token, LEASE, claim_id=got.claim_id) as lease:
+    with LeaseKeeper().hold(store, "k", Fence(got.token, got.claim_id), LEASE) as lease:
         wait_for(lambda: store.calls >= 3, timeout=10, what="renewals after the crash")
     assert any("renew crashed" in r.getMessage() and r.exc_info for r in caplog.records)
     assert not lease.lost.is_set()

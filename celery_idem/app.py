@@ -261,7 +261,8 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     try:
         settings(app)  # read first: an unknown idempotency_* setting stops the worker too
     except ImproperlyConfigured as exc:
-        logger.critical("celery_idem: %s", exc)
+        if logger.hasHandlers():  # else Python's last resort prints it, as SystemExit does
+            logger.critical("celery_idem: %s", exc)
         raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
     if getattr(sender, "task_events", False) or settings(app).events \
             or app.conf.worker_send_task_events:

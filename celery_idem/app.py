@@ -255,8 +255,7 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     logged at CRITICAL (Celery swallows other exceptions of signal handlers); what only
     degrades is warned about once.
     """
-    app = getattr(sender, "app", None)
-    if app is None:
+    if (app := getattr(sender, "app", None)) is None:
         return
     try:
         settings(app)  # read first: an unknown idempotency_* setting stops the worker too

@@ -255,13 +255,13 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     logged at CRITICAL (Celery swallows other exceptions of signal handlers); what only
     degrades is warned about once.
     """
-    app = getattr(sender, "app", None)
-    if app is None:
+    if (app := getattr(sender, "app", None)) is None:
         return
     try:
         settings(app)  # read first: an unknown idempotency_* setting stops the worker too
     except ImproperlyConfigured as exc:
-        logger.critical("celery_idem: %s", exc)
+        if logger.hasHandlers():  # else Python's last resort prints it, as SystemExit does
+            logger.critical("celery_idem: %s", exc)
         raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
     if getattr(sender, "task_events", False) or settings(app).events \
             or app.conf.worker_send_task_events:

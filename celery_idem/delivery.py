@@ -82,8 +82,8 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
                 told = StoreUnavailable(
                     f"the idempotency store ({where}) could not be used on {outages + 1} deliveries"
                     f" of this message ({outages} re-queues, idempotency_store_requeues = {limit}):"
-                    f" {down}. The task did not run yet; its message stays queued and runs once the"
-                    f" store answers")
+                    f" {str(down).rstrip('.')}. The task did not run yet; its message stays queued"
+                    f" and runs once the store answers")
                 republish(task, requeue_delay(outages), OUTAGE_HEADER)
                 # A backend down too: the caller waits, and nothing is lost either.
                 with contextlib.suppress(Exception):

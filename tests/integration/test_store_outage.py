@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 
 from celery_idem import StoreUnavailable
-from tests.integration.harness import ROOT, RedisServer, Worker
+from tests.integration.harness import ROOT, RedisServer, Worker, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -57,9 +57,13 @@ def test_a_store_down_after_worker_start_tells_the_caller_and_keeps_the_message(
         message = str(raised.value)
         assert f"127.0.0.1:{store.port}/0" in message, message
         assert "3 re-queues" in message and "stays queued" in message, message
+        assert ".." not in message, message  # the store's own error ends with a period too
         assert 6 < elapsed < 25, elapsed  # 1 + 2 + 4 s of countdowns, then the failure
         assert result.state == "FAILURE"
         # and each re-queue before it was logged, so the message was kept until the bound
+        # (the worker writes its last line just after the failure the caller already saw)
+        wait_for(lambda: "failed for its caller" in worker.text(), timeout=10,
+                 what="the worker's line for the caller's failure")
         log = worker.text()
         assert log.count("celery_idem store unavailable") == 4, log[-3000:]
         assert "failed for its caller after 3 re-queues; its message stays queued" in log

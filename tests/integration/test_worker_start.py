@@ -162,6 +162,16 @@ def test_a_wrong_redis_password_in_idempotency_store_stops_the_worker(
     assert "wrong" not in text.split("cannot start")[-1].split("idempotency_store")[0]
 
 
+def test_a_misspelt_app_setting_stops_the_worker_saying_so_once(
+    servers: list[RedisServer], tmp_path: Path
+) -> None:
+    server = start(servers)
+    text = refused(env_for(server.url, server.url, server.url, IDEM_MISSPELT=server.url),
+                   tmp_path)
+    assert "Did you mean 'idempotency_store'?" in text, text[-3000:]
+    assert text.count("unknown app setting 'idempotency_stroe'") == 1, text[-3000:]
+
+
 def test_a_missing_redis_password_in_result_backend_names_result_backend(
     servers: list[RedisServer], tmp_path: Path
 ) -> None:

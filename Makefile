@@ -6,6 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 DEMO_STAMP := $(VENV)/.demo-installed
+FAST_STAMP := $(VENV)/.fast-installed
 DEMO_ARGS  ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -40,11 +41,17 @@ demo-mcp: $(STAMP)  ## the example's tools over MCP: an MCP client's repeated ca
 	$(PY) -m example_app.mcp_demo
 
 # The docs toolchain too: tests/docs builds the site and opens it offline in Chromium.
+# TEST_JOBS pytest-xdist workers, each test file whole on one of them (--dist loadfile: a file's
+# module fixtures, servers and apps are set up once). Most tests wait on real workers, servers,
+# leases and subprocesses rather than compute, so 3 workers on 2 CPUs still shorten the run;
+# every test isolates itself (own prefix, queue, table, free port) as on a shared machine.
+# TEST_JOBS=0 runs it in one process.
+TEST_JOBS ?= 3
 test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whole suite, ruff and mypy
 	bash scripts/services.sh
 	bash scripts/browser.sh
 	@# --durations: the 30 slowest steps in the log, to keep CI's wall time in view (docs/contributing.md)
-	rc=0; $(PY) -m pytest -q --durations=30 || rc=$$?; \
+	rc=0; $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; that is a failure" >&2; fi; \
 	exit $$rc
 	$(VENV)/bin/ruff check .
@@ -62,7 +69,16 @@ test: $(STAMP) $(DOCS_STAMP)  ## make sure the servers answer, then run the whol
 # busy disk costs more than the test. The logs are printed when all are done, in order.
 FAST_TESTS ?= tests/unit tests/stores
 FAST_MARKS ?= not server and not worker and not slow
-test-fast: $(STAMP)  ## unit + in-process store tests (memory, SQLite): no servers, under 30 s
+# The venv for it: the package's [test] extra only (no agent framework, browser driver or linter),
+# unless `make install` put the whole [dev] set there already. --no-compile: the tests import a
+# small part of what is installed, and Python compiles that on first import (pip's compile of
+# every file took a third of the install).
+$(FAST_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ $(STAMP) -nt pyproject.toml ]; then :; else $(PY) -m pip install -q --no-compile -e '.[test]'; fi
+	@touch $@
+
+test-fast: $(FAST_STAMP)  ## unit + in-process store tests (memory, SQLite): no servers, under 30 s
 	@base=$$( [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm || echo "$${TMPDIR:-/tmp}" ); \
 	tmp=$$(mktemp -d "$$base/celery-idem-fast.XXXXXX"); pids=""; i=0; \
 	for t in $(FAST_TESTS); do \
@@ -157,4 +173,4 @@ celery-suite-ci: $(STAMP)  ## the conformance subset (tests/conformance/subset.t
 	$(PY) scripts/celery_suite.py --subset
 
 clean:  ## remove the built site and the install stamps (keeps .venv, .compat/ and .pyver/)
-	rm -rf site $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP) $(COMPAT_DIR)/*/.installed $(PYVER_DIR)/*/.installed
+	rm -rf site $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP) $(FAST_STAMP) $(COMPAT_DIR)/*/.installed $(PYVER_DIR)/*/.installed

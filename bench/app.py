@@ -145,8 +145,8 @@ def build_app(s: Settings) -> Celery:
         _counter_client(redis_url).incr(counter)
         return action
 
-    # The same as idem_count, but its copies always ask the store (issue 26's path before
-    # copies of this process's own recent messages attached without a round trip).
+    # The same as idem_count, but its copies always ask the store (no attach without a round
+    # trip for copies of this process's own recent messages).
     @app.task(shared=False, name="bench.idem_askstore_count", base=IdempotentTask,
               idempotency_fields=("action",))
     def idem_askstore_count(action: str, counter: str) -> str:
@@ -178,8 +178,8 @@ def build_app(s: Settings) -> Celery:
         return action
 
     # In-flight copies (bench/inflight.py): a body that runs ``seconds`` (or until its flag is
-    # set), with the default path, with the enqueue check off, and with the path before issue
-    # 26 emulated (check off, and each delivered copy waiting up to 10 s in its pool process).
+    # set), with the default path, with the enqueue check off, and waiting in the
+    # worker emulated (check off, and each delivered copy waiting up to 10 s in its pool process).
     def hold(action: str, seconds: float) -> str:
         client = _counter_client(redis_url)
         deadline = time.monotonic() + seconds

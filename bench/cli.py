@@ -508,7 +508,7 @@ def _e2e_tables(out: Out, summary: list[Summary], plan: Plan) -> None:
 
 def _inflight(out: Out, results: dict[str, Any], args: argparse.Namespace, prefix: str) -> None:
     q = args.quick
-    log("in-flight copies (issue 26): a running action, its copies, and a quick task ...")
+    log("in-flight copies: a running action, its copies, and a quick task ...")
     r = inflight.measure(args.redis_url, prefix, log, hold=4.0 if q else 15.0, reps=1 if q else 3)
     results["inflight"] = r
     idle = r["idle"]
@@ -574,13 +574,13 @@ def _growth(out: Out, results: dict[str, Any], args: argparse.Namespace, table_n
 
 #: Sections of docs/benchmarks.md that another command writes (``python -m bench.dbbackend e2e``
 #: takes its own half hour; ``python -m bench.revisions`` compares git revisions) or that record
-#: an issue's measured runs: ``--write-docs`` carries them over from the page as they are. Each
+#: a feature's measured runs: ``--write-docs`` carries them over from the page as they are. Each
 #: entry is the start of a heading (a dated heading keeps its date).
 KEPT_SECTIONS = (
     "End to end: PostgreSQL store against plain Celery with the database backend",
-    "In-flight copies (issue 26",
-    "Accelerations on and off (issue 27",
-    "Trust at the edge (issue 25",
+    "In-flight copies (",
+    "Accelerations on and off (",
+    "Trust at the edge (",
 )
 
 
@@ -749,7 +749,7 @@ def _targets(out: Out, r: dict[str, Any]) -> None:
 
 
 def accel_rows(by: dict[tuple[str, str, str], Summary]) -> list[list[Any]]:
-    """What the accelerations buy (issue 27): each store's unique-task ratio vs plain with them on
+    """What the accelerations buy: each store's unique-task ratio vs plain with them on
     and off, measured interleaved in the same run (prefork)."""
     rows: list[list[Any]] = []
     for store in ("redis", "postgres"):

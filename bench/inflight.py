@@ -1,4 +1,4 @@
-"""Copies of a running action and an unrelated quick task (issue 26), through a real worker.
+"""Copies of a running action and an unrelated quick task, through a real worker.
 
 ``celery worker -P prefork -c 2`` on Redis (broker, backend and store on one server). One action's
 body runs ``hold`` seconds; ``copies`` copies of it are enqueued; then an unrelated quick task
@@ -10,8 +10,8 @@ paths, side by side in one run, ``reps`` times each:
 * **attach** (the default): the copies publish nothing and follow the running action;
 * **check off** (``idempotency_check_on_enqueue=False``): every copy is published; a delivered
   copy finds the key busy and goes back with a countdown at once;
-* **old path** (emulated: check off, ``idempotency_wait=10``): each delivered copy holds a pool
-  process up to 10 s, then re-queues; what every copy did before issue 26.
+* **waiting in the worker** (emulated: check off, ``idempotency_wait=10``): each delivered copy
+  holds a pool process up to 10 s, then re-queues.
 
 The quick task's idle latency (no action running) is measured the same way, as the baseline.
 ``python -m bench.inflight`` runs it alone; ``python -m bench`` includes it.
@@ -35,7 +35,7 @@ from bench.e2e import Worker, wait_for
 PATHS = (
     ("attach (default)", "bench.hold"),
     ("check off: copies re-queue with a countdown", "bench.hold_nocheck"),
-    ("before issue 26 (emulated: check off, idempotency_wait=10)", "bench.hold_oldpath"),
+    ("waiting in the worker (emulated: check off, idempotency_wait=10)", "bench.hold_oldpath"),
 )
 
 

@@ -636,7 +636,7 @@ def sql_claim_build(pg_url: str, prefix: str, table: str, n: int) -> Timing | No
         return None
 
 
-# -- the per-task CPU budget (issue 15) ---------------------------------------------------------
+# -- the per-task CPU budget ---------------------------------------------------------------------
 
 #: Argument counts the key derivation is reported for.
 KEY_ARGS = (2, 8, 32)

@@ -14,8 +14,8 @@ What it measures, per call, this process's CPU (``thread_time``) and wall:
 * ``gate first`` / ``gate duplicate``: eager ``apply()`` of the same task on the Redis store
   (eager mode runs the gate in place): claim, body, record; then a call of a done key.
 
-Issue 25 asked that namespaced, scoped and fingerprinted keys cost a derived key's hot path no
-more than a few µs: docs/benchmarks.md, "Trust at the edge", gives this module's figures.
+Namespaced, scoped and fingerprinted keys must cost a derived key's hot path no more than a few
+µs: docs/benchmarks.md, "Trust at the edge", gives this module's figures.
 """
 
 from __future__ import annotations

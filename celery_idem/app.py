@@ -235,13 +235,13 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     A misconfigured store or time limit stops the worker with ``SystemExit``, logged at CRITICAL
     (Celery swallows other exceptions of signal handlers); what only degrades is warned about.
     """
-    app = getattr(sender, "app", None)
-    if app is None:
+    if (app := getattr(sender, "app", None)) is None:
         return
     try:
         settings(app)  # read first: an unknown idempotency_* setting stops the worker too
     except ImproperlyConfigured as exc:
-        logger.critical("celery_idem: %s", exc)
+        if logger.hasHandlers():  # else Python's last resort prints it, as SystemExit does
+            logger.critical("celery_idem: %s", exc)
         raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
     if getattr(sender, "task_events", False) or settings(app).events \
             or app.conf.worker_send_task_events:
@@ -274,5 +274,6 @@ def check_worker(sender: Any = None, **_: Any) -> None:
         # Celery swallows a signal handler's exception and the worker would consume messages
         # it can only fail: stop it, with the reason and what was held.
         release_held_logs(app)
-        logger.critical("celery_idem: %s", exc)
+        if logger.hasHandlers():  # else Python's last resort prints it, as SystemExit does
+            logger.critical("celery_idem: %s", exc)
         raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc

@@ -292,6 +292,7 @@ class Settings:
     require_durable_store: bool = False
     log_answers: bool = True
     accelerate: bool = True
+    store_requeues: int | None = 3
 
 
 _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
@@ -329,7 +330,8 @@ def settings(app: Any) -> Settings:
             fold_results=conf.get("idempotency_fold_results") is not False,
             require_durable_store=bool(conf.get("idempotency_require_durable_store")),
             log_answers=conf.get("idempotency_log_answers", True) is not False,
-            accelerate=accelerate_switch(conf.get("idempotency_accelerate", True) is not False))
+            accelerate=accelerate_switch(conf.get("idempotency_accelerate", True) is not False),
+            store_requeues=_store_requeues(conf.get("idempotency_store_requeues", 3)))
     return found
 
 
@@ -353,6 +355,12 @@ def check_app_settings(conf: Any) -> None:
         raise ImproperlyConfigured(
             f"unknown app setting {written!r}.{hint} celery_idem would ignore it and use the "
             f"default. App settings: {', '.join(sorted(_APP_SETTINGS))}")
+
+
+def _store_requeues(value: Any) -> int | None:
+    if value is None or (type(value) is int and value >= 0):
+        return value
+    raise ImproperlyConfigured(f"idempotency_store_requeues must be an int >= 0 or None, got {value!r}")
 
 
 def forget_settings(app: Any) -> None:

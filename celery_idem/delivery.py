@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import timelimits
 from .app import emit_decision
+from .config import settings
 from .events import Outcome
 from .exceptions import StoreUnavailable
 from .gate import Attempt, Gate, Requeue, RunOutcome
@@ -20,10 +23,14 @@ from .results import ResultWriter
 if TYPE_CHECKING:
     from celery import Task
 
-__all__ = ["BUSY_FIRST", "BUSY_MAX", "REQUEUES_HEADER", "deliver", "requeue", "write_result"]
+logger = logging.getLogger("celery_idem")
+
+__all__ = ["BUSY_FIRST", "BUSY_MAX", "OUTAGE_HEADER", "REQUEUES_HEADER", "deliver", "requeue"]
 
 #: Message header counting re-queues of a duplicate that found the key busy (not retries).
 REQUEUES_HEADER = "idempotency_requeues"
+#: Message header counting re-queues because the store could not be used at claim time.
+OUTAGE_HEADER = "idempotency_store_requeues"
 #: A copy of a busy key goes back with a countdown of BUSY_FIRST x 2^n seconds, at most
 #: BUSY_MAX, on its n-th re-queue, holding no pool process meanwhile (docs/scenarios.md).
 BUSY_FIRST = 0.5
@@ -33,10 +40,10 @@ BUSY_MAX = 5.0
 def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attempt,
             body: Callable[[int], Any], started: float) -> Any:
     """Run ``body`` (given the fencing token) through ``gate`` for ``task``'s current request,
-    under its time limit (counted from ``started``, a ``time.monotonic()``), and return the
-    body's result or the recorded one. A busy key or a store outage re-publishes the message
-    (:func:`requeue` raises ``Retry``, or ``Reject``); in eager mode or a direct call it waits
-    another round in place, or raises."""
+    under its time limit (from ``started``, monotonic), and return the body's or the recorded
+    result. A busy key or a store outage re-publishes the message (:func:`requeue`); after
+    ``idempotency_store_requeues`` outage re-queues the caller's result is a ``StoreUnavailable``
+    failure naming the store, and the message stays queued; eager or direct calls wait or raise."""
     req = task.request
     local = req.is_eager or req.called_directly
     # No pool enforces a limit in the calling process (eager mode, a direct call).
@@ -64,10 +71,30 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
         except StoreUnavailable as down:
             if local:
                 raise
+            outages = int((req.headers or {}).get(OUTAGE_HEADER, 0))
+            limit = settings(task.app).store_requeues
             emit_decision(task, Outcome.REQUEUED, attempt.key, 0, req.id or "",
                           {"reason": "store_unavailable"})
-            log_store_down(task.name, req.id or "", attempt.key, down, n)
-            requeue(task, countdown=requeue_delay(n), reason=str(down), exc=down)
+            if limit is not None and outages == limit:
+                # The caller is told, and the message is kept: it stays queued and runs once
+                # the store answers (a re-send is answered from the record then).
+                where = getattr(gate.store, "location", None) or repr(gate.store)  # no password
+                told = StoreUnavailable(
+                    f"the idempotency store ({where}) could not be used on {outages + 1} deliveries"
+                    f" of this message ({outages} re-queues, idempotency_store_requeues = {limit}):"
+                    f" {str(down).rstrip('.')}. The task did not run yet; its message stays queued"
+                    f" and runs once the store answers")
+                republish(task, requeue_delay(outages), OUTAGE_HEADER)
+                # A backend down too: the caller waits, and nothing is lost either.
+                with contextlib.suppress(Exception):
+                    task.backend.mark_as_failure(req.id, told, request=req, call_errbacks=False)
+                logger.warning("celery_idem store unavailable: task %s[%s] key=%s failed for its "
+                               "caller after %d re-queues; its message stays queued: %s",
+                               task.name, req.id, attempt.key, outages, down)
+                raise Ignore() from down
+            log_store_down(task.name, req.id or "", attempt.key, down, outages, limit)
+            requeue(task, countdown=requeue_delay(outages), reason=str(down), exc=down,
+                    counter=OUTAGE_HEADER)
         else:
             if writer is not None:
                 write_result(writer, req, outcome)
@@ -76,8 +103,7 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
 
 def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> None:
     """Store the result with ``writer`` (unless it rode on the record), or leave it to Celery."""
-    if not outcome.folded:
-        # Another server, a duplicate answered from its record, an ACL that refused the fold.
+    if not outcome.folded:  # another server, a duplicate's answer, an ACL that refused the fold
         write = outcome.write or writer.build(req, outcome.value)
         if write is None or not writer.write(write):
             return
@@ -85,12 +111,13 @@ def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> No
     req.ignore_result = True
 
 
-def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None) -> NoReturn:
-    """Publish the current message again (same task id, same ``retries``) and raise ``Retry``
-    (Celery then acknowledges this delivery), or ``Reject(requeue=True)`` when it cannot."""
+def republish(task: Task, countdown: float, counter: str = REQUEUES_HEADER) -> Any:
+    """Publish the current message again (same id and ``retries``, header ``counter`` + 1) and
+    return its signature; raise ``Reject(requeue=True)`` when it cannot be published, so the
+    broker keeps this delivery instead."""
     req = task.request
     headers = dict(req.headers or {})
-    headers[REQUEUES_HEADER] = int(headers.get(REQUEUES_HEADER, 0)) + 1
+    headers[counter] = int(headers.get(counter, 0)) + 1
     sig = task.signature_from_request(req, countdown=countdown, retries=req.retries,
                                       headers=headers)
     try:
@@ -98,4 +125,12 @@ def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None
     except Exception as publish_error:
         # Cannot publish: hand the message back to the broker instead of losing it.
         raise Reject(publish_error, requeue=True) from publish_error
+    return sig
+
+
+def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None,
+            counter: str = REQUEUES_HEADER) -> NoReturn:
+    """Publish the current message again (:func:`republish`) and raise ``Retry`` (Celery
+    acknowledges this delivery)."""
+    sig = republish(task, countdown, counter)
     raise Retry(f"celery_idem re-queued: {reason}", exc=exc, when=countdown, sig=sig)

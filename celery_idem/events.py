@@ -1,7 +1,5 @@
-"""What the gate decided, as an enum, the one place decisions are logged, and their observers.
-
-Celery-free: the gate imports it. Sending decisions as Celery events is ``celery_idem.app``'s.
-"""
+"""What the gate decided, the one place decisions are logged, and their observers (Celery-free:
+the gate imports it; ``celery_idem.app`` sends decisions as Celery events)."""
 
 from __future__ import annotations
 
@@ -11,12 +9,25 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ANSWERS", "EVENT_TYPE", "OBSERVERS", "Emit", "Observer", "Outcome", "add_observer",
-           "log_outcome", "notify_observers"]
+           "escape_args", "log_outcome", "notify_observers"]
 
 #: The Celery event type sent for every decision.
 EVENT_TYPE = "task-idempotency"
 
 logger = logging.getLogger("celery_idem")
+
+
+def escape_args(record: logging.LogRecord) -> bool:
+    """A log filter writing every str argument (a key) with anything but printable ASCII as an
+    escape (``\\u043e``, ``\\xa0``), as the CLI's JSON does: a look-alike key reads as one."""
+    if isinstance(record.args, tuple):
+        record.args = tuple("".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in a)
+                            if type(a) is str and not (a.isascii() and a.isprintable()) else a
+                            for a in record.args)
+    return True
+
+
+logger.addFilter(escape_args)
 
 
 class Outcome(str, enum.Enum):
@@ -43,8 +54,7 @@ class Outcome(str, enum.Enum):
 
 
 #: Answers given without running the body: INFO (DEBUG with ``idempotency_log_answers = False``),
-#: so a log says which of several ``succeeded`` lines for one action ran, and which enqueues
-#: published nothing.
+#: so a log says which ``succeeded`` line of an action ran, and which enqueues published nothing.
 ANSWERS = frozenset({Outcome.DUPLICATE, Outcome.WAITED, Outcome.ANSWERED, Outcome.ATTACHED})
 
 #: Outcomes an operator should see at INFO or above; the rest log at DEBUG.
@@ -62,10 +72,8 @@ _LOUD = {
 Emit = Callable[[Outcome, str, int, str, dict[str, Any]], None]
 
 
-def log_outcome(
-    outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str, extra: dict[str, Any],
-    answers: bool = True,
-) -> None:
+def log_outcome(outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str,
+                extra: dict[str, Any], answers: bool = True) -> None:
     """Log one decision as one line of ``name=value`` pairs (never the task's arguments).
 
     ``token`` is the record's (0: none), ``original_task_id`` the task that claimed, holds or
@@ -75,19 +83,15 @@ def log_outcome(
     if not logger.isEnabledFor(level):
         return
     tail = "".join(f" {name}={value}" for name, value in extra.items())
-    logger.log(
-        level, "celery_idem %s key=%s task_id=%s token=%s original_task_id=%s%s",
-        outcome.value, key, task_id, token, original_task_id, tail,
-    )
+    logger.log(level, "celery_idem %s key=%s task_id=%s token=%s original_task_id=%s%s",
+               outcome.value, key, task_id, token, original_task_id, tail)
 
 
 #: Called with every decision: ``(task_name, outcome_value, key, token, original_task_id, *,
-#: task_span)``; ``task_span`` is True in a worker (the current span is the task's run), False at
-#: enqueue (the caller's own).
+#: task_span)``; ``task_span``: True in a worker (the span is the task's run), False at enqueue.
 Observer = Callable[..., None]
 
-#: The registered observers (the bundled OpenTelemetry add-on, ``celery_idem.contrib.otel``,
-#: adds itself when the OpenTelemetry API is installed).
+#: The registered observers (``celery_idem.contrib.otel`` adds itself when OpenTelemetry is).
 OBSERVERS: list[Observer] = []
 
 

@@ -1,8 +1,5 @@
-"""A task's key identity: the key of a call, its fingerprint, and the key a message's header names.
-
-The key derivation of :class:`~celery_idem.task.IdempotentTask` (``idempotency_key_for`` is its
-public face). Arguments are bound to the task's business signature (``task._signature``).
-"""
+"""A task's key identity (``IdempotentTask.idempotency_key_for``): the key of a call, bound to
+the task's business signature, its fingerprint, and the key a message's header names."""
 
 from __future__ import annotations
 
@@ -11,33 +8,27 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from celery.app.task import Context
 
+from . import keys
 from .compat import dump_pydantic_arguments
 from .exceptions import InvalidKey
-from .keys import (
-    MAX_CALLER_KEY,
-    MAX_KEY_LENGTH,
-    SLOT_FIELD,
-    bind_arguments,
-    caller_key,
-    check_scope,
-    check_text,
-    key_from_fields,
-    parse_key,
-    payload_hash,
-    period_slot,
-    scoped,
-    select_fields,
-)
 
-__all__ = ["ERRBACK_FIELD", "HEADER", "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request",
-           "fingerprint_of", "header_key", "identify", "message_time", "slot_fields"]
+__all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "SCOPED_BODY",
+           "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request", "fingerprint_of",
+           "header_key", "identify", "message_time"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
+#: Message header Celery beat sets on every message it sends: a send of the schedule.
+BEAT_HEADER = "celery_beat_task"
+#: Message header naming who asked for the action (``IdempotentTask.idempotency_principal``).
+PRINCIPAL_HEADER = "idempotency_principal"
+#: Set once a scoped body ran in this thread: only then does an enqueue look its parent up (µs).
+SCOPED_BODY: ContextVar[bool] = ContextVar("celery_idem_scoped_body", default=False)
 #: Fields of the key of a call that does not bind to the signature (``typing=False``), and the
 #: field that marks a new-style errback's key. Not identifiers, so no parameter has these names.
 UNBOUND_ARGS = "*args"
@@ -47,64 +38,46 @@ ERRBACK_FIELD = "$errback"
 
 def identify(
     task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, explicit: Any,
-    scope: Any, at: float | dt.datetime | None = None,
+    scope: Any, at: float | dt.datetime | None = None, scheduled: bool = False,
 ) -> tuple[str, Callable[[], str | None]]:
     """The call's key, and a function computing its fingerprint (None: not checked) when asked.
 
-    With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now; the header
-    carries the key, so retries and redeliveries keep the slot).
-    """
+    With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now): the nearest
+    one for a send of the schedule (``scheduled``), the current one for any other call."""
     cfg = task.idempotency_config
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     if scope is not None:
-        check_scope(scope)
+        keys.check_scope(scope)
     if explicit is not None:
-        key = caller_key(cfg.operation, explicit, scope)
+        key = keys.caller_key(cfg.operation, explicit, scope)
         return key, functools.cache(functools.partial(fingerprint_of, task, args, kwargs, True))
+    slot = {} if cfg.period is None else {
+        keys.SLOT_FIELD: keys.period_slot(_unix_time(at), cfg.period, nearest=scheduled)}
     if cfg.key_func is not None:
         identity = cfg.key_func(*args, **kwargs)
         if not isinstance(identity, str) or not identity:
-            raise TypeError(
-                f"{task.name}: idempotency_key_func returned {identity!r}; it must return a "
-                f"non-empty str"
-            )
-        key = key_from_fields(cfg.operation, slot_fields(task, {}, at), identity)
-        fingerprint: Callable[[], str | None] = functools.partial(
-            fingerprint_of, task, args, kwargs, False)
+            raise TypeError(f"{task.name}: idempotency_key_func returned {identity!r}; it must "
+                            f"return a non-empty str")
+        key = keys.key_from_fields(cfg.operation, slot, identity)
+        fingerprint: Callable[[], str | None] = functools.partial(fingerprint_of, task, args, kwargs, False)
     else:
         bound = bind(task, args, kwargs)
-        fields = dict(bound) if UNBOUND_ARGS in bound else select_fields(bound, cfg.fields)
+        fields = dict(bound) if UNBOUND_ARGS in bound else keys.select_fields(bound, cfg.fields)
         if failed_request(args) is not None:
             # Handling a failure is an action of its own, apart from any ordinary call.
             fields[ERRBACK_FIELD] = True
-        key = key_from_fields(cfg.operation, slot_fields(task, fields, at))
+        key = keys.key_from_fields(cfg.operation, {**fields, **slot} if slot else fields)
         # The arguments are bound once, for the key and (when validating) the fingerprint.
-        fingerprint = functools.partial(payload_hash, bound) if cfg.validate else _unchecked
-    key = scoped(key, cfg.operation, scope)
-    if len(key) > MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
-        raise InvalidKey(
-            f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the limit is "
-            f"{MAX_KEY_LENGTH}: set a shorter idempotency_operation"
-        )
+        fingerprint = functools.partial(keys.payload_hash, bound) if cfg.validate else lambda: None
+    key = keys.scoped(key, cfg.operation, scope)
+    if len(key) > keys.MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
+        raise InvalidKey(f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the "
+                         f"limit is {keys.MAX_KEY_LENGTH}: set a shorter idempotency_operation")
     return key, functools.cache(fingerprint)  # asked by the check, the reservation and the memory
 
 
-def _unchecked() -> None:
-    """The fingerprint of a derived key whose task does not validate: none."""
-    return None
-
-
-def slot_fields(task: Any, fields: dict[str, Any], at: float | dt.datetime | None) -> dict[str, Any]:
-    """``fields`` with the slot of ``at`` under ``$slot`` when the task has a period."""
-    period = task.idempotency_config.period
-    if period is not None:
-        fields[SLOT_FIELD] = period_slot(_unix_time(at), period)
-    return fields
-
-
-def fingerprint_of(
-    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], per_call: bool
-) -> str | None:
+def fingerprint_of(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+                   per_call: bool) -> str | None:
     """The hash stored with the record and compared on every later use of its key.
 
     A per-call key's covers the identifying arguments; with ``idempotency_validate`` any key's
@@ -115,37 +88,32 @@ def fingerprint_of(
         return None
     bound = bind(task, args, kwargs)
     if not cfg.validate and UNBOUND_ARGS not in bound:
-        bound = select_fields(bound, cfg.fields)
-    return payload_hash(bound)
+        bound = keys.select_fields(bound, cfg.fields)
+    return keys.payload_hash(bound)
 
 
-def header_key(task: Any, header: Any) -> tuple[str, bool]:
-    """The stored key of a message's key header, and whether it is a per-call key.
+def header_key(task: Any, header: Any, scope: str | None = None, *,
+               any_scope: bool = False) -> tuple[str, bool, str | None]:
+    """The stored key of a message's key header, whether it is a per-call key, and its scope.
 
-    A message can be forged or written by another program, so the header is checked as a
-    caller's key is (``InvalidKey``: nothing is claimed or stored). A key of this task's
-    operation is used as it is; anything else is a caller's key of this operation, so a header
-    never names another operation's record.
-    """
+    Checked as a caller's key is (``InvalidKey``: nothing is claimed or stored). A key of this
+    task's operation in ``scope`` (any scope with ``any_scope``: the worker's message is the
+    authority) is used as it is; anything else is a caller's key of this operation in ``scope``."""
     what = f"{task.name}: the message's {HEADER} header"
-    check_text(what, header, MAX_KEY_LENGTH)
+    keys.check_text(what, header, keys.MAX_KEY_LENGTH)
     operation = task.idempotency_config.operation
-    parts = parse_key(header, operation)
-    if parts is not None:
-        return header, parts.per_call
-    if len(header) > MAX_CALLER_KEY:
-        check_text(what, header)  # raises: too long for a caller's key
-    return caller_key(operation, header), True
+    parts = keys.parse_key(header, operation)
+    if parts is not None and (any_scope or parts.scope == scope):
+        return header, parts.per_call, parts.scope
+    if len(header) > keys.MAX_CALLER_KEY:
+        keys.check_text(what, header)  # raises: too long for a caller's key
+    return keys.caller_key(operation, header, scope), True, scope
 
 
-def bind(
-    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *, as_sent: bool = True
-) -> dict[str, Any]:
-    """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls).
-
-    Raises:
-        TypeError: They do not bind, and the task checks its arguments (``typing``).
-    """
+def bind(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+         as_sent: bool = True) -> dict[str, Any]:
+    """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls);
+    TypeError when they do not bind and the task checks its arguments (``typing``)."""
     if as_sent:
         # A new-style errback's request, exception and traceback become the failed task's id,
         # None and None (the id names the failure); a pydantic=True task's models are dumped as
@@ -158,7 +126,7 @@ def bind(
     if signature is None:
         return {"args": list(args), "kwargs": dict(kwargs)}
     try:
-        return bind_arguments(signature, args, kwargs)
+        return keys.bind_arguments(signature, args, kwargs)
     except TypeError as exc:
         typing = task.typing if task.typing is not None else task.app.strict_typing
         if not typing:
@@ -186,9 +154,8 @@ def _unix_time(at: float | dt.datetime | None) -> float:
         return _clock()
     if isinstance(at, dt.datetime):
         if at.tzinfo is None or at.utcoffset() is None:
-            raise ValueError(
-                f"at={at!r} is a naive datetime; pass an aware one (tzinfo set) or Unix seconds"
-            )
+            raise ValueError(f"at={at!r} is a naive datetime; pass an aware one (tzinfo set) "
+                             f"or Unix seconds")
         return at.timestamp()
     if isinstance(at, bool) or not isinstance(at, (int, float)):
         raise TypeError(f"at must be Unix seconds or an aware datetime, got {at!r}")
@@ -201,9 +168,7 @@ def message_time(request: Any) -> float | None:
     properties = getattr(request, "properties", None)
     stamp = properties.get("timestamp") if isinstance(properties, Mapping) else None
     if isinstance(stamp, dt.datetime):
-        if stamp.tzinfo is None:
-            stamp = stamp.replace(tzinfo=dt.timezone.utc)
-        return stamp.timestamp()
+        return (stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.timezone.utc)).timestamp()
     if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp) \
             and stamp > 0:
         return float(stamp)

@@ -95,17 +95,17 @@ def payload_hash(arguments: Mapping[str, Any]) -> str:
 SLOT_FIELD = "$slot"
 
 
-def period_slot(at: float, period: float) -> int | float:
-    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds).
-
-    Nearest, not ``floor(at / period)``: two sends of one scheduled instant, one a moment early
-    and one a moment late, share its slot. An ``int`` when whole, so ``60`` and ``60.0`` agree.
+def period_slot(at: float, period: float, *, nearest: bool = True) -> int | float:
+    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds): a send of
+    the schedule a moment early and one a moment late share it; with ``nearest=False`` (any other
+    call, which must never take the next scheduled run) the last one at or before ``at``. An
+    ``int`` when whole, so ``60`` and ``60.0`` agree.
 
     Example:
         >>> period_slot(1796461199.6, 60), period_slot(1796461200.9, 60)
         (1796461200, 1796461200)
     """
-    centre = math.floor(at / period + 0.5) * period
+    centre = math.floor(at / period + (0.5 if nearest else 0.0)) * period
     return int(centre) if float(centre).is_integer() else centre
 
 
@@ -288,19 +288,15 @@ def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
     if not value:
         raise InvalidKey(f"{what} must not be empty")
     if len(value) > limit:
-        raise InvalidKey(
-            f"{what} is {len(value)} characters; the limit is {limit} (hash long identities "
-            f"with celery_idem.idempotency_key)"
-        )
+        raise InvalidKey(f"{what} is {len(value)} characters; the limit is {limit} (hash long "
+                         f"identities with celery_idem.idempotency_key)")
     if not value.isprintable():
         # str.isprintable() is False for non-ASCII spaces (Zs) too, which a terminal prints.
         bad = next(((i, c) for i, c in enumerate(value)
                     if not c.isprintable() and unicodedata.category(c) != "Zs"), None)
         if bad is not None:
-            raise InvalidKey(
-                f"{what} has the control or format character U+{ord(bad[1]):04X} at position "
-                f"{bad[0]}; keys are printable text"
-            )
+            raise InvalidKey(f"{what} has the control or format character U+{ord(bad[1]):04X} at "
+                             f"position {bad[0]}; keys are printable text")
     return value
 
 
@@ -313,10 +309,8 @@ def check_scope(scope: Any) -> str:
     check_text("idempotency_scope", scope, MAX_SCOPE)
     bad = next((c for c in scope if c not in _SCOPE_CHARS), None)
     if bad is not None:
-        raise InvalidKey(
-            f"idempotency_scope {scope!r} has the character {bad!r}; a scope is 1 to {MAX_SCOPE} "
-            f"characters of A-Z a-z 0-9 . _ ~ + = / -"
-        )
+        raise InvalidKey(f"idempotency_scope {scope!r} has the character {bad!r}; a scope is 1 "
+                         f"to {MAX_SCOPE} characters of A-Z a-z 0-9 . _ ~ + = / -")
     return str(scope)
 
 

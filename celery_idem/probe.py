@@ -21,7 +21,7 @@ __all__ = ["REQUEUE_DELAY_CAP", "log_store_down", "misconfiguration", "probe_sto
 logger = logging.getLogger("celery_idem")
 
 #: The longest delay (s) before a message re-queued for an unavailable store is delivered again;
-#: it doubles from 1 s, with no limit on re-queues (docs/reliability.md, "When the store is down").
+#: it doubles from 1 s (docs/reliability.md, "When the store is down").
 REQUEUE_DELAY_CAP = 30.0
 
 AUTHENTICATION = "rejected the credentials (authentication failed)"
@@ -93,20 +93,13 @@ def _driver_message(exc: BaseException) -> str:
         if not isinstance(item, StoreUnavailable):
             innermost = item
     lines = str(innermost).strip().splitlines()
-    return lines[0] if lines else type(innermost).__name__
+    # Without its final period: the messages quoting it go on with their own sentence.
+    return lines[0].rstrip(".") if lines else type(innermost).__name__
 
 
 def probe_store(store: Store, setting: str) -> bool:
-    """Ask ``store`` for its clock once, at worker start; refuse a configuration mistake.
-
-    Returns:
-        True when the store answered; False when it could not be reached (logged at WARNING:
-        the worker starts, and the gate re-queues its tasks until the store answers).
-
-    Raises:
-        ImproperlyConfigured: Authentication failed, the database does not exist, or a
-            command was refused: the message names ``setting`` and what to fix.
-    """
+    """Ask ``store`` for its clock once, at worker start: True when it answered, False when it
+    could not be reached (see :func:`unreachable`, which refuses a configuration mistake)."""
     try:
         store.now()
     except StoreUnavailable as exc:
@@ -116,8 +109,8 @@ def probe_store(store: Store, setting: str) -> bool:
 
 
 def unreachable(exc: StoreUnavailable, setting: str, where: str) -> None:
-    """At worker start: refuse a configuration mistake, or warn that the worker starts anyway
-    (``where`` names the store, never with a password)."""
+    """At worker start: refuse a configuration mistake with ``ImproperlyConfigured`` naming
+    ``setting`` and ``where`` (never with a password), or warn that the worker starts anyway."""
     reason = misconfiguration(exc)
     if reason is not None:
         raise ImproperlyConfigured(
@@ -135,9 +128,10 @@ def requeue_delay(requeues: int) -> float:
     return min(2.0 ** min(max(requeues, 0), 16), REQUEUE_DELAY_CAP)
 
 
-def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException, requeues: int) -> None:
-    """Log one re-queue of a message because the store could not be used: WARNING for an
-    outage, ERROR with the cause and the fix for an error no retry fixes."""
+def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException, requeues: int,
+                   limit: int | None = None) -> None:
+    """Log one re-queue for a store that could not be used: WARNING for an outage, with the
+    delay; ERROR, with the cause and the fix, for an error no retry fixes."""
     delay = requeue_delay(requeues)
     reason = misconfiguration(exc)
     if reason is not None:
@@ -148,7 +142,7 @@ def log_store_down(task_name: str, task_id: str, key: str, exc: BaseException, r
             _FIX[reason])
         return
     logger.warning(
-        "celery_idem store unavailable: task %s[%s] key=%s re-queued in %g s (re-queue %d; the "
-        "delay doubles from 1 s up to %g s, with no limit on re-queues: the message waits for "
-        "the store): %s",
-        task_name, task_id, key, delay, requeues + 1, REQUEUE_DELAY_CAP, exc)
+        "celery_idem store unavailable: task %s[%s] key=%s re-queued in %g s (re-queue %d of %s; "
+        "the delay doubles from 1 s up to %g s): %s",
+        task_name, task_id, key, delay, requeues + 1, "no limit" if limit is None else limit,
+        REQUEUE_DELAY_CAP, exc)

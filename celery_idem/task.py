@@ -34,7 +34,7 @@ from .delivery import REQUEUES_HEADER, deliver
 from .enqueue import Answer, CachedResult, EnqueueRequest, Publish, ReadFirst, unsendable
 from .exceptions import ImproperlyConfigured
 from .gate import Attempt, Gate
-from .identity import HEADER, failed_request, message_time
+from .identity import BEAT_HEADER, HEADER, PRINCIPAL_HEADER, failed_request, message_time
 from .keys import bind_arguments, signature_of
 from .lease import current_lease
 from .paths import enqueue_check, result_writer
@@ -106,7 +106,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         label = str(vars(cls).get("name") or cls.__qualname__)
         check_options(label, vars(cls))
         # Check the values now too, so a wrong option fails at definition, not at first call.
-        resolve(label, cls, signature_of(vars(cls).get("run")))
+        terminal = resolve(label, cls, signature_of(vars(cls).get("run"))).terminal_on
+        # A recorded terminal outcome is expected: Celery logs ``throws`` at INFO, no traceback.
+        cls.throws = (*cls.throws, *(t for t in terminal if t not in cls.throws))
         timelimits.check_definition(label, cls)
 
     # -- configuration -------------------------------------------------------------------------
@@ -167,7 +169,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def idempotency_key_for(
         self, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, *,
         idempotency_key: str | None = None, idempotency_scope: str | None = None,
-        at: float | dt.datetime | None = None,
+        at: float | dt.datetime | None = None, scheduled: bool = False,
     ) -> str:
         """Return the key a call with these arguments gets (as stored, without the prefix).
 
@@ -179,9 +181,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             args: The call's positional arguments.
             kwargs: The call's keyword arguments.
             idempotency_key: A per-call key, as passed to ``apply_async``.
-            idempotency_scope: A scope, as passed to ``apply_async``.
+            idempotency_scope: A scope, as passed to ``apply_async`` (default: inside a scoped
+                body, the body's).
             at: With ``idempotency_period``, the enqueue time whose slot a derived key gets (Unix
                 seconds or an aware datetime; default: now).
+            scheduled: The key of a send of the schedule (Celery beat's): the slot nearest to
+                ``at``, rather than the current one.
 
         Raises:
             TypeError: The arguments do not match the task's signature (and the task checks
@@ -189,12 +194,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
             InvalidKey: The per-call key or the scope is not usable.
             ValueError: ``at`` is a naive datetime.
         """
-        return identity.identify(self, args, kwargs, idempotency_key, idempotency_scope, at)[0]
+        scope = self._call_scope(idempotency_scope, {})  # inside a body, as apply_async has it
+        return identity.identify(self, args, kwargs, idempotency_key, scope, at, scheduled)[0]
 
     @property
     def idempotency_key(self) -> str | None:
         """The key of the business action being run (inside the body), else None."""
         return getattr(self.request, "idempotency_key_", None)
+
+    @property
+    def idempotency_scope(self) -> str | None:
+        """The scope of the business action being run (inside the body), else None."""
+        return getattr(self.request, "idempotency_scope_", None)
+
+    @property
+    def idempotency_principal(self) -> str | None:
+        """Who asked for the action being run (inside the body), else None: the message's
+        ``idempotency_principal`` header, as trustworthy as whoever can publish to the broker."""
+        value = (self.request.headers or {}).get(PRINCIPAL_HEADER)
+        return value if type(value) is str and value.isprintable() else None
 
     @property
     def idempotency_token(self) -> int | None:
@@ -311,17 +329,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
             InvalidKey: The per-call key or the scope is not usable.
         """
         explicit = options.pop(HEADER, None)
-        scope = options.pop("idempotency_scope", None)
         headers = dict(options.pop("headers", None) or {})
+        scope = self._call_scope(options.pop("idempotency_scope", None), headers)
         header = headers.get(HEADER) if explicit is None else None
         if header is not None:
             # A publish that carries the key already (a retry, a re-queue, a canvas step made
-            # from a request): it must be a key of this task, as the worker checks.
-            key, per_call = identity.header_key(self, header)
+            # from a request): it must be a key of this task in this call's scope.
+            key, per_call, _ = identity.header_key(self, header, scope)
             fingerprint: Callable[[], str | None] = functools.partial(
                 identity.fingerprint_of, self, tuple(args or ()), dict(kwargs or {}), per_call)
         else:
-            key, fingerprint = identity.identify(self, args, kwargs, explicit, scope)
+            key, fingerprint = identity.identify(self, args, kwargs, explicit, scope,
+                                                 scheduled=bool(headers.get(BEAT_HEADER)))
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.
@@ -368,6 +387,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         result.idempotency_key = key
         return result
 
+    def _call_scope(self, scope: str | None, headers: dict[str, Any]) -> str | None:
+        """The scope a call names, else that of the body enqueueing it (a chain's next step, a
+        tool's, a saga's), whose principal rides along: two tenants never share a child's key."""
+        parent = self.app.current_task if identity.SCOPED_BODY.get() else None
+        if parent is None or parent.request is None:
+            return scope
+        req = parent.request
+        if PRINCIPAL_HEADER in (req.headers or {}):
+            headers.setdefault(PRINCIPAL_HEADER, req.headers[PRINCIPAL_HEADER])
+        return getattr(req, "idempotency_scope_", None) if scope is None else scope
+
     # -- worker side ---------------------------------------------------------------------------
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
@@ -387,7 +417,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if header is None:
             # send_task by name, another language's producer, Task.apply(): derive it here
             # (a period's slot from the message's time, when it has one, else from now).
-            key, fingerprint = identity.identify(self, args, kwargs, None, None, message_time(req))
+            key, fingerprint = identity.identify(self, args, kwargs, None, None, message_time(req),
+                                                 bool((req.headers or {}).get(BEAT_HEADER)))
             digest = fingerprint()
             # A re-queue and Celery's retry publish from the request's headers: they must carry
             # this key, or the copy derives it again from a later clock (another period slot).
@@ -396,8 +427,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if not req.called_directly:
                 req.headers = {**(req.headers or {}), HEADER: key}
         else:
-            key, per_call = identity.header_key(self, header)
+            key, per_call, req.idempotency_scope_ = identity.header_key(self, header,
+                                                                        any_scope=True)
             digest = identity.fingerprint_of(self, args, kwargs, per_call)
+        if getattr(req, "idempotency_scope_", None) or PRINCIPAL_HEADER in (req.headers or {}):
+            identity.SCOPED_BODY.set(True)  # this thread's enqueues now look for their parent
         attempt = Attempt(key=key, task_id=req.id or "", attempt=req.retries or 0, owner=owner_id(),
                           payload_hash=digest)
         req.idempotency_key_ = key

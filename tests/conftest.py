@@ -141,6 +141,24 @@ def _tasks_stay_in_their_test() -> Iterator[None]:
             _state._on_app_finalizers.discard(callback)
 
 
+@pytest.fixture(autouse=True)
+def _current_app_stays() -> Iterator[None]:
+    """Give the next test the current Celery app this one started with.
+
+    ``Celery(...)`` makes itself the process's current app unless ``set_as_current=False``, and
+    a handle made without ``app=`` (``AsyncResult(id)``, ``GroupResult(...)``) uses the current
+    app's result backend. An app a test built for a server it then stopped would otherwise serve
+    the next test file in this process (with pytest-xdist, whichever file comes next), on a port
+    that may belong to another server by then.
+    """
+    from celery import _state
+
+    current = getattr(_state._tls, "current_app", None)
+    yield
+    if getattr(_state._tls, "current_app", None) is not current:
+        _state._set_current_app(current)
+
+
 @pytest.fixture
 def prefix() -> str:
     """A key prefix no other test (or app) uses."""

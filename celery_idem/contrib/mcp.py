@@ -439,13 +439,14 @@ def serve_http(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp"
         except ValueError as exc:
             raise ImproperlyConfigured(str(exc)) from None
     allowed_hosts = _csv(env.get(ALLOWED_HOSTS_ENV))
+    app = http_app(mcp_server, host, port, path, token_verifier=token_verifier,
+                   allowed_hosts=allowed_hosts,
+                   allowed_origins=_csv(env.get(ALLOWED_ORIGINS_ENV)), **limits)
+    # After http_app's checks: a refused start says only why it was refused.
     if host.strip("[]") in ("0.0.0.0", "::") and not allowed_hosts:
         logger.warning("celery_idem MCP server on %s:%s accepts the Host names of this machine "
                        "(%s) only: set %s to the names clients use", host, port,
                        socket.getfqdn(), ALLOWED_HOSTS_ENV)
-    app = http_app(mcp_server, host, port, path, token_verifier=token_verifier,
-                   allowed_hosts=allowed_hosts,
-                   allowed_origins=_csv(env.get(ALLOWED_ORIGINS_ENV)), **limits)
     if announce is not None:
         if isinstance(token_verifier, StaticTokens):
             scopes = ", ".join(f"{p} in {s or 'no scope'}"

@@ -37,7 +37,7 @@ import redis
 import celery_idem.app as idem_app
 from celery_idem.stores.redis import _load as _load_script
 from tests.integration import app as app_module
-from tests.integration.harness import Worker, free_port, wait_for
+from tests.integration.harness import Worker, drop_result_backend, free_port, wait_for
 
 __all__ = [
     "ChaosRedis", "Ledger", "Rule", "Stack", "TcpProxy", "load_scripts", "lua_sha", "reset_app",
@@ -438,8 +438,7 @@ def reset_app(app: Any) -> None:
             store.close()
     for task in app.tasks.values():
         task.__dict__.pop("_gate", None)
-    app.__dict__.pop("backend", None)
-    app._local.__dict__.pop("backend", None)
+    drop_result_backend(app)
     # kombu keeps one pool per broker URL in a global registry: dropping the app's references
     # is enough for the next publish to use the pool of the URL now configured. (Closing them
     # would leave a closed pool in the registry for the next stack on the same URL.)

@@ -14,7 +14,7 @@ import time
 from celery_idem import IdempotentTask
 from tests.integration.app import app, effect, flag
 
-__all__ = ["app", "fails_unclassified", "long_body"]
+__all__ = ["HELD_LEASE", "app", "fails_unclassified", "long_body", "long_lease"]
 
 if os.environ.get("IDEM_ACCEPT"):
     accept = [name.strip() for name in os.environ["IDEM_ACCEPT"].split(",") if name.strip()]
@@ -27,12 +27,24 @@ if os.environ.get("IDEM_EVENTS") == "1":
 # -- what `idem list` / `show` say about a claim's holder (tests/cli/test_lease_status.py) ----------
 
 
-@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=15)
+#: fails_unclassified's lease: long enough that a held claim reads "not renewed" for many
+#: seconds, the time two `celery` commands take to start on a loaded machine.
+HELD_LEASE = 30
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",),
+          idempotency_lease=HELD_LEASE)
 def fails_unclassified(self, order_id):  # type: ignore[no-untyped-def]
     """Commits its effect, then raises an error the task does not classify: the claim is held
-    (not renewed) until its 15 s lease runs out."""
+    (not renewed) until its lease runs out."""
     effect(f"action:{order_id}", self.request.id)
     raise ValueError(f"the provider answered nonsense for {order_id}")
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=600)
+def long_lease(self, order_id):  # type: ignore[no-untyped-def]
+    """A task with a 10 min lease: a claim of it just taken reads "live" for minutes."""
+    return order_id
 
 
 @app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=9)

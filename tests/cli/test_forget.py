@@ -87,8 +87,8 @@ def test_show_gives_the_expiry_of_the_record(idem: Idem) -> None:
     text = idem.run("show", "op:exp").stdout
     line = next(ln for ln in text.splitlines() if ln.startswith("expires"))
     # The whole line, as `idem show` words it: nothing happens at the expiry itself, only an
-    # attempt that arrives after it runs the body (issue 28: "the next attempt runs the body
-    # again" read as if it ran now). The minutes are those left when the command ran.
+    # attempt that arrives after it runs the body ("the next attempt runs the body
+    # again" reads as if it ran now). The minutes are those left when the command ran.
     shown = re.fullmatch(r"expires +(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ) \(in (?P<min>\d+\.\d) min; "
                          r"an attempt arriving after that runs the body again\)", line)
     assert shown, line

@@ -1,4 +1,4 @@
-"""What ``idem list`` and ``idem show`` say about an in-progress claim's holder (issue 28).
+"""What ``idem list`` and ``idem show`` say about an in-progress claim's holder.
 
 The record does not keep why a claim is held. A running holder renews its lease every third of
 ``idempotency_lease``, so it always has two thirds of it left; a claim held after an error the
@@ -80,10 +80,11 @@ def test_a_claim_of_a_known_task_reads_live_and_of_an_unknown_one_gets_no_verdic
     idem_redis: Idem,
 ) -> None:
     # Given two claims just taken in the store: one under the operation of a task of the app
-    # (a 9 s lease), one under an operation no task has
-    live_key = cli_app.long_body.idempotency_key_for(("ord_live",))
-    idem_redis.claim(live_key, lease=9, task_id="t-live")
-    idem_redis.claim("no.such.task:k", lease=9, task_id="t-other")
+    # (its 600 s lease, so the claim reads live however long the commands take to start), one
+    # under an operation no task has
+    live_key = cli_app.long_lease.idempotency_key_for(("ord_live",))
+    idem_redis.claim(live_key, lease=600, task_id="t-live")
+    idem_redis.claim("no.such.task:k", lease=600, task_id="t-other")
     # When an operator lists them
     out = idem_redis.run("list", app=APP)
     assert out.returncode == 0, out.stderr
@@ -93,7 +94,7 @@ def test_a_claim_of_a_known_task_reads_live_and_of_an_unknown_one_gets_no_verdic
     assert "  lease " in _row(out.stdout, "no.such.task:k")
     assert "live" not in _row(out.stdout, "no.such.task:k")
     doc = {r["key"]: r for r in _json(idem_redis, "list")["records"]}
-    assert doc[live_key]["lease_status"] == "live" and doc[live_key]["lease_seconds"] == 9
+    assert doc[live_key]["lease_status"] == "live" and doc[live_key]["lease_seconds"] == 600
     assert doc["no.such.task:k"]["lease_status"] == "unknown"
     assert doc["no.such.task:k"]["lease_seconds"] is None
 
@@ -125,9 +126,12 @@ def test_a_claim_held_after_an_unclassified_error_shows_as_not_renewed(
     store = cluster.store
     rec = store.get(key)
     assert rec is not None and rec.state is State.IN_PROGRESS  # the claim is held
-    # When its first renewal is overdue (15 s lease: a holder renews at 10 s left; margin 2 s)
-    wait_for(lambda: store.get(key).lease_expires - store.now() < 7.5,  # type: ignore[union-attr]
-             timeout=15, interval=0.1, what="the lease to fall below what a holder keeps")
+    # When its first renewal is overdue (a holder renews with two thirds of the lease left;
+    # then the margin)
+    lease = cli_app.HELD_LEASE
+    overdue = lease * 2 / 3 - max(ops.RENEWAL_MARGIN_MIN, lease * ops.RENEWAL_MARGIN) - 0.5
+    wait_for(lambda: store.get(key).lease_expires - store.now() < overdue,  # type: ignore[union-attr]
+             timeout=lease, interval=0.1, what="the lease to fall below what a holder keeps")
     idem = Idem({**cluster.env}, store)
     listed = idem.run("list", "--state", "in_progress", app=APP)
     shown = idem.run("show", key, app=APP)

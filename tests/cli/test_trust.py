@@ -1,4 +1,4 @@
-"""What an operator's tools do with records they cannot trust (issue 25, items 8 to 10).
+"""What an operator's tools do with records they cannot trust.
 
 * Stored strings print escaped: a record planted straight in the store (no key check on the
   way) with ANSI escapes, newlines or a bidi override in its key, owner, task id or error
@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -80,8 +81,19 @@ def test_control_characters_in_stored_strings_print_escaped_in_every_verb(idem: 
     del_key = "op:key=del\x7fete"
     _plant(idem, del_key, state=State.DONE)
 
+    # Each verb is a `celery` process whose start (imports) is most of its time: the read-only
+    # views run all at once, then the verbs that change records
+    views = {
+        "show": ("show", ESC_KEY), "failed": ("show", failed_key), "list": ("list",),
+        "missing": ("show", "op:key=\x1b[5mnone"),
+        "show-json": ("show", ESC_KEY, "--json"), "list-json": ("list", "--json"),
+        "del-json": ("show", del_key, "--json"), "failed-json": ("show", failed_key, "--json"),
+        "missing-json": ("show", "op:key=\x1b[5mnone", "--json"),
+    }
+    out = _run_all(idem, views)
+
     # show: every stored string escaped, as a shell's $'...' that pastes back to the key
-    show = idem.run("show", ESC_KEY)
+    show = out["show"]
     assert show.returncode == 0, show.stderr
     _assert_clean(show)
     lines = {line[:13].strip(): line[13:] for line in show.stdout.splitlines()}
@@ -89,45 +101,56 @@ def test_control_characters_in_stored_strings_print_escaped_in_every_verb(idem: 
                             "key=forged'")
     assert lines["owner"] == "$'host\\x1b]0;pwned\\x07:1'"
     assert lines["task id"] == "$'t\\r\\n-\\u2028id'"
-    failed = idem.run("show", failed_key)
+    failed = out["failed"]
     _assert_clean(failed)
     assert "declined\\n\\x1b[31mcelery_idem recorded key=forged" in failed.stdout
     # list: the key and task id columns
-    listed = idem.run("list")
+    listed = out["list"]
     assert listed.returncode == 0, listed.stderr
     _assert_clean(listed)
     assert "$'op:key=failed\\x1b[2J'" in listed.stdout and "$'op:key=del\\x7fete'" in listed.stdout
     # JSON: escaped by json.dumps (DEL included), and the values are the stored strings
-    for args in (("show", ESC_KEY), ("list",), ("show", del_key), ("show", failed_key)):
-        out = idem.run(*args, "--json")
-        assert out.returncode == 0, out.stderr
-        assert _unsafe(out.stdout) == [] and out.stdout.isascii(), out.stdout
-    doc = idem.json("show", ESC_KEY)
+    for name in ("show-json", "list-json", "del-json", "failed-json"):
+        assert out[name].returncode == 0, out[name].stderr
+        assert _unsafe(out[name].stdout) == [] and out[name].stdout.isascii(), out[name].stdout
+    doc = json.loads(out["show-json"].stdout)
     assert doc["key"] == ESC_KEY and doc["owner"] == owner and doc["task_id"] == task_id
-    assert idem.json("show", del_key)["key"] == del_key
-    assert idem.json("show", failed_key)["error"]["message"].startswith("declined\n\x1b[31m")
-    not_found = idem.run("show", "op:key=\x1b[5mnone", "--json")
+    assert json.loads(out["del-json"].stdout)["key"] == del_key
+    assert json.loads(out["failed-json"].stdout)["error"]["message"].startswith("declined\n\x1b[31m")
+    not_found = out["missing-json"]
     assert _unsafe(not_found.stderr) == [] and json.loads(not_found.stderr)["error"] == "not_found"
-    # release: the prompt (stderr), the answer (stdout) and the log line (stderr)
-    declined = idem.run("release", ESC_KEY, input="n\n")
+    # not found: the message quotes the key escaped
+    missing = out["missing"]
+    assert missing.returncode == 1
+    _assert_clean(missing)
+
+    # release declined: the prompt (stderr); forget: the prompt shows the escaped error (another
+    # key, so the two run at once)
+    out = _run_all(idem, {"declined": ("release", ESC_KEY), "forgot": ("forget", failed_key)},
+                   inputs={"declined": "n\n", "forgot": "y\n"})
+    declined = out["declined"]
     assert declined.returncode == 2
     _assert_clean(declined)
     assert "Claim of $'op:key=\\x1b[31mred" in declined.stderr
+    forgot = out["forgot"]
+    assert forgot.returncode == 0, forgot.stderr
+    _assert_clean(forgot)
+    assert "error TerminalError: declined\\n\\x1b[31m" in forgot.stderr
+    # release: the answer (stdout) and the log line (stderr)
     released = idem.run("release", ESC_KEY, "--yes", "--reason", "ticket\n\x1b[1mOPS-1")
     assert released.returncode == 0, released.stderr
     _assert_clean(released)
     assert "released $'op:key=\\x1b[31mred" in released.stdout
     assert "reason=ticket\\n\\x1b[1mOPS-1" in released.stderr
-    # forget: the prompt shows the escaped error
-    forgot = idem.run("forget", failed_key, input="y\n")
-    assert forgot.returncode == 0, forgot.stderr
-    _assert_clean(forgot)
-    assert "error TerminalError: declined\\n\\x1b[31m" in forgot.stderr
-    # not found: the message quotes the key escaped
-    missing = idem.run("show", "op:key=\x1b[5mnone")
-    assert missing.returncode == 1
-    _assert_clean(missing)
 
+
+def _run_all(idem: Idem, commands: dict[str, tuple[str, ...]],
+             inputs: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run each of ``commands`` (name: arguments) as its own process, all at once."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        futures = {name: pool.submit(idem.run, *args, input=(inputs or {}).get(name))
+                   for name, args in commands.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 # -- 9: no decoding unless asked -----------------------------------------------------------------

@@ -66,7 +66,9 @@ class Env:
         rows = TaskResult.objects.using(self.alias).filter(task_id__in=ids, status="SUCCESS")
         return {r.task_id: json.loads(r.result) for r in rows}
 
-    def wait_results(self, ids: list[str], timeout: float = 60) -> dict[str, Any]:
+    def wait_results(self, ids: list[str], timeout: float = 120) -> dict[str, Any]:
+        # A bound, not a timing: two Django workers starting while other test files run beside
+        # this one (pytest-xdist) can take most of a minute before the first copy is delivered.
         return wait_for(lambda: (lambda got: got if len(got) == len(set(ids)) else None)(self.results(ids)),
                         timeout=timeout, what=f"{len(set(ids))} results in {self.db}")
 

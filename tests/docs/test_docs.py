@@ -10,7 +10,7 @@
   own queue and Redis databases, the worker's log lines in the format and at the levels the
   worker logs them), Flower (a declared extra), the demo; a link to every docs page, Measured
   kept short, contributor material in docs/contributing.md; the Python versions CI runs.
-* What the operator reads (issue 28): no page shows a fencing token as a small number (tokens are
+* What the operator reads: no page shows a fencing token as a small number (tokens are
   clock-derived); ``waited`` and ``duplicate`` side by side in operations.md; configuration.md's
   re-queue bound is the code's ``REQUEUE_DELAY_CAP``, and its recovery table has the pool column.
 
@@ -156,7 +156,7 @@ def diagram_sizes(browser: Any) -> list[tuple[str | None, str]]:
     return found
 
 
-#: The navigation's groups, in order (issue 28: 22 flat entries, contributor pages among guides).
+#: The navigation's groups, in order: guides first, contributor pages apart.
 NAV_GROUPS = ["Start", "Guides", "Operations", "Reference", "Project"]
 
 
@@ -284,7 +284,7 @@ def test_no_mermaid_diagram_has_a_raw_semicolon() -> None:
     assert bad == []
 
 
-# -- the README for the first hour (issue 28) ---------------------------------------------------
+# -- the README for the first hour ----------------------------------------------------------------
 
 README = ROOT / "README.md"
 
@@ -318,9 +318,9 @@ def test_the_readme_starts_with_the_two_commands_then_the_first_hours_sections()
     # Contributor material is in docs/contributing.md, not before Why; make test says what it costs
     for word in ("test-fast", "test-compat", "marker", "warnings"):
         assert word not in head, word
-    assert "17-20 minutes" in head and "apt-get" in head and "scripts/browser.sh" in head
+    assert "12-25 minutes" in head and "apt-get" in head and "scripts/browser.sh" in head
     contributing = (ROOT / "docs" / "contributing.md").read_text()
-    for needle in ("17-20 min", "apt-get install chromium chromium-driver", "make test-fast",
+    for needle in ("12-25 min", "apt-get install chromium chromium-driver", "make test-fast",
                    "make test-compat", "make test-pythons", "--strict-markers", "filterwarnings"):
         assert needle in contributing, needle
 
@@ -413,7 +413,7 @@ def test_the_python_versions_ci_runs_are_the_ones_declared() -> None:
     assert "make test-pythons" in (ROOT / ".ci" / "run").read_text()
 
 
-# -- operator wording (issue 28) ---------------------------------------------------------------
+# -- operator wording ----------------------------------------------------------------------------
 
 #: A fencing token written as a small number. Tokens are ``max(previous + 1, store clock in µs)``
 #: (celery_idem/stores/base.py ``next_token``), e.g. 1796461362362268: a page shows a real one,
@@ -434,7 +434,7 @@ def _small_tokens(path: Path) -> list[str]:
         checked = line
         if path.name == "contract.md" and line.startswith("| "):
             # The history table: "Contract said" and "Why" quote the old design and old behaviour
-            # (tokens restarting at 1 before issue 13); "celery_idem does" is today's.
+            # (tokens restarting at 1); "celery_idem does" is today's.
             cells = line.split("|")
             checked = cells[3] if len(cells) == 6 else line
         found += [f"{path.relative_to(ROOT)}:{number}: {m[0]!r}" for m in SMALL_TOKEN.finditer(checked)]
@@ -502,13 +502,15 @@ def test_configuration_states_the_requeue_bound_of_the_code() -> None:
                           r"re-queued.*?\n\n", text, re.S)
     assert paragraph, "configuration.md: the paragraph on re-queues for an unavailable store"
     flat = " ".join(paragraph[0].split())
-    # The delay doubles from 1 s up to the cap, then stays there, with no limit on re-queues
+    # The delay doubles from 1 s up to the cap, then stays there, up to the default bound
     doubling = [1]
     while doubling[-1] * 2 < REQUEUE_DELAY_CAP:
         doubling.append(doubling[-1] * 2)
     steps = ", ".join(str(d) for d in doubling[1:])
     assert f"after 1 s, then {steps} and {cap} s, and every {cap} s after that" in flat, flat
-    assert "no limit" in flat
+    from celery_idem.config import Settings
+
+    assert f"(default {Settings.store_requeues}:" in flat and "`StoreUnavailable`" in flat, flat
     # Every page that gives the countdown as a formula gives the same cap
     for path in DOCS:
         for bound in re.findall(r"min\(2\^n, (\d+(?:\.\d+)?)\)", path.read_text()):
@@ -523,6 +525,6 @@ def test_the_recovery_table_has_the_pool_column() -> None:
     # Prefork on the Redis broker brings the message back after the visibility timeout...
     assert any(pool == "prefork" and re.fullmatch(r"[\d.-]+ s after the kill", result)
                for pool, result in redis), redis
-    # ...gevent and eventlet never do by themselves (issue 28): one row for both, saying so
+    # ...gevent and eventlet never do by themselves: one row for both, saying so
     green = [result for pool, result in redis if "gevent" in pool and "eventlet" in pool]
     assert len(green) == 1 and "never" in green[0], redis

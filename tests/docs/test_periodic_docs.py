@@ -1,4 +1,4 @@
-"""The periodic-task docs (issue 28): both tables give the option one text, beginning with its
+"""The periodic-task docs: both tables give the option one text, beginning with its
 ``#:`` summary, and the Periodic tasks page warns about a no-argument task without
 ``idempotency_period``."""
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from celery_idem.config import forget_settings
 from tests.conftest import REDIS_URL, require
 from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
@@ -164,6 +165,21 @@ def stack() -> Iterator[Stack]:
             flower.stop()
         cluster.close()
         _forget_broker_connections(cluster.app)
+
+
+@pytest.fixture
+def producer_events(stack: Stack) -> Iterator[None]:
+    """The test process as a producer that sends events (``idempotency_events = True``), as the
+    README's Flower section tells the application that calls ``delay()`` to be."""
+    conf = tasks.app.conf
+    saved = conf.get("idempotency_events")
+    conf.idempotency_events = True
+    forget_settings(tasks.app)  # settings are read once per app: read the change
+    try:
+        yield
+    finally:
+        conf.idempotency_events = saved
+        forget_settings(tasks.app)
 
 
 def _forget_broker_connections(app: Any) -> None:

@@ -123,7 +123,7 @@ def test_a_lease_lost_after_an_operator_release_is_shown_and_counted(stack: Stac
         r.get(timeout=30)
     info = stack.flower.wait_task(r.id, _finished(["claimed", "lease_lost"]), what="lease_lost")
     assert info["state"] == "FAILURE"
-    assert info["idempotency_detail"] == "verb=record"
+    assert info["idempotency_context"] == "verb=record"
     after = stack.flower.metrics()
     assert decisions(after, CHARGE, "lease_lost") - decisions(before, CHARGE, "lease_lost") == 1
 

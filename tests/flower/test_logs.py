@@ -1,4 +1,5 @@
-"""The worker's log at INFO: one structured line for a takeover, never the task's arguments."""
+"""The worker's log at INFO: one structured line per decision, never the task's arguments, and a
+recorded terminal error as an expected failure (no traceback)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import uuid
 
 import pytest
 
+from celery_idem import TerminalError
 from tests.flower.conftest import Stack
 from tests.integration import app as tasks
 from tests.integration.harness import wait_for
@@ -70,3 +72,20 @@ def test_a_duplicate_is_logged_at_info_naming_the_original_task_and_never_the_ar
     assert re.search(rf"INFO.*celery_idem duplicate key={re.escape(key)} task_id={dup.id} token=\d+ "
                      rf"original_task_id={first.id} record_state=done$", lines[0]), lines[0]
     assert secret not in worker.text() and order not in lines[0]
+
+
+def test_a_terminal_error_is_logged_as_expected_at_info_without_a_traceback(stack: Stack) -> None:
+    worker = stack.worker
+    order = f"ord-DECLINED-{uuid.uuid4().hex[:8]}"
+    # Given a charge the provider declines (a TerminalError: the action's recorded outcome)
+    r = tasks.declined.delay(order)
+    with pytest.raises(TerminalError, match="card declined"):
+        r.get(timeout=30)
+    # Then Celery's line for it is INFO "raised expected", with no traceback after it
+    wait_for(lambda: f"[{r.id}] raised" in worker.text(), timeout=10, what="the failure's line")
+    log = worker.text().splitlines()
+    [index] = [i for i, line in enumerate(log) if f"[{r.id}] raised" in line]
+    assert re.search(rf"INFO/.*Task {re.escape(tasks.declined.name)}\[{r.id}\] raised expected: "
+                     r"TerminalError\('card declined for ", log[index]), log[index]
+    following = log[index + 1] if index + 1 < len(log) else ""
+    assert not following.startswith("Traceback"), following

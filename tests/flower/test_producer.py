@@ -4,32 +4,16 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from celery_idem import CachedResult
-from celery_idem.config import forget_settings
 from tests.flower.conftest import Stack, decisions
 from tests.integration import app as tasks
 
 pytestmark = pytest.mark.worker
 
 CHARGE = "tests.integration.app.charge"
-
-
-@pytest.fixture
-def producer_events(stack: Stack) -> Iterator[None]:
-    """The test process as a producer that sends events (``idempotency_events = True``)."""
-    conf = tasks.app.conf
-    saved = conf.get("idempotency_events")
-    conf.idempotency_events = True
-    forget_settings(tasks.app)  # settings are read once per app: read the change
-    try:
-        yield
-    finally:
-        conf.idempotency_events = saved
-        forget_settings(tasks.app)
 
 
 def test_an_enqueue_answered_from_the_record_is_shown_and_counted_in_flower(
@@ -50,7 +34,7 @@ def test_an_enqueue_answered_from_the_record_is_shown_and_counted_in_flower(
     assert info["idempotency_key"] == tasks.charge.idempotency_key_for(("fl_enqueue", 500))
     assert info["original_task_id"] == first.id
     assert info["idempotency_record_state"] == "done"
-    assert info["idempotency_detail"] == "at=enqueue"
+    assert info["idempotency_context"] == "at=enqueue"
     # And counts it by task and outcome, next to the worker's decisions
     stack.flower.wait_task(first.id, lambda t: "recorded" in (t.get("idempotency_outcomes") or []))
     after = stack.flower.metrics()

@@ -98,7 +98,7 @@ def get_salary(self, employee):
 
 @app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id", "amount_cents"))
 def refund(self, order_id, amount_cents, note="", hold=0.0):
-    """A refund keyed per call by its callers (agents), as issue 25 tried it."""
+    """A refund keyed per call by its callers (agents)."""
     deadline = time.monotonic() + hold
     while time.monotonic() < deadline and not flag(f"release:{order_id}"):
         time.sleep(0.02)
@@ -119,7 +119,7 @@ def _held_action(self, order_id, hold, marker):  # type: ignore[no-untyped-def]
 
 @app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_lease=3)
 def held_action(self, order_id, hold=0.0, marker=""):
-    """Runs up to ``hold`` s (or until released), then commits one effect (issue 26)."""
+    """Runs up to ``hold`` s (or until released), then commits one effect."""
     return _held_action(self, order_id, hold, marker)
 
 
@@ -224,7 +224,7 @@ _LIMITED: dict[str, object] = {
     "base": IdempotentTask, "bind": True, "idempotency_operation": "limited",
     "idempotency_fields": ("order_id",), "idempotency_lease": 5,
     # These tests are about a delivered duplicate's wait under a time limit: every copy is
-    # published (no attach at enqueue), and it waits in the worker as before issue 26.
+    # published (no attach at enqueue), and it waits in the worker.
     "idempotency_wait": 10, "idempotency_check_on_enqueue": False,
 }
 

@@ -14,7 +14,7 @@ from kombu import Producer
 
 import celery_idem.app as idem_app
 from tests.integration import app as app_module
-from tests.integration.harness import Worker
+from tests.integration.harness import Worker, drop_result_backend
 
 ENV_KEYS = ("IDEM_BROKER", "IDEM_BACKEND", "IDEM_STORE", "IDEM_PREFIX", "IDEM_QUEUE",
             "IDEM_LEDGER", "IDEM_VISIBILITY")
@@ -48,8 +48,7 @@ class Cluster:
             store.close()
         for task in self.app.tasks.values():
             task.__dict__.pop("_gate", None)
-        self.app.__dict__.pop("backend", None)
-        self.app._local.__dict__.pop("backend", None)
+        drop_result_backend(self.app)
         # The producer pool is made for the broker of the first publish: drop it, so a test
         # with a broker of its own (IDEM_BROKER) publishes there, and the next one does not.
         self.app._pool = None

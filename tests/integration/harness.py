@@ -5,6 +5,7 @@ Nothing here sleeps to synchronise: every wait polls a condition against a deadl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -37,6 +38,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def drop_result_backend(app: Any) -> None:
+    """Drop ``app``'s cached result backend, and cut its result consumer from its server.
+
+    An ``AsyncResult`` that outlives its test still holds this backend, and its ``__del__``
+    unsubscribes from its result channel: with the subscription connection left open, the
+    collector would reconnect to the old port, which by then may belong to another server
+    (under pytest-xdist, another worker's), and raise there, in whichever test it runs.
+    """
+    for backend in (app.__dict__.pop("backend", None), app._local.__dict__.pop("backend", None)):
+        consumer = getattr(backend, "result_consumer", None)
+        pubsub = getattr(consumer, "_pubsub", None)
+        if pubsub is None:
+            continue
+        consumer.subscribed_to.clear()
+        consumer._pubsub = None
+        with contextlib.suppress(Exception):  # the server may be gone: nothing left to close
+            pubsub.close()
 
 
 def stop_group(proc: subprocess.Popen[Any]) -> None:

@@ -1,4 +1,4 @@
-"""Tasks for tests/integration/test_celery_semantics.py: Celery's own call paths (issue 19).
+"""Tasks for tests/integration/test_celery_semantics.py: Celery's own call paths.
 
 Registered on the integration app (``tests.integration.app``), so workers run with
 ``-A tests.integration.semantics_app``. Each IdempotentTask has a plain Celery twin

@@ -2,7 +2,7 @@
 
 ``IDEM_BROKER`` (required), ``IDEM_STORE`` (``idempotency_store``; unset: the store is the
 result backend), ``IDEM_BACKEND`` (``result_backend``), ``IDEM_QUEUE``, ``IDEM_REQUIRE``
-(``idempotency_require_durable_store``).
+(``idempotency_require_durable_store``), ``IDEM_MISSPELT`` (a value for ``idempotency_stroe``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ app.conf.update(
 )
 if os.environ.get("IDEM_STORE"):
     app.conf.idempotency_store = os.environ["IDEM_STORE"]
+if os.environ.get("IDEM_MISSPELT"):
+    app.conf.idempotency_stroe = os.environ["IDEM_MISSPELT"]
 
 
 @app.task(base=IdempotentTask, bind=True, idempotency_fields=("n",))

@@ -1,4 +1,4 @@
-"""Celery's documented call paths work on an IdempotentTask in real workers (issue 19: 2, 3, 6, 7).
+"""Celery's documented call paths work on an IdempotentTask in real workers.
 
 Each test runs the IdempotentTask and its plain Celery twin (tests/integration/semantics_app.py)
 side by side in a real prefork ``celery worker``: the plain task is the reference.

@@ -1,4 +1,4 @@
-"""Issue 25, the core's part: a key answers only its own action, for its own caller.
+"""Trust at the edge, the core's part: a key answers only its own action, for its own caller.
 
 Tried as a careless or hostile caller would, through a real ``celery worker`` on Redis: a
 per-call key taken from another task, a per-call key reused for another action, two tenants

@@ -84,7 +84,7 @@ def finish(task: Any, key: str, value: Any = None, error: BaseException | None =
 
 class Reads:
     """Counts the producer's own reads of the record (the check made before the publish): a
-    ``get``, or a ``reserve`` (the read that also reserves the key for the message, issue 26)."""
+    ``get``, or a ``reserve`` (the read that also reserves the key for the message)."""
 
     def __init__(self, store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.keys: list[str] = []

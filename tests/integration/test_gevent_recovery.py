@@ -1,4 +1,4 @@
-"""A gevent worker on a Redis broker does not restore a dead worker's message; prefork does (issue 28).
+"""A gevent worker on a Redis broker does not restore a dead worker's message; prefork does.
 
 celery-behaviour.md, "Measured 2026-12-05": kombu's periodic scan of the ``unacked`` index
 (every ``unacked_restore_interval`` x ``unacked_restore_throttle``, for messages older than

@@ -1,4 +1,4 @@
-"""Issue 26: a copy of a running action attaches to it and never holds a worker.
+"""A copy of a running action attaches to it and never holds a worker.
 
 Real ``celery worker -P prefork`` processes on Redis (broker, backend and store on one server,
 so the enqueue check rides on the publish), and a SIGKILLed pool process.

@@ -1,4 +1,4 @@
-"""Periodic tasks under two real ``celery beat`` processes (issue 28, ``idempotency_period``).
+"""Periodic tasks under two real ``celery beat`` processes (``idempotency_period``).
 
 Two beat processes (each with its own schedule file, started about a second apart, the classic
 production mistake) send the same no-argument entries every 3 s to one real worker on a private
@@ -24,6 +24,7 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_idem.identity import BEAT_HEADER
 from celery_idem.keys import SLOT_FIELD, key_from_fields, period_slot
 from tests.integration.harness import ROOT, Worker, stop_group, wait_for
 
@@ -114,11 +115,12 @@ def test_two_beats_sending_every_tick_run_the_body_once_per_slot(
                  what="four ticks from each beat")
 
         # A send by name without the key header: the worker derives the key from the
-        # message's timestamp property (two sends straddling a slot's instant, long ago: one
-        # slot), else from its own clock.
+        # message's timestamp property (two sends of beat straddling a slot's instant, long
+        # ago: one slot), else from its own clock (an ad-hoc send: the current slot).
         then = period_slot(time.time(), PERIOD) - 1000 * PERIOD
         by_name = [client.send_task(f"{APP}.by_name", queue=beat_env["IDEM_QUEUE"],
-                                    timestamp=then + dt) for dt in (-0.4, 0.6)]
+                                    headers={BEAT_HEADER: True}, timestamp=then + dt)
+                   for dt in (-0.4, 0.6)]
         by_name.append(client.send_task(f"{APP}.by_name", queue=beat_env["IDEM_QUEUE"]))
         sent_by_clock = time.time()
 
@@ -156,7 +158,8 @@ def test_two_beats_sending_every_tick_run_the_body_once_per_slot(
     named = ran("by_name")
     assert len(named) == 2, named
     assert slot_key(f"{APP}.by_name", then) in named
-    by_clock = {slot_key(f"{APP}.by_name", sent_by_clock + n * PERIOD) for n in range(3)}
+    by_clock = {key_from_fields(f"{APP}.by_name", {SLOT_FIELD: period_slot(
+        sent_by_clock + n * PERIOD, PERIOD, nearest=False)}) for n in range(3)}
     assert len(by_clock & set(named)) == 1, (named, by_clock)
     for r in by_name:
         assert r.get(timeout=10) in named
@@ -177,7 +180,8 @@ def test_a_requeued_copy_sent_by_name_keeps_its_message_time_slot(
     then = period_slot(time.time(), PERIOD) - 1000 * PERIOD
     try:
         sent = [client.send_task(f"{APP}.slow_by_name", args=("m",), queue=beat_env["IDEM_QUEUE"],
-                                 timestamp=then + dt) for dt in (-0.2, 0.2)]
+                                 headers={BEAT_HEADER: True}, timestamp=then + dt)
+                for dt in (-0.2, 0.2)]
         answers = [r.get(timeout=60) for r in sent]
         wait_for(lambda: "celery_idem requeued" in worker.text(), timeout=30,
                  what="the copy's re-queue while the first ran")

@@ -1,4 +1,4 @@
-"""Results follow Celery's rules (issue 19): every result handle Celery hands out resolves.
+"""Results follow Celery's rules: every result handle Celery hands out resolves.
 
 An enqueue answered from the record publishes nothing; when the caller (or Celery, for a chain
 step, a chord body or a frozen link) chose the task id, the recorded outcome is stored under
@@ -139,7 +139,7 @@ def test_a_body_that_returns_an_async_result_is_stored_as_celery_stores_it(
 ) -> None:
     cluster.worker(app=APP)
     celery_says = tasks.plain_spawn.delay("a").get(timeout=30)
-    assert celery_says == _as_stored(AsyncResult("a-child").as_tuple())
+    assert celery_says == _as_stored(AsyncResult("a-child", app=tasks.app).as_tuple())
 
     # The first run, a duplicate the worker answers from the record, and an enqueue answered
     # from the record all return what plain Celery's get() returns.
@@ -156,7 +156,7 @@ def test_a_body_that_returns_an_async_result_is_stored_as_celery_stores_it(
 
     # A GroupResult, likewise
     group_result = tasks.spawn_group.delay("g").get(timeout=30)
-    expected = GroupResult("g-group", [AsyncResult("g-a"), AsyncResult("g-b")]).as_tuple()
+    expected = GroupResult("g-group", [fresh("g-a"), fresh("g-b")], app=tasks.app).as_tuple()
     assert group_result == _as_stored(expected)
     assert tasks.spawn_group.delay("g").get(timeout=5) == group_result
 

@@ -1,4 +1,4 @@
-"""ResultSets holding a CachedResult, and groups with failing members (issue 19).
+"""ResultSets holding a CachedResult, and groups with failing members.
 
 Two scenarios of Celery's ``t/integration/test_canvas.py::test_result_set``, with a real
 prefork worker and Redis broker, backend and store:
@@ -65,7 +65,7 @@ def test_join_native_timeout_zero_hands_back_a_cached_result(cluster: Cluster) -
         # resolves under join_native(timeout=0) (0 means no timeout there); and a completed
         # AsyncResult is cyclic garbage whose __del__ unsubscribes through the result consumer's
         # PubSub, whose lock is not reentrant, so a collection during a subscribe deadlocks the
-        # caller (seen with CachedResult.__del__ disabled). Issue 19's note has the traces.
+        # caller (seen with CachedResult.__del__ disabled).
         return
     assert ResultSet(list(rs.results)).join_native(timeout=0, interval=30) == [a, b, done]
 

@@ -1,4 +1,4 @@
-"""What a worker says at start, through Celery's logging, and what it refuses (issue 28).
+"""What a worker says at start, through Celery's logging, and what it refuses.
 
 Real ``celery worker`` processes, private ``redis-server``s (the shared Redis is never
 reconfigured), the shared PostgreSQL and MariaDB with database names that do not exist.
@@ -134,7 +134,7 @@ def test_the_durability_warning_is_in_the_logfile_with_level_and_timestamp_once(
     assert level == "WARNING" and "appendonly no" in message
     # logged in order, before the worker consumed: the line precedes "ready."
     assert text.index("can lose records") < text.index(" ready.")
-    # and no longer on stderr without a format (Python's last-resort handler)
+    # and not on stderr without a format (Python's last-resort handler)
     assert "can lose records" not in stdout, stdout
 
 
@@ -157,7 +157,19 @@ def test_a_wrong_redis_password_in_idempotency_store_stops_the_worker(
     store = f"redis://:wrong@127.0.0.1:{server.port}/1"
     text = refused(env_for(broker, store, broker), tmp_path)
     assert "idempotency_store" in text and "authentication failed" in text, text[-3000:]
+    # Said once, in sentences that end once
+    assert text.count("rejected the credentials") == 1 and ".." not in text, text[-3000:]
     assert "wrong" not in text.split("cannot start")[-1].split("idempotency_store")[0]
+
+
+def test_a_misspelt_app_setting_stops_the_worker_saying_so_once(
+    servers: list[RedisServer], tmp_path: Path
+) -> None:
+    server = start(servers)
+    text = refused(env_for(server.url, server.url, server.url, IDEM_MISSPELT=server.url),
+                   tmp_path)
+    assert "Did you mean 'idempotency_store'?" in text, text[-3000:]
+    assert text.count("unknown app setting 'idempotency_stroe'") == 1, text[-3000:]
 
 
 def test_a_missing_redis_password_in_result_backend_names_result_backend(

@@ -387,9 +387,13 @@ class HaStack(Stack):
         super().__init__(*args, **kwargs)
         self.backend_url = backend_url
         self.backend_conf: dict[str, Any] = {}
-        if backend_url:
-            import json
+        import json
 
+        # A failover on a loaded machine can outlast the default re-queues for an unreachable
+        # store (3, about 7 s): these workers wait it out, as docs/production.md advises for a
+        # replicated store.
+        self.env["IDEM_CONF"] = json.dumps({"idempotency_store_requeues": None})
+        if backend_url:
             self.backend_conf = {
                 "result_backend": backend_url,
                 "result_backend_transport_options": backend_options or {},
@@ -397,7 +401,8 @@ class HaStack(Stack):
                 # is down loses its result ("Exception raised outside body"), and its caller waits.
                 "result_backend_always_retry": True,
             }
-            self.env["IDEM_CONF"] = json.dumps(self.backend_conf)
+            self.env["IDEM_CONF"] = json.dumps(
+                {"idempotency_store_requeues": None, **self.backend_conf})
         self._saved_backend: dict[str, Any] = {}
 
     def activate(self) -> None:

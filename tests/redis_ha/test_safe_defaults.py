@@ -1,4 +1,4 @@
-"""Replicated stores are safe by default (issue 28), with real clusters and sentinels.
+"""Replicated stores are safe by default, with real clusters and sentinels.
 
 * ``RedisClusterStore`` and ``RedisSentinelStore`` wait for one replica unless told otherwise.
 * The durability check at worker start reads every node a failover can promote (the replicas),

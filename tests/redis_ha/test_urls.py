@@ -66,7 +66,7 @@ def test_every_part_of_a_sentinel_url_is_sentinel() -> None:
 
 
 def test_the_app_store_takes_the_master_name_from_result_backend_transport_options() -> None:
-    app = Celery("t", broker="memory://", backend=CELERY_URL)
+    app = Celery("t", broker="memory://", backend=CELERY_URL, set_as_current=False)
     app.conf.result_backend_transport_options = {"master_name": "celery-master"}
     try:
         store = idem_app.get_store(app)

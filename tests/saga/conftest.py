@@ -3,4 +3,4 @@ unit tests' eager app on the in-process store."""
 
 from tests.fencing.conftest import provider  # noqa: F401  (fixture)
 from tests.integration.conftest import cluster, make_cluster  # noqa: F401  (fixtures)
-from tests.unit.test_eager import app  # noqa: F401  (fixture: an eager app on memory://)
+from tests.unit.test_task import app  # noqa: F401  (fixture: an eager app on memory://)

@@ -4,8 +4,8 @@
   record) in a private ``redis-server``.
 * PostgreSQL: table + index bytes per done record written by the verbs, dead tuples and HOT
   updates they leave, and the same at ``--big`` rows (filled with rows of the same shape).
-* The purge ``DELETE`` on the big table: with the clock inside the statement (before the fix)
-  and bound as a value (now), as EXPLAIN ANALYZE sees them.
+* The purge ``DELETE`` on the big table: with the clock inside the statement and bound as a
+  value (as the store does), as EXPLAIN ANALYZE sees them.
 * Store round trips per task, counted at the SQL driver: a first ``delay()`` and a duplicate.
 * The store's verbs through a private PgBouncer in transaction pooling mode (when installed),
   with psycopg's defaults and with ``prepare_threshold=None``.

@@ -250,7 +250,7 @@ def test_a_payload_hash_mismatch_is_reported_before_done(store: Store) -> None:
 
 
 def test_a_validating_claim_refuses_a_record_without_a_payload_hash(store: Store) -> None:
-    # A record made without a hash cannot show it is the caller's action (issue 25).
+    # A record made without a hash cannot show it is the caller's action.
     claim(store)
     assert claim(store, who="b", payload_hash="bbb").status is ClaimStatus.MISMATCH
     assert claim(store, who="b").status is ClaimStatus.BUSY  # a caller that does not validate

@@ -1,4 +1,4 @@
-"""The durability check at worker start (issue 13): does the store's Redis keep records?
+"""The durability check at worker start: does the store's Redis keep records?
 
 Each test starts a ``redis-server`` of its own with the settings under test (the shared Redis is
 never reconfigured). The worker-start hook (``celery_idem.app.check_worker``, Celery's ``worker_init``) reads

@@ -499,7 +499,7 @@ def test_a_record_written_before_claim_ids_still_reads_fences_and_is_taken_over_
     assert answer.record is not None and (answer.record.data, answer.record.claim_id) == (b"[1]", "")
 
 
-# -- reservations (issue 26: the enqueue check of a queued message) ----------------------------
+# -- reservations (the enqueue check of a queued message) -------------------------------------
 
 
 def test_a_reservation_is_taken_once_answered_to_the_next_and_expires(store: RedisStore) -> None:

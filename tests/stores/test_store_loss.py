@@ -1,6 +1,6 @@
 """Fencing across data loss: the store loses a held claim while its body runs.
 
-Issue 13. A body holds a real claim through the gate (with its lease keeper renewing it) when
+A body holds a real claim through the gate (with its lease keeper renewing it) when
 the store loses the record: ``FLUSHALL`` on a private ``redis-server``, a ``DELETE`` of the row
 on PostgreSQL, MariaDB and SQLite, the record dropped from the memory store. A duplicate then
 claims the key afresh and records its result. Asserted, for every store:

@@ -193,3 +193,18 @@ def charge_with_key_late(self: IdempotentTask, order_id: str, amount_cents: int)
 
 
 toolbox = _toolbox()
+
+
+@app.task(base=IdempotentTask, bind=True)
+def whoami(self: IdempotentTask, order_id: str) -> dict[str, Any]:
+    """Who asked, and in which scope, as the body sees it."""
+    effect(f"whoami:{order_id}", self.idempotency_scope)
+    return {"principal": self.idempotency_principal, "scope": self.idempotency_scope}
+
+
+@app.task(base=IdempotentTask, bind=True)
+def place_order(self: IdempotentTask, order_id: str) -> dict[str, Any]:
+    """Enqueue ``whoami`` from the body: the child runs in this call's scope, for its caller."""
+    child = whoami.apply_async((order_id,))
+    return {"principal": self.idempotency_principal, "scope": self.idempotency_scope,
+            "child_id": child.id}

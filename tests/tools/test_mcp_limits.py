@@ -191,6 +191,8 @@ def test_a_refused_start_prints_no_listening_line(live: Env, tmp_path: Path) -> 
         assert proc.wait(STEP) != 0
     text = (tmp_path / f"mcp-{port}.log").read_text()
     assert TOKENS_ENV in text and "MCP server:" not in text, text
+    # Only the reason: no advice about Host names for a server that never listens.
+    assert "accepts the Host names" not in text, text
 
 
 def test_authorize_refuses_before_the_enqueue_with_a_forbidden_outcome(

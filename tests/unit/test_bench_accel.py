@@ -1,4 +1,4 @@
-"""The bench measures ``IdempotentTask`` with accelerations off beside the default (issue 27)."""
+"""The bench measures ``IdempotentTask`` with accelerations off beside the default."""
 
 from __future__ import annotations
 

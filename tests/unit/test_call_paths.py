@@ -1,4 +1,4 @@
-"""Celery's own ways of calling a task keep working on an IdempotentTask (issue 19: 2, 3, 6, 7).
+"""Celery's own ways of calling a task keep working on an IdempotentTask.
 
 Eager mode on the in-process ``memory://`` store; tests/integration/test_celery_semantics.py
 runs the same paths in real workers. Every test builds its own app and defines its tasks with

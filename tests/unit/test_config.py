@@ -215,7 +215,7 @@ def test_the_documented_defaults(app: Celery) -> None:
         celery_idem.TerminalError, celery_idem.IdempotencyKeyMismatch,
     )
     assert cfg.validate is False
-    assert cfg.wait == 0  # a delivered copy of a busy key re-queues at once (issue 26)
+    assert cfg.wait == 0  # a delivered copy of a busy key re-queues at once
 
 
 def test_acks_late_and_reject_on_worker_lost_are_on_by_default(app: Celery) -> None:

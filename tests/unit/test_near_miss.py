@@ -1,4 +1,4 @@
-"""Near-miss option names (issue 28): refused at definition as firmly as unknown ``idempotency_*``.
+"""Near-miss option names: refused at definition as firmly as unknown ``idempotency_*``.
 
 Celery keeps any ``@app.task`` keyword as a task attribute without a word, so
 ``idempotancy_fields=("order_id", "amount_cents")`` would leave the key covering every argument

@@ -1,4 +1,4 @@
-"""``idempotency_period``: a key per schedule slot (issue 28, periodic tasks).
+"""``idempotency_period``: a key per schedule slot (periodic tasks).
 
 The slot is the multiple of the period nearest to the enqueue time, read once by the producer
 (``apply_async``) and carried in the key header; a worker that derives the key itself reads the
@@ -20,6 +20,7 @@ import celery_idem
 import celery_idem.identity as identity_module
 from celery_idem import CachedResult, IdempotentTask
 from celery_idem.config import KNOWN_OPTIONS
+from celery_idem.identity import BEAT_HEADER
 from celery_idem.keys import SLOT_FIELD, key_from_fields, period_slot
 from celery_idem.task import HEADER
 
@@ -111,10 +112,10 @@ def test_two_enqueues_a_second_apart_around_the_tick_run_the_body_once(
 ) -> None:
     runs: list[str | None] = []
     report = make_report(app, runs)
-    clock.now = TICK - 0.4  # beat 1
-    first = report.apply_async()
+    clock.now = TICK - 0.4  # beat 1 (beat marks its messages with the celery_beat_task header)
+    first = report.apply_async(headers={BEAT_HEADER: True})
     clock.now = TICK + 0.6  # beat 2, a second later, across the instant
-    second = report.apply_async()
+    second = report.apply_async(headers={BEAT_HEADER: True})
     assert len(runs) == 1
     assert isinstance(second, CachedResult)
     assert second.idempotency_key == first.idempotency_key == runs[0]
@@ -192,8 +193,9 @@ def test_at_takes_unix_seconds_or_an_aware_datetime(app: Celery) -> None:
     report = make_report(app, runs)
     aware = dt.datetime.fromtimestamp(TICK + 5, dt.timezone.utc)
     paris = aware.astimezone(dt.timezone(dt.timedelta(hours=1)))
-    assert report.idempotency_key_for(at=aware) == report.idempotency_key_for(at=TICK - 5) \
-        == report.idempotency_key_for(at=paris)
+    assert report.idempotency_key_for(at=aware) == report.idempotency_key_for(at=TICK + 55) \
+        == report.idempotency_key_for(at=paris) \
+        == report.idempotency_key_for(at=TICK - 5, scheduled=True)
     with pytest.raises(ValueError, match="naive datetime"):
         report.idempotency_key_for(at=dt.datetime(2026, 12, 5, 12))
     with pytest.raises(TypeError, match="Unix seconds"):
@@ -232,17 +234,22 @@ def test_a_message_without_the_header_uses_its_timestamp_else_the_workers_clock(
 ) -> None:
     runs: list[str | None] = []
     report = make_report(app, runs)
+    beat = {BEAT_HEADER: True}  # beat's send_task of a task its process does not know
     # send_task by name with a timestamp property (as AMQP producers may set it).
-    _deliver(report, clock, TICK + 50, {}, {"timestamp": TICK - 1})
-    assert runs == [report.idempotency_key_for(at=TICK)]
-    _deliver(report, clock, TICK + 55, {}, {"timestamp": dt.datetime.fromtimestamp(
+    _deliver(report, clock, TICK + 50, beat, {"timestamp": TICK - 1})
+    assert runs == [report.idempotency_key_for(at=TICK, scheduled=True)]
+    _deliver(report, clock, TICK + 55, beat, {"timestamp": dt.datetime.fromtimestamp(
         TICK + 2, dt.timezone.utc).replace(tzinfo=None)})  # a naive datetime: UTC
     assert len(runs) == 1
     # No timestamp: the worker's clock (TICK + 50 is in the next slot).
-    _deliver(report, clock, TICK + 50, {}, {"priority": 0})
-    assert runs[1] == report.idempotency_key_for(at=TICK + 60)
-    _deliver(report, clock, TICK + 70, {}, {"timestamp": "yesterday"})  # unusable: the clock
+    _deliver(report, clock, TICK + 50, beat, {"priority": 0})
+    assert runs[1] == report.idempotency_key_for(at=TICK + 60, scheduled=True)
+    _deliver(report, clock, TICK + 70, beat, {"timestamp": "yesterday"})  # unusable: the clock
     assert len(runs) == 2
+    # Not beat's: the current slot of its time, never the next one.
+    _deliver(report, clock, TICK + 200, {}, {"timestamp": TICK + 170})
+    assert runs[2] == report.idempotency_key_for(at=TICK + 120) \
+        != report.idempotency_key_for(at=TICK + 170, scheduled=True)
 
 
 # -- the option ----------------------------------------------------------------------------------

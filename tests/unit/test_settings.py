@@ -217,3 +217,20 @@ def test_a_worker_with_a_misspelt_setting_does_not_start(caplog: pytest.LogCaptu
     with pytest.raises(SystemExit, match=r"cannot start.*Did you mean 'idempotency_store'"):
         check_worker(SimpleNamespace(app=app))
     assert "idempotency_stroe" in caplog.text
+
+
+@pytest.mark.parametrize(("value", "read"), [(None, None), (0, 0), (5, 5)])
+def test_store_requeues_is_a_bound_or_none(value: int | None, read: int | None) -> None:
+    app = Celery("test_settings_requeues", set_as_current=False)
+    assert settings(app).store_requeues == 3
+    forget_settings(app)
+    app.conf.idempotency_store_requeues = value
+    assert settings(app).store_requeues == read
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "3", True])
+def test_store_requeues_refuses_what_is_not_a_count(value: object) -> None:
+    app = Celery("test_settings_requeues_bad", set_as_current=False)
+    app.conf.idempotency_store_requeues = value
+    with pytest.raises(config.ImproperlyConfigured, match="idempotency_store_requeues must be"):
+        settings(app)

@@ -20,8 +20,10 @@ from celery.result import AsyncResult
 from celery.states import FAILURE, READY_STATES, REVOKED, SUCCESS
 
 from ...app import get_store
+from ...events import escape_args
 from ...exceptions import IdempotencyKeyMismatch, InvalidKey, StoreUnavailable, TerminalError
-from ...keys import canonical, check_scope
+from ...identity import PRINCIPAL_HEADER
+from ...keys import canonical, check_scope, check_text
 from ...task import IdempotentTask
 from . import action, formats
 from .outcome import MAX_ARGUMENT_DEPTH, MAX_ARGUMENTS_SIZE, ToolKind, short
@@ -31,6 +33,7 @@ __all__ = ["Pending", "Tool"]
 
 # A child of the library's "celery_idem" logger, so configuring that one covers it.
 logger = logging.getLogger("celery_idem.tools")
+logger.addFilter(escape_args)
 
 #: An exception class with this attribute set to True may be shown to the model (its type and
 #: its text), as a ``TerminalError`` is; see :func:`~celery_idem.contrib.tools.tool`'s
@@ -62,8 +65,7 @@ class Tool:
     def __init__(self, target: Any, *, kind: ToolKind, name: str, description: str,
                  parameters: dict[str, Any], timeout: float, options: dict[str, Any],
                  destructive: bool = True, open_world: bool = True,
-                 key_argument: str | None = None, key_passed_on: bool = True,
-                 title: str | None = None,
+                 key_argument: str | None = None, key_passed_on: bool = True, title: str | None = None,
                  expose_errors: tuple[type[BaseException], ...] = ()) -> None:
         self.target = target
         self.kind: ToolKind = kind
@@ -88,45 +90,56 @@ class Tool:
         """Call the tool with keyword arguments and wait up to :attr:`timeout` seconds."""
         return self.invoke(arguments)
 
-    def invoke(self, arguments: str | Mapping[str, Any] | None,
-               timeout: float | None = None, *, scope: str | None = None) -> dict[str, Any]:
+    def invoke(self, arguments: str | Mapping[str, Any] | None, timeout: float | None = None, *,
+               scope: str | None = None, principal: str | None = None) -> dict[str, Any]:
         """Call the tool with a model's arguments (a JSON object text, or a dict).
 
         Args:
             arguments: The model's arguments: a JSON text (OpenAI's ``arguments``) or a
                 mapping (Anthropic's ``input``); None for no arguments.
             timeout: Seconds to wait for the result (default :attr:`timeout`).
-            scope: The caller's scope (a tenant, a principal): the same arguments or key in
-                two scopes are two actions (see :meth:`start`).
+            scope: The caller's scope (a tenant): two scopes are two actions (see :meth:`start`).
+            principal: Who is calling, for the body (see :meth:`start`).
 
         Returns:
             The outcome dict (``status``, ``result``, ``message``, ...).
 
         Raises:
-            InvalidKey: ``scope`` is not a valid scope (the caller's mistake, not the model's).
+            InvalidKey: ``scope`` or ``principal`` is not valid (the caller's mistake).
         """
-        return self.start(arguments, scope=scope).wait(timeout)
+        return self.start(arguments, scope=scope, principal=principal).wait(timeout)
 
     async def acall(self, **arguments: Any) -> dict[str, Any]:
         """Async :meth:`__call__`: enqueue and wait without blocking the event loop."""
         return await self.ainvoke(arguments)
 
     async def ainvoke(self, arguments: str | Mapping[str, Any] | None,
-                      timeout: float | None = None, *, scope: str | None = None
-                      ) -> dict[str, Any]:
-        """Async :meth:`invoke` (the same arguments, outcome and ``InvalidKey``): the enqueue
-        and every poll of the result run in a thread.
+                      timeout: float | None = None, *, scope: str | None = None,
+                      principal: str | None = None) -> dict[str, Any]:
+        """Async :meth:`invoke`: the enqueue and every poll of the result run in a thread.
 
         Cancelling the awaiting coroutine stops only the wait: the task goes on running and
         its key stays claimed, so a later call with the same arguments gets its result.
+
+        Args:
+            arguments: The model's arguments (JSON text or a mapping; None for none).
+            timeout: Seconds to wait for the result (default :attr:`timeout`).
+            scope: The caller's scope (see :meth:`start`).
+            principal: Who is calling (see :meth:`start`).
+
+        Returns:
+            The outcome dict, as :meth:`invoke` returns it.
+
+        Raises:
+            InvalidKey: ``scope`` or ``principal`` is not valid.
         """
         # The enqueue talks to the store and the broker (blocking sockets): off the loop. A
         # cancellation while it runs leaves the thread to finish the publish.
-        pending = await asyncio.to_thread(lambda: self.start(arguments, scope=scope))
+        pending = await asyncio.to_thread(self.start, arguments, scope=scope, principal=principal)
         return await pending.wait_async(timeout)
 
     def start(self, arguments: str | Mapping[str, Any] | None, *,
-              scope: str | None = None) -> Pending:
+              scope: str | None = None, principal: str | None = None) -> Pending:
         """Check the arguments and start the call, without waiting for its result.
 
         A write tool's task is enqueued (or answered from the store at once, when the action
@@ -144,13 +157,17 @@ class Tool:
                 scope, so the same arguments (or the same ``key_argument``) in two scopes are
                 two actions, and one scope never reads another's result. A read tool has no
                 key and ignores it.
+            principal: Who is calling, sent in the ``idempotency_principal`` header: the body
+                reads it as ``self.idempotency_principal``; the tasks it enqueues carry it on.
 
         Raises:
-            InvalidKey: ``scope`` is not a valid scope (1 to 64 characters of
-                ``A-Z a-z 0-9 . _ ~ + = / -``). The scope is the caller's, not the model's.
+            InvalidKey: ``scope`` is not a valid scope (1 to 64 characters of ``A-Z a-z 0-9 . _ ~
+                + = / -``), or ``principal`` not printable text of at most 200 characters.
         """
         if scope is not None:
             check_scope(scope)
+        if principal is not None:
+            check_text("principal", principal)
         parsed, problems = self._parse(arguments)
         if problems:
             # Nothing was enqueued: the model can fix the call and try again.
@@ -164,6 +181,8 @@ class Tool:
             options["idempotency_key"] = own
         if gated and scope is not None:
             options["idempotency_scope"] = scope
+        if principal is not None:
+            options["headers"] = {**(options.get("headers") or {}), PRINCIPAL_HEADER: principal}
         key: str | None = None
         try:
             if gated:
@@ -176,15 +195,15 @@ class Tool:
             # The model's key (its key_argument): one it can fix. A bad scope was refused above.
             where = f"argument {self.key_argument!r}: " if own is not None else ""
             return Pending(self, outcome=self._invalid(f"{where}{short(exc)}", key))
-        except (TypeError, ValueError) as exc:
-            return Pending(self, outcome=self._invalid(short(exc), key))
-        except Exception as exc:  # broker down, ...: nothing (or nothing known) was sent
-            # The text can hold a broker URL with its password: the log has it, the model not.
+        except Exception as exc:  # broker down, a key_func's TypeError, ...: nothing was sent
+            # The text can hold a broker URL or a DSN with its password: the log has it, the
+            # model only the type and the error id. Only the model's own mistakes are shown.
             error_id = self._log_failure("could not be started", exc, key, None)
             return Pending(self, outcome=self._error(
                 type(exc).__name__, f"{self.name} could not be started ({type(exc).__name__}; "
                 f"error id {error_id}). Calling it again with the same arguments is safe.",
-                retryable=True, key=key, error_id=error_id))
+                retryable=not isinstance(exc, (TypeError, ValueError)), key=key,
+                error_id=error_id))
         key = getattr(result, "idempotency_key", None) or key
         pending = Pending(self, result=result, key=key, per_call=own is not None, arguments=parsed)
         if gated and not (pending.attached or pending.answered_at_enqueue):
@@ -209,9 +228,8 @@ class Tool:
         try:
             return self._parse_bounded(arguments)
         except Exception as exc:  # a RecursionError or any other surprise of a validator
-            # The docs promise an outcome, never an exception: whatever a hostile input makes
-            # the parser or the schema check do, the call is refused as invalid. No traceback:
-            # a recursion's is a thousand frames, per hostile call.
+            # An outcome, never an exception, whatever a hostile input makes the parser or the
+            # schema check do. No traceback: a recursion's is a thousand frames, per call.
             logger.info("celery_idem.tools %s: arguments refused: %s: %r", self.name,
                         type(exc).__name__, str(exc)[:200])
             return {}, [f"the arguments could not be read ({type(exc).__name__})"]
@@ -241,9 +259,8 @@ class Tool:
         return (parsed if problems else integral(self.parameters, parsed)), problems
 
     def _null_is_default(self, name: str) -> bool:
-        """Whether a null for ``name`` means "not given": OpenAI's strict mode sends null for
-        an optional argument (see ``openai(strict=True)``); when the argument cannot be null,
-        its default applies."""
+        """Whether a null for ``name`` means "not given" (OpenAI's strict mode sends null for an
+        optional argument): when the argument cannot be null, its default applies."""
         prop = self.parameters.get("properties", {}).get(name)
         if not isinstance(prop, Mapping) or "default" not in prop:
             return False
@@ -318,7 +335,6 @@ class Tool:
         """Log ``exc`` in full under a new error id, and return the id (the model gets it)."""
         error_id = uuid.uuid4().hex[:16]
         detail = f"\n{traceback.rstrip()}" if traceback else ""
-        # %r: the text is the exception's own, whatever it holds (a newline cannot forge a line).
         logger.warning("celery_idem.tools %s %s [error_id=%s task_id=%s key=%r]: %s: %r%s",
                        self.name, what, error_id, task_id, key, type(exc).__name__, str(exc),
                        detail, exc_info=exc if exc_info else None)
@@ -336,9 +352,8 @@ class Tool:
         if self._shown(exc):
             text, error_id = f"{kind}: {short(exc)}", None
         else:
-            # An exception's text can hold anything the body had (a DSN with its password, a
-            # token, another customer's data): the model gets the type and an id to quote;
-            # the operator finds the text under that id in the log.
+            # An exception's text can hold anything the body had (a DSN with its password,
+            # another customer's data): the model gets the type and an id the log has it under.
             error_id = self._log_failure("failed", exc, key, task_id, traceback, exc_info)
             text = f"{kind} (the details are in the server's log under error id {error_id})"
         if isinstance(exc, terminal):
@@ -354,14 +369,11 @@ class Tool:
             retryable=True, key=key, task_id=task_id, error_id=error_id)
 
     def _in_progress(self, waited: float, key: str | None, task_id: str | None) -> dict[str, Any]:
-        if self.kind == "write":
-            message = (f"{self.name} is still in progress after {waited:g} s. It is safe to call "
-                       f"it again with the same arguments: the call waits on the same running "
-                       f"action (nothing is sent again, the action will not be done twice), "
-                       f"and returns its result once it is ready.")
-        else:
-            message = (f"{self.name} gave no result within {waited:g} s; it has no effect, so "
-                       f"calling it again is safe.")
+        message = (f"{self.name} is still in progress after {waited:g} s. It is safe to call it "
+                   f"again with the same arguments: the call waits on the same running action "
+                   f"(nothing is sent again, the action will not be done twice), and returns its "
+                   f"result once it is ready." if self.kind == "write" else f"{self.name} gave no "
+                   f"result within {waited:g} s; it has no effect, so calling it again is safe.")
         return self._outcome("in_progress", None, message, key, task_id)
 
     # -- vendor formats --------------------------------------------------------------------

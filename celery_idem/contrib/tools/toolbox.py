@@ -80,7 +80,8 @@ class Toolbox:
                 "message": f"there is no tool named {name!r}; the tools are: "
                            f"{', '.join(self._tools)}"})
         refused = self._refusal(t, arguments, principal)
-        return Pending(t, outcome=refused) if refused else t.start(arguments, scope=scope)
+        return (Pending(t, outcome=refused) if refused
+                else t.start(arguments, scope=scope, principal=principal))
 
     def call(self, name: str, arguments: str | Mapping[str, Any] | None = None,
              timeout: float | None = None, *, scope: str | None = None,
@@ -93,7 +94,8 @@ class Toolbox:
             timeout: Seconds to wait for the result (default: the tool's).
             scope: The caller's scope (default: the toolbox's :attr:`scope`), the task's
                 ``idempotency_scope``: the same key in two scopes is two actions.
-            principal: Who calls, for the ``authorize`` hook (None: a local caller).
+            principal: Who calls: asked of the ``authorize`` hook, and the body's
+                ``self.idempotency_principal`` (None: a local caller).
 
         Returns:
             The outcome dict; never raises for the model's mistakes or the task's errors.
@@ -119,7 +121,7 @@ class Toolbox:
             refused = await asyncio.to_thread(self._refusal, t, arguments, principal)
             if refused is not None:
                 return refused
-        return await t.ainvoke(arguments, timeout, scope=scope)
+        return await t.ainvoke(arguments, timeout, scope=scope, principal=principal)
 
     def _refusal(self, t: Tool, arguments: str | Mapping[str, Any] | None,
                  principal: str | None) -> dict[str, Any] | None:

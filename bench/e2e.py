@@ -166,8 +166,8 @@ NOCHECK = "idem/redis-nocheck"
 #: IdempotentTask on the Redis store whose copies always ask the store (no memory of this
 #: process's own recent messages, ``WithinPublish.RECENT = 0``): the path before it, beside it.
 ASKSTORE = "idem/redis (copies ask the store)"
-#: Suffix of the systems whose apps set ``idempotency_accelerate = False`` (issue 27: the plain
-#: paths measured beside the accelerated ones, interleaved in the same run).
+#: Suffix of the systems whose apps set ``idempotency_accelerate = False``: the plain paths
+#: measured beside the accelerated ones, interleaved in the same run.
 ACCEL_OFF = " (accel off)"
 
 

@@ -94,7 +94,7 @@ def test_two_calls_at_once_run_the_body_once_and_both_get_its_result(live: Env) 
     charge = box()["charge_card"]
     arguments = {"order_id": oid, "amount_cents": 700, "hold": True}
     a, b = charge.start(arguments), charge.start(arguments)
-    # The second attached to the first (issue 26): one message, the same task id
+    # The second attached to the first: one message, the same task id
     assert b.attached and not a.attached and b.task_id == a.task_id
     assert not a.answered_at_enqueue and not b.answered_at_enqueue
     # When the body is let go

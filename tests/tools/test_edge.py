@@ -1,4 +1,4 @@
-"""Tools at the edge of trust (issue 25), through a real ``celery worker``: scopes, reused keys,
+"""Tools at the edge of trust, through a real ``celery worker``: scopes, reused keys,
 failure text, and hostile arguments.
 
 Each test names the weakness it closes; each failed on the code before the issue (a scope was

@@ -92,7 +92,7 @@ async def scenario(client: Client, live: Env) -> None:
         tg.start_soon(call)
         tg.start_soon(call)
         # Both calls are in flight at the server: one message reached the worker (the other
-        # call attached to it at enqueue, issue 26), and its body holds the key.
+        # call attached to it at enqueue), and its body holds the key.
         await anyio.to_thread.run_sync(lambda: wait_for(
             lambda: received_charges(live) >= received + 1, timeout=STEP,
             what="the message at the worker"))

@@ -1,4 +1,4 @@
-"""The MCP server exposed over HTTP (issue 25): the Host/Origin allow-list on every bind, bearer
+"""The MCP server exposed over HTTP: the Host/Origin allow-list on every bind, bearer
 tokens required off loopback, each caller's principal as its scope, and no failure text.
 
 The server is the command a user runs (``celery -A tests.tools.app idem mcp --http ...``) in its

@@ -7,6 +7,7 @@ task's options and signature.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
 import pytest
@@ -148,3 +149,17 @@ def test_header_key_keeps_a_stored_key_and_wraps_a_callers_one(app: Celery) -> N
 ])
 def test_message_time_reads_the_timestamp_property(properties: Any, expected: float | None) -> None:
     assert message_time(Context(properties=properties)) == expected
+
+
+def test_a_naive_message_timestamp_is_utc_whatever_the_local_zone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        stamp = dt.datetime(2027, 1, 1)
+        assert message_time(Context(properties={"timestamp": stamp})) == \
+            stamp.replace(tzinfo=dt.timezone.utc).timestamp()
+    finally:
+        monkeypatch.undo()
+        time.tzset()

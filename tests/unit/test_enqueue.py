@@ -1,4 +1,5 @@
-"""CachedResult and the result codec, in process (eager mode, ``memory://`` store).
+"""celery_idem.enqueue: CachedResult, the answer from the record and the unsendable-argument
+error, in process (eager mode, ``memory://`` store), with the result codec CachedResult carries.
 
 The real-worker counterparts are in tests/integration/test_result_ids.py.
 """
@@ -15,11 +16,14 @@ from celery.result import AsyncResult, GroupResult, ResultSet
 
 from celery_idem import CachedResult, IdempotentTask, TerminalError
 from celery_idem.codec import KombuCodec
+from celery_idem.enqueue import answer_from_record, unsendable
+from celery_idem.exceptions import IdempotencyKeyMismatch
+from celery_idem.records import Record, State
 
 
 @pytest.fixture
 def app() -> Celery:
-    app = Celery("test_cached_result", set_as_current=False)
+    app = Celery("test_enqueue", set_as_current=False)
     app.conf.task_always_eager = True
     app.conf.idempotency_store = "memory://"
     return app
@@ -112,3 +116,58 @@ def test_a_body_returning_an_async_result_is_recorded_and_answered_as_celery_sto
     spawn.delay("s")
     # A duplicate gets what Celery's JSON backend would hand back: the as_tuple() form
     assert spawn.delay("s").get() == [["s-child", None], None]
+
+
+def test_unsendable_names_the_argument_the_serializer_refuses() -> None:
+    error = unsendable("shop.charge", {"order_id": "o-1", "when": object()}, "json",
+                       ValueError("boom"))
+    assert isinstance(error, TypeError)
+    message = str(error)
+    assert "shop.charge" in message and "'when'" in message and "object" in message
+    assert "'json'" in message and "nothing was sent" in message
+    assert "order_id" not in message
+
+
+def test_unsendable_without_a_culprit_blames_the_message() -> None:
+    error = unsendable("shop.charge", {"order_id": "o-1"}, "json", ValueError("boom"))
+    assert str(error) == "shop.charge: the message cannot be encoded: boom; nothing was sent"
+
+
+def _done(task: Any, key: str, value: Any, payload_hash: str | None = None) -> Record:
+    content_type, data = task.idempotency_gate.codec.encode_result(value)
+    return Record(key=key, state=State.DONE, token=3, task_id="orig-id",
+                  payload_hash=payload_hash, content_type=content_type, data=data)
+
+
+def test_answer_from_record_answers_a_done_record_with_its_value(app: Celery) -> None:
+    echo, _, runs = make_tasks(app)
+    rec = _done(echo, "k-done", "stored")
+    answer = answer_from_record(echo, echo.idempotency_gate, None, "k-done", ("x",), {}, None, {},
+                                arguments_hash=lambda: None, record=rec)
+    assert isinstance(answer, CachedResult)
+    assert (answer.id, answer.get(), answer.state) == ("orig-id", "stored", "SUCCESS")
+    assert (answer.original_task_id, answer.idempotency_key) == ("orig-id", "k-done")
+    assert runs == []
+
+
+def test_answer_from_record_publishes_when_the_key_is_not_done(app: Celery) -> None:
+    echo, _, _ = make_tasks(app)
+    gate = echo.idempotency_gate
+    running = Record(key="k-run", state=State.IN_PROGRESS, token=1, task_id="t")
+    assert answer_from_record(echo, gate, None, "k-run", (), {}, None, {},
+                              arguments_hash=lambda: None, record=running) is None
+    # Read from the store when not given: an unknown key has no record
+    assert answer_from_record(echo, gate, None, "k-absent", (), {}, None, {},
+                              arguments_hash=lambda: None) is None
+
+
+def test_answer_from_record_refuses_other_arguments_under_the_same_key(app: Celery) -> None:
+    echo, _, _ = make_tasks(app)
+    rec = _done(echo, "k-fp", "stored", payload_hash="first")
+    with pytest.raises(IdempotencyKeyMismatch, match="different arguments") as info:
+        answer_from_record(echo, echo.idempotency_gate, None, "k-fp", (), {}, None, {},
+                           arguments_hash=lambda: "second", record=rec)
+    assert info.value.key == "k-fp"
+    same = answer_from_record(echo, echo.idempotency_gate, None, "k-fp", (), {}, None, {},
+                              arguments_hash=lambda: "first", record=rec)
+    assert same is not None and same.get() == "stored"

@@ -147,8 +147,4 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "handle's value is known already, only a join_native barrier waits longer"),
     PrivateName("celery", "WorkController._conninfo", "compat.py:worker_connection",
                 "celery 5.4.0-5.7.0", "a warning's broker driver; missing: the app's "
-                "connection_for_read(), the same driver"),
-    PrivateName("mcp", "StreamableHTTPSessionManager._server_instances",
-                "contrib/mcp.py:http_app", "mcp 2.3.0 (pinned <3)", "the open sessions a "
-                "principal's cap counts; missing: AttributeError at the first request, "
-                "caught by tests/tools/test_mcp_limits.py"))
+                "connection_for_read(), the same driver"))

@@ -41,9 +41,8 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
             body: Callable[[int], Any], started: float) -> Any:
     """Run ``body`` (given the fencing token) through ``gate`` for ``task``'s current request,
     under its time limit (from ``started``, monotonic), and return the body's or the recorded
-    result. A busy key or a store outage re-publishes the message (:func:`requeue`); after
-    ``idempotency_store_requeues`` outage re-queues the caller's result is a ``StoreUnavailable``
-    failure naming the store, and the message stays queued; eager or direct calls wait or raise."""
+    result. A busy key or a store outage re-publishes the message (:func:`requeue`; past
+    ``idempotency_store_requeues``, the caller is told); eager or direct calls wait or raise."""
     req = task.request
     local = req.is_eager or req.called_directly
     # No pool enforces a limit in the calling process (eager mode, a direct call).
@@ -76,8 +75,7 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
             emit_decision(task, Outcome.REQUEUED, attempt.key, 0, req.id or "",
                           {"reason": "store_unavailable"})
             if limit is not None and outages == limit:
-                # The caller is told, and the message is kept: it stays queued and runs once
-                # the store answers (a re-send is answered from the record then).
+                # The caller is told, and the message is kept (it runs once the store answers).
                 where = getattr(gate.store, "location", None) or repr(gate.store)  # no password
                 told = StoreUnavailable(
                     f"the idempotency store ({where}) could not be used on {outages + 1} deliveries"
@@ -85,12 +83,11 @@ def deliver(task: Task, gate: Gate, writer: ResultWriter | None, attempt: Attemp
                     f" {str(down).rstrip('.')}. The task did not run yet; its message stays queued"
                     f" and runs once the store answers")
                 republish(task, requeue_delay(outages), OUTAGE_HEADER)
-                # A backend down too: the caller waits, and nothing is lost either.
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # a backend down too: the caller waits
                     task.backend.mark_as_failure(req.id, told, request=req, call_errbacks=False)
-                logger.warning("celery_idem store unavailable: task %s[%s] key=%s failed for its "
-                               "caller after %d re-queues; its message stays queued: %s",
-                               task.name, req.id, attempt.key, outages, down)
+                logger.warning("celery_idem store unavailable: task %s[%s] key=%s failed for its caller"
+                               " after %d re-queues; its message stays queued: %s", task.name,
+                               req.id, attempt.key, outages, down)
                 raise Ignore() from down
             log_store_down(task.name, req.id or "", attempt.key, down, outages, limit)
             requeue(task, countdown=requeue_delay(outages), reason=str(down), exc=down,
@@ -113,8 +110,7 @@ def write_result(writer: ResultWriter, req: Any, outcome: RunOutcome[Any]) -> No
 
 def republish(task: Task, countdown: float, counter: str = REQUEUES_HEADER) -> Any:
     """Publish the current message again (same id and ``retries``, header ``counter`` + 1) and
-    return its signature; raise ``Reject(requeue=True)`` when it cannot be published, so the
-    broker keeps this delivery instead."""
+    return its signature; ``Reject(requeue=True)`` when it cannot be published."""
     req = task.request
     headers = dict(req.headers or {})
     headers[counter] = int(headers.get(counter, 0)) + 1
@@ -130,7 +126,6 @@ def republish(task: Task, countdown: float, counter: str = REQUEUES_HEADER) -> A
 
 def requeue(task: Task, countdown: float, reason: str, exc: BaseException | None = None,
             counter: str = REQUEUES_HEADER) -> NoReturn:
-    """Publish the current message again (:func:`republish`) and raise ``Retry`` (Celery
-    acknowledges this delivery)."""
+    """:func:`republish`, then raise ``Retry`` (Celery acknowledges this delivery)."""
     sig = republish(task, countdown, counter)
     raise Retry(f"celery_idem re-queued: {reason}", exc=exc, when=countdown, sig=sig)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
+from celery import signals
 from celery.app.task import Context
 
 from . import keys
@@ -19,12 +21,20 @@ from .exceptions import InvalidKey
 
 __all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "SCOPED_BODY",
            "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request", "fingerprint_of",
-           "header_key", "identify", "message_time"]
+           "header_key", "identify", "message_time", "scheduled_send"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
 #: Message header Celery beat sets on every message it sends: a send of the schedule.
 BEAT_HEADER = "celery_beat_task"
+_BEAT = threading.local()  # marks a beat service's thread, for a beat that sets no header
+for _signal in (signals.beat_init, signals.beat_embedded_init):
+    _signal.connect(lambda **_: setattr(_BEAT, "on", True), weak=False)
+
+
+def scheduled_send(headers: Mapping[str, Any]) -> bool:
+    """Whether a publish is beat's send of the schedule (beat's header, or a beat thread's)."""
+    return bool(headers.get(BEAT_HEADER)) or getattr(_BEAT, "on", False)
 #: Message header naming who asked for the action (``IdempotentTask.idempotency_principal``).
 PRINCIPAL_HEADER = "idempotency_principal"
 #: Set once a scoped body ran in this thread: only then does an enqueue look its parent up (µs).

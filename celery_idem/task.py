@@ -340,7 +340,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 identity.fingerprint_of, self, tuple(args or ()), dict(kwargs or {}), per_call)
         else:
             key, fingerprint = identity.identify(self, args, kwargs, explicit, scope,
-                                                 scheduled=bool(headers.get(BEAT_HEADER)))
+                                                 scheduled=identity.scheduled_send(headers))
         headers[HEADER] = key
         # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
         # answering it from the cache would strand the retry or drop the rest of the workflow.

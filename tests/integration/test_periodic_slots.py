@@ -7,7 +7,10 @@ beat's send of :40.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+from celery import signals
 from celery.beat import ScheduleEntry, Scheduler
 
 from celery_idem import identity
@@ -35,9 +38,17 @@ def test_an_ad_hoc_call_does_not_take_the_next_scheduled_slot(
     beat = Scheduler(app=cluster.app, lazy=True)
     entry = ScheduleEntry(name="report", task=task.name, schedule=10.0, app=cluster.app)
     sends = []
-    for at in (BASE + 39.8, BASE + 40.6):  # beat's tick of :40, a moment early and a moment late
-        now[0] = at
-        sends.append(beat.apply_async(entry, advance=False))
+
+    def beat_service() -> None:  # a beat service's thread, as `celery beat` runs one
+        signals.beat_init.send(sender=beat)  # a Celery whose beat sets no header needs this
+        for at in (BASE + 39.8, BASE + 40.6):  # beat's tick of :40, a moment early and late
+            now[0] = at
+            sends.append(beat.apply_async(entry, advance=False))
+
+    service = threading.Thread(target=beat_service)
+    service.start()
+    service.join(timeout=60)
+    assert len(sends) == 2
     assert sends[0].get(timeout=30) == slot(BASE + 40)  # beat's :40 run is not suppressed
     assert sends[1].id == sends[0].id  # the late copy is answered by (or attached to) the first
     now[0] = BASE + 41.0  # an ad-hoc call after the tick: the current slot, :40's record

@@ -338,7 +338,11 @@ def run(cfg: Config, log: Any = sys.stderr) -> Report:
         while not stack.queue_empty() and time.monotonic() < drain:
             time.sleep(0.25)
         stack.proxy.drop_rate = 0.0  # type: ignore[attr-defined]
-        poll_states(stack, copies)
+        # A copy re-queued with a countdown (at most BUSY_MAX, 5 s) is held by a worker, not in
+        # the queue: give the states the time of two such countdowns to settle.
+        settle = max(drain, time.monotonic() + 10.0)
+        while poll_states(stack, copies) and time.monotonic() < settle:
+            time.sleep(0.25)
         analyse(stack, copies, faults, killer, report)
         report.elapsed = round(time.monotonic() - started, 1)
         keep_logs = not report.ok

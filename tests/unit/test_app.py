@@ -104,7 +104,7 @@ def test_answers_log_at_debug_when_asked(caplog: pytest.LogCaptureFixture) -> No
 
 
 def test_worker_start_switches_events_on_when_the_worker_sends_them() -> None:
-    quiet, loud = make_app(), make_app()
+    quiet, loud = make_app(idempotency_store="memory://"), make_app(idempotency_store="memory://")
     check_worker(SimpleNamespace(app=quiet, task_events=False))
     check_worker(SimpleNamespace(app=loud, task_events=True))
     assert not events_enabled(quiet)

@@ -30,7 +30,7 @@ from .app import emit_decision, get_store, owner_id
 from .codec import KombuCodec
 from .compat import push_fresh_request
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
-from .delivery import REQUEUES_HEADER, deliver
+from .delivery import OUTAGE_HEADER, REQUEUES_HEADER, deliver
 from .enqueue import Answer, CachedResult, EnqueueRequest, Publish, ReadFirst, unsendable
 from .exceptions import ImproperlyConfigured
 from .gate import Attempt, Gate
@@ -342,10 +342,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             key, fingerprint = identity.identify(self, args, kwargs, explicit, scope,
                                                  scheduled=identity.scheduled_send(headers))
         headers[HEADER] = key
-        # A publish by the task itself (retry, re-queue) or one that carries a canvas must go out:
-        # answering it from the cache would strand the retry or drop the rest of the workflow.
-        # A chain's last step (chain=[]) and a link callback are answered, under their own id.
-        republish = bool(options.get("retries")) or REQUEUES_HEADER in headers
+        # A publish by the task itself (retry, re-queue) or one carrying a canvas must go out (an
+        # answer would strand it); a chain's last step and a link callback are answered.
+        republish = bool(options.get("retries")) or REQUEUES_HEADER in headers \
+            or OUTAGE_HEADER in headers
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Claim", "ClaimStatus", "Receipt", "Record", "Reservation", "State"]
+__all__ = ["Claim", "ClaimStatus", "Intent", "Receipt", "Record", "Reservation", "State"]
 
 
 class State(str, enum.Enum):
@@ -132,3 +132,27 @@ class Reservation:
 
     task_id: str
     fingerprint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """A message the store keeps until an attempt records its action's outcome (the relay re-sends
+    it when it is due and lost; ``idempotency_intent``, docs/reliability.md).
+
+    Attributes:
+        key: The stored idempotency key (the scope included), without the store's prefix.
+        task_id: The message's task id (a re-sent message keeps it, so its caller's handle answers).
+        queue: The queue the message went to (the relay asks the broker for its length).
+        message: The encoded message (:func:`celery_idem.intents.encode_envelope`), opaque to stores.
+        enqueued: Store clock (epoch seconds) when it was written or last re-sent.
+        deadline: Store clock after which the relay looks at it.
+        expires: Store clock after which it is stale: its record may be gone, it is never re-sent.
+    """
+
+    key: str
+    task_id: str
+    queue: str
+    message: bytes = field(repr=False)
+    enqueued: float
+    deadline: float
+    expires: float

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from ..config import DEFAULT_PREFIX
 from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost
-from ..records import Claim, Record, Reservation, State
+from ..records import Claim, Intent, Record, Reservation, State
 
 __all__ = ["BackendWrite", "ClaimRaced", "DurabilityFinding", "Fence", "Store", "lease_lost",
            "mysql_byte_collation", "new_claim_id", "next_token", "record_from_row"]
@@ -314,6 +314,52 @@ class Store(abc.ABC):
 
     def unreserve(self, key: str, task_id: str) -> None:  # noqa: B027 - optional hook
         """Drop ``task_id``'s reservation of ``key`` (its publish failed); others are kept."""
+
+    # -- intents (``idempotency_intent``; optional) ---------------------------------------------
+
+    #: Whether the store keeps intents (the verbs below). A task with ``idempotency_intent``
+    #: refuses a store without them when the worker starts and at its first enqueue.
+    keeps_intents: ClassVar[bool] = False
+
+    def _no_intents(self) -> ImproperlyConfigured:
+        return ImproperlyConfigured(f"{type(self).__name__} keeps no intents (idempotency_intent)")
+
+    def intend(self, key: str, task_id: str, queue: str, message: bytes, *, relay_after: float,
+               ttl: float, eta: float | None = None) -> Intent:
+        """Write (or replace) ``key``'s intent: ``enqueued`` is the store's now, ``deadline``
+        ``max(now, eta) + relay_after``, ``expires`` ``now + ttl``. One round trip.
+
+        Raises:
+            StoreUnavailable: The store could not be reached (the enqueue sends nothing).
+        """
+        raise self._no_intents()
+
+    def due_intents(self, limit: int = 500) -> list[tuple[Intent, Record | None]]:
+        """Up to ``limit`` intents whose deadline has passed (earliest first), stale ones included,
+        each with its key's record (None: absent, or only reserved). One round trip."""
+        raise self._no_intents()
+
+    def reschedule_intent(self, intent: Intent, deadline: float, *, resent: bool = False) -> bool:
+        """Move ``intent``'s deadline if the store still holds it as read (same task id and
+        deadline): how relays agree which of them re-sends. ``resent`` also sets ``enqueued`` to
+        the store's now. False: another relay moved it first, or it is closed."""
+        raise self._no_intents()
+
+    def close_intent(self, key: str, task_id: str) -> None:
+        """Drop ``key``'s intent if it is still ``task_id``'s (its outcome is recorded, or it is stale)."""
+        raise self._no_intents()
+
+    def intents(self, count: int = 100) -> Iterator[Intent]:
+        """Every intent, in batches of about ``count`` (for operators; not atomic as a whole)."""
+        raise self._no_intents()
+
+    def watermarks(self) -> dict[str, float]:
+        """Per queue, the newest ``enqueued`` of an intent a relay saw claimed."""
+        raise self._no_intents()
+
+    def raise_watermarks(self, marks: Mapping[str, float]) -> None:
+        """Set each queue's watermark to the larger of the stored one and ``marks``'."""
+        raise self._no_intents()
 
     # -- operator verbs (the CLI; never on a task's path) ---------------------------------------
 

@@ -83,9 +83,12 @@ def test_pydantic_arguments_are_dumped_as_celery_sends_them(app: Celery) -> None
     def charge(order: Order, note: str = "") -> str:
         return order.order_id
 
-    args, kwargs = dump_pydantic_arguments(charge, (Order(order_id="o-1", amount_cents=5),),
-                                           {"note": "n"})
-    assert list(args) == [{"order_id": "o-1", "amount_cents": 5}]
+    order = Order(order_id="o-1", amount_cents=5)
+    args, kwargs = dump_pydantic_arguments(charge, (order,), {"note": "n"})
+    if hasattr(charge, "_dump_pydantic_arguments"):  # Celery >= 5.7 dumps in apply_async
+        assert list(args) == [{"order_id": "o-1", "amount_cents": 5}]
+    else:  # older Celerys send the model as given (their serializer decides)
+        assert list(args) == [order]
     assert dict(kwargs) == {"note": "n"}
 
 

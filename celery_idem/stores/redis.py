@@ -25,7 +25,6 @@ from ..exceptions import CorruptRecord, ImproperlyConfigured, LeaseLost, StoreUn
 from ..records import Claim, ClaimStatus, Record, Reservation, State
 from .base import BackendWrite, DurabilityFinding, Store, new_claim_id
 from .redis_durability import config_get, durability_findings, text
-from .redis_intents import RedisIntents
 from .redis_format import (
     MARK,
     STATE_CODE,
@@ -36,6 +35,7 @@ from .redis_format import (
     refuse_nul,
     unreadable,
 )
+from .redis_intents import RedisIntents
 
 if TYPE_CHECKING:
     from .redis_wire import WireScripts

@@ -32,10 +32,10 @@ d = d + tonumber(ARGV[4])
 local x = now + tonumber(ARGV[5])
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 't', ARGV[1], 'q', ARGV[2], 'm', ARGV[3], 'e', now, 'd', d, 'x', x)
-redis.call('PEXPIRE', KEYS[1], x - now + %d)
+redis.call('PEXPIRE', KEYS[1], x - now + KEPT)
 redis.call('ZADD', KEYS[2], d, ARGV[7])
 return {now, d, x}
-""" % _STALE_KEPT_MS
+""".replace("KEPT", str(_STALE_KEPT_MS))
 
 _DUE = _NOW + """
 local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ..records import Intent, Record
 from .redis_durability import text
@@ -101,7 +101,7 @@ class RedisIntents:
     """The intent verbs of :class:`~celery_idem.stores.redis.RedisStore` (a mixin: it runs the
     store's client, prefix and error mapping)."""
 
-    keeps_intents = True
+    keeps_intents: ClassVar[bool] = True
 
     def _intent_script(self: _Host, name: str, source: str) -> Any:
         scripts: dict[str, Any] = self.__dict__.setdefault("_intent_scripts", {})

@@ -12,7 +12,8 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from .config import settings
 from .exceptions import ImproperlyConfigured
 from .identity import HEADER
 
-__all__ = ["Envelope", "IntentProducer", "IntentTooLarge", "decode_envelope", "encode_envelope",
+__all__ = ["FUSED", "Envelope", "IntentProducer", "IntentTooLarge", "decode_envelope", "encode_envelope",
            "publish_envelope", "write_intent"]
 
 #: The envelope's format version (a relay refuses one it does not know).
@@ -208,5 +209,16 @@ def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers:
     expires = envelope.expires()
     if expires is not None:  # an expired message is discarded by the worker: never re-sent
         ttl = max(0.001, min(ttl, expires - store.now()))
-    store.intend(str(headers[HEADER]), envelope.task_id, envelope.queue, message,
-                 relay_after=conf.relay_after, ttl=ttl, eta=envelope.eta())
+    key = str(headers[HEADER])
+    fused = FUSED.get()
+    if fused is not None and fused(store, key, envelope.task_id, envelope.queue, message,
+                                   conf.relay_after, ttl, envelope.eta()):
+        return  # written by the publish's own script
+    store.intend(key, envelope.task_id, envelope.queue, message, relay_after=conf.relay_after,
+                 ttl=ttl, eta=envelope.eta())
+
+
+#: Set by a publish that can write the intent in its own round trip (the enqueue check within
+#: the Redis publish): ``(store, key, task_id, queue, message, relay_after, ttl, eta) -> bool``,
+#: True when it took the intent to write with the message.
+FUSED: ContextVar[Callable[..., bool] | None] = ContextVar("celery_idem_fused_intent", default=None)

@@ -168,16 +168,30 @@ class IntentProducer:
 
     def publish(self, body: Any, **kwargs: Any) -> Any:
         headers = kwargs.get("headers") or {}
-        if HEADER in headers:
-            properties = {k: v for k, v in kwargs.items() if k not in _NOT_PROPERTIES and v is not None}
-            write_intent(self._task, body, kwargs.get("exchange"), kwargs.get("routing_key"),
-                         headers, properties, kwargs.get("declare"), kwargs.get("serializer"))
-        return self._producer.publish(body, **kwargs)
+        if HEADER not in headers:
+            return self._producer.publish(body, **kwargs)
+        defer = self._task.idempotency_gate.store.deferring()
+        properties = {k: v for k, v in kwargs.items() if k not in _NOT_PROPERTIES and v is not None}
+        write_intent(self._task, body, kwargs.get("exchange"), kwargs.get("routing_key"),
+                     headers, properties, kwargs.get("declare"), kwargs.get("serializer"),
+                     fused=defer is None)
+        if defer is None:
+            return self._producer.publish(body, **kwargs)
+        # In the caller's transaction: sent once it commits (a rollback sends nothing; a crash
+        # after the commit leaves the committed intent to the relay).
+        app = self._task.app
+        defer(lambda: _publish_later(app, body, kwargs))
+        return None
+
+
+def _publish_later(app: Any, body: Any, kwargs: Mapping[str, Any]) -> None:
+    with app.producer_or_acquire() as producer:
+        producer.publish(body, **kwargs)
 
 
 def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers: Mapping[str, Any],
                  properties: Mapping[str, Any], declare: Sequence[Any] | None,
-                 serializer: str | None = None) -> None:
+                 serializer: str | None = None, *, fused: bool = True) -> None:
     """Encode the message ``task`` is about to send and write it as its key's intent.
 
     Raises:
@@ -210,8 +224,8 @@ def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers:
     if expires is not None:  # an expired message is discarded by the worker: never re-sent
         ttl = max(0.001, min(ttl, expires - store.now()))
     key = str(headers[HEADER])
-    fused = FUSED.get()
-    if fused is not None and fused(store, key, envelope.task_id, envelope.queue, message,
+    take = FUSED.get() if fused else None
+    if take is not None and take(store, key, envelope.task_id, envelope.queue, message,
                                    conf.relay_after, ttl, envelope.eta()):
         return  # written by the publish's own script
     store.intend(key, envelope.task_id, envelope.queue, message, relay_after=conf.relay_after,

@@ -48,8 +48,11 @@ class IntentSQL:
         cols = ", ".join(q(c) for c in INTENT_COLUMNS)
         icols = ", ".join(f"i.{q(c)}" for c in INTENT_COLUMNS)
         greatest = "max" if vendor == "sqlite" else "GREATEST"
-        # An exact comparison (LIKE is case-insensitive on SQLite and needs escaping).
-        own = (lambda col: f"substr({col}, 1, {len(prefix)}) = {p}") if prefix else (lambda col: "1 = 1")
+
+        def own(column: str) -> str:
+            """This prefix's rows: an exact comparison (LIKE is case-insensitive on SQLite)."""
+            return f"substr({column}, 1, {len(prefix)}) = {p}" if prefix else "1 = 1"
+
         self.own_params: list[Any] = [prefix] if prefix else []
         replace = ", ".join(f"{q(c)} = {self._new(q, c)}" for c in INTENT_COLUMNS[1:])
         if vendor == "mysql":
@@ -94,7 +97,7 @@ class IntentSQL:
 
     def raise_watermarks(self, count: int) -> str:
         """The upsert of ``count`` watermarks (``queue, enqueued`` parameters, in row order)."""
-        return self._raise.format(rows=", ".join([self._row] * count))
+        return self._raise.replace("{rows}", ", ".join([self._row] * count))
 
 
 class SQLIntents(Store):

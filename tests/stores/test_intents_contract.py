@@ -16,8 +16,12 @@ from celery_idem.records import Claim, Intent, Record, State
 from celery_idem.stores.base import Store
 from tests.django.support import django_databases  # noqa: F401 - a fixture used by name
 
+from . import test_contract
 from .support import LONG, claim, poll
-from .test_contract import MakeStore, done, make_store, store  # noqa: F401 - fixtures used by name
+from .test_contract import MakeStore, done
+
+# test_contract's store kinds: one store per kind, with its prefix and clean-up.
+make_store, store = test_contract.make_store, test_contract.store
 
 MESSAGE = b'{"body": "\x00\xff\xfe"}' + bytes(range(256))
 SHORT = 0.2  # a relay_after that passes within a test
@@ -166,7 +170,7 @@ def test_odd_keys_and_queues_and_every_message_byte_round_trip(store: Store) -> 
     assert sorted(i.key for i in store.intents()) == sorted(keys[:3])
 
 
-def test_another_prefix_sees_none_of_the_intents_or_watermarks(make_store: MakeStore) -> None:  # noqa: F811
+def test_another_prefix_sees_none_of_the_intents_or_watermarks(make_store: MakeStore) -> None:
     ours, theirs = make_store(), make_store("other-app:")
     intend(ours, relay_after=0)
     ours.raise_watermarks({"q": 5.0})

@@ -229,13 +229,18 @@ class SQLStore(SQLIntents):
         with self._table_lock:
             if self._table_ready:
                 return
-            try:
-                self._table.metadata.create_all(self._engine, checkfirst=True)
-            except sa_exc.DBAPIError:
-                # Another worker created them between our check and our CREATE: as good as ours.
-                inspector = sa.inspect(self._engine)
-                if not all(inspector.has_table(name) for name in self._table.metadata.tables):
-                    raise
+            for run in range(len(self._table.metadata.tables)):
+                try:
+                    self._table.metadata.create_all(self._engine, checkfirst=True)
+                    break
+                except sa_exc.DBAPIError:
+                    # Another worker created one between our check and our CREATE: as good as
+                    # ours; the next run creates those still missing.
+                    inspector = sa.inspect(self._engine)
+                    if all(inspector.has_table(name) for name in self._table.metadata.tables):
+                        break
+                    if run == len(self._table.metadata.tables) - 1:
+                        raise
             add_missing_columns(self._engine, self._table)
             self._table_ready = True
 

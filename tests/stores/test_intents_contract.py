@@ -14,6 +14,7 @@ import pytest
 from celery_idem.exceptions import ImproperlyConfigured
 from celery_idem.records import Claim, Intent, Record, State
 from celery_idem.stores.base import Store
+from tests.conftest import store_kinds
 from tests.django.support import django_databases  # noqa: F401 - a fixture used by name
 
 from . import test_contract
@@ -180,6 +181,32 @@ def test_another_prefix_sees_none_of_the_intents_or_watermarks(make_store: MakeS
     assert theirs.watermarks() == {}
     theirs.close_intent("k", "t1")
     assert only(ours.intents()).key == "k"
+
+
+@pytest.mark.parametrize("make_store", store_kinds("django-sqlite", "django-postgresql", "django-mysql"),
+                         indirect=True)
+def test_in_a_django_transaction_the_intent_commits_with_it_and_the_send_waits_for_the_commit(
+    make_store: MakeStore,
+) -> None:
+    from django.db import transaction
+
+    store = make_store()
+    assert store.deferring() is None  # autocommit: nothing to wait for
+    ran: list[str] = []
+    with pytest.raises(RuntimeError), transaction.atomic(using=store.using):  # type: ignore[attr-defined]
+        defer = store.deferring()
+        assert defer is not None
+        intend(store, "rolled back")
+        defer(lambda: ran.append("rolled back"))
+        raise RuntimeError
+    with transaction.atomic(using=store.using):  # type: ignore[attr-defined]
+        intend(store, "committed")
+        defer = store.deferring()
+        assert defer is not None
+        defer(lambda: ran.append("committed"))
+        assert ran == []
+    assert ran == ["committed"]
+    assert [i.key for i in store.intents()] == ["committed"]
 
 
 class NoIntents(Store):

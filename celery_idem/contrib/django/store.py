@@ -29,7 +29,8 @@ committed or rolled back with the caller's transaction, as any ORM write would b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -220,6 +221,15 @@ class DjangoStore(SQLIntents):
         with self._cursor() as cursor:
             cursor.execute(sql, params)
             return cursor.rowcount, cursor.fetchall() if cursor.description else []
+
+    def deferring(self) -> Callable[[Callable[[], None]], None] | None:
+        """Inside ``transaction.atomic()`` on the store's alias (the verbs join it): Django's
+        ``on_commit`` for it; None in autocommit."""
+        if not self.connection.in_atomic_block:
+            return None
+        from django.db import transaction
+
+        return functools.partial(transaction.on_commit, using=self.using)
 
     def _record(self, row: Sequence[Any]) -> Record:
         return record_from_row(dict(zip(COLUMNS, row, strict=False)), self.prefix, self.table_name)

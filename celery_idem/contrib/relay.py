@@ -1,20 +1,11 @@
 """The relay: re-sends an intent's message when it is due and lost (``idempotency_intent``).
 
 A task enqueued with ``idempotency_intent=True`` leaves its encoded message in the store until
-an attempt records the key's outcome. A relay looks at every intent whose deadline has passed
-and decides, with :func:`decide` (pure: no store, no broker):
-
-1. stale (its record's ttl has passed): close it, never re-send, WARNING;
-2. the key is done or failed: close it (its queue's watermark rises to its ``enqueued``);
-3. an attempt holds a live lease: look again when the lease ends plus ``relay_after``;
-4. otherwise (never claimed, released, lease expired) re-send it, unless it was never claimed
-   and may still wait in its queue: the queue is not empty and no message enqueued after it on
-   that queue was seen claimed (its ``enqueued`` is above the queue's watermark).
-
-A re-send first wins the store's compare-and-set (:meth:`Store.reschedule_intent` with
-``resent=True``), so of several relays (one per worker) exactly one sends; then it publishes
-the message as it was first sent, task id included, and logs
-``celery_idem relayed key=... task_id=... reason=...`` at WARNING.
+an attempt records the key's outcome. A relay decides what to do with each intent whose deadline
+has passed with :func:`decide` (pure: no store, no broker). A re-send first wins the store's
+compare-and-set (:meth:`Store.reschedule_intent` with ``resent=True``), so of several relays
+(one per worker) one sends; then it publishes the message as it was first sent, task id
+included, and logs ``celery_idem relayed key=... task_id=... reason=...`` at WARNING.
 
 Workers start a relay in a daemon thread (a greenlet under gevent or eventlet) when the app's
 store keeps intents and a task of the app enqueues them, unless ``idempotency_relay = False``.
@@ -29,7 +20,7 @@ import importlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,21 +78,23 @@ def _claimed(record: Record | None, now: float) -> float | None:
     return record.lease_expires if record.lease_expires > now else None
 
 
-def _may_wait(intent: Intent, record: Record | None, now: float, watermark: float) -> bool:
-    """Whether the queue's length matters: never claimed, not stale, not overtaken."""
-    return record is None and intent.expires > now and intent.enqueued > watermark
-
-
 def decide(intent: Intent, record: Record | None, now: float, queue_length: int,
            watermark: float, relay_after: float = 60.0) -> Action:
     """Decide what to do with one due intent (pure: the caller reads and writes).
+
+    1. stale (its record's ttl has passed): close it, never re-send;
+    2. the key is done or failed: close it (its queue's watermark rises to its ``enqueued``);
+    3. an attempt holds a live lease: look again when the lease ends plus ``relay_after``;
+    4. otherwise (never claimed, released, lease expired) re-send it, unless it was never
+       claimed and may still wait in its queue: the queue is not empty and no message enqueued
+       after it on that queue was seen claimed (``enqueued`` above the queue's watermark).
 
     Args:
         intent: The intent, as :meth:`Store.due_intents` returned it.
         record: Its key's record (None: absent or only reserved).
         now: The store's clock.
-        queue_length: Messages in the intent's queue (read only when it matters: see
-            :func:`_may_wait`; 0 for a missing queue).
+        queue_length: Messages in the intent's queue (0 for a missing queue; the relay reads
+            it only for a fresh, never claimed intent above the watermark).
         watermark: The queue's watermark: the newest ``enqueued`` of an intent seen claimed.
         relay_after: Seconds to the next look after a postponement, a wait or a re-send.
     """
@@ -190,7 +183,7 @@ class Relay:
         # Claims anywhere in the batch show what their queue has delivered: learn them first.
         seen: dict[str, float] = {}
         for intent, record in due:
-            if intent.expires > now and decide(intent, record, now, 0, 0.0).watermark is not None:
+            if decide(intent, record, now, 0, 0.0).watermark is not None:
                 seen[intent.queue] = max(seen.get(intent.queue, 0.0), intent.enqueued)
         raised = {q: m for q, m in seen.items() if m > marks.get(q, 0.0)}
         marks.update(raised)
@@ -199,10 +192,11 @@ class Relay:
         counts = dict.fromkeys(Kind, 0)
         oldest: dict[str, float] = {}
         resends: list[Resend] = []
-        with self._broker() as broker:
+        with contextlib.closing(_Broker(self.app)) as broker:
             for intent, record in due:
                 mark = marks.get(intent.queue, 0.0)
-                length = broker.length(intent.queue) if _may_wait(intent, record, now, mark) else 0
+                may_wait = record is None and intent.expires > now and intent.enqueued > mark
+                length = broker.length(intent.queue) if may_wait else 0
                 action = decide(intent, record, now, length, mark, self.relay_after)
                 if action.kind is Kind.RESEND and not self._resend(intent, action, broker):
                     continue  # another relay moved it first
@@ -247,10 +241,10 @@ class Relay:
         if not self.dry_run:
             if not self.store.reschedule_intent(intent, action.deadline or 0.0, resent=True):
                 return False
-            broker.publish(intent)
+            task_name = broker.publish(intent)
             logger.warning("celery_idem relayed key=%s task_id=%s reason=%s", intent.key,
                            intent.task_id, action.reason)
-            self._notify(intent, action.reason, broker.task_name(intent))
+            self._notify(intent, action.reason, task_name)
         return True
 
     def _notify(self, intent: Intent, reason: str, task_name: str) -> None:
@@ -268,14 +262,6 @@ class Relay:
                                 at="relay")
         except Exception as exc:  # monitoring must never change what the relay did
             logger.debug("celery_idem event not sent key=%s: %s", intent.key, exc)
-
-    @contextlib.contextmanager
-    def _broker(self) -> Iterator[_Broker]:
-        broker = _Broker(self.app)
-        try:
-            yield broker
-        finally:
-            broker.close()
 
 
 class _Broker:
@@ -298,26 +284,25 @@ class _Broker:
         return self._producer
 
     def length(self, queue: str) -> int:
-        if queue not in self.lengths:
-            self.lengths[queue] = self._read_length(queue)
-        return self.lengths[queue]
-
-    def _read_length(self, queue: str) -> int:
+        """Messages in ``queue``, read once per pass (a missing queue has none)."""
+        if queue in self.lengths:
+            return self.lengths[queue]
         conn = self.producer.connection
-        if self._channel is None:
-            self._channel = conn.channel()
+        self._channel = self._channel or conn.channel()
         try:
-            return int(self._channel.queue_declare(queue=queue, passive=True).message_count)
+            found = int(self._channel.queue_declare(queue=queue, passive=True).message_count)
         except (ChannelError, *conn.channel_errors) as exc:
             # A missing queue: RabbitMQ answers 404 and closes the channel; take a fresh one.
             with contextlib.suppress(Exception):
                 self._channel.close()
-            self._channel = None
+            self._channel, found = None, 0
             if getattr(exc, "reply_code", 404) != 404:
                 raise
-            return 0
+        self.lengths[queue] = found
+        return found
 
-    def publish(self, intent: Intent) -> None:
+    def publish(self, intent: Intent) -> str:
+        """Send ``intent``'s message as it was first sent; its task's name."""
         from ..intents import decode_envelope, publish_envelope
 
         envelope = decode_envelope(intent.message)
@@ -326,6 +311,7 @@ class _Broker:
             self._queue(intent, envelope)(producer.channel).declare()
             self.declared.add(intent.queue)
         publish_envelope(self.app, envelope, producer)
+        return str((getattr(envelope, "headers", None) or {}).get("task", ""))
 
     def _queue(self, intent: Intent, envelope: Any) -> Any:
         """The app's own queue of that name (its exchange and bindings), else one bound to the
@@ -334,13 +320,6 @@ class _Broker:
         exchange = getattr(envelope, "exchange", "") or intent.queue
         return known or entity.Queue(intent.queue, entity.Exchange(exchange),  # type: ignore[no-untyped-call]
                                      routing_key=getattr(envelope, "routing_key", "") or intent.queue)
-
-    @staticmethod
-    def task_name(intent: Intent) -> str:
-        from ..intents import decode_envelope
-
-        headers = getattr(decode_envelope(intent.message), "headers", None) or {}
-        return str(headers.get("task", ""))
 
     def close(self) -> None:
         if self._channel is not None:
@@ -414,11 +393,9 @@ def stop_relay(app: Celery) -> None:
 
 @worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
 def _on_ready(sender: Any = None, **_: Any) -> None:
-    app = getattr(sender, "app", None)
-    if app is None:
-        return
     try:
-        start_relay(app, sender)
+        if getattr(sender, "app", None) is not None:
+            start_relay(sender.app, sender)
     except Exception:  # the relay is an add-on: a worker runs its tasks without it
         logger.exception("celery_idem could not start the relay")
 

@@ -31,6 +31,7 @@ from kombu.exceptions import ChannelError
 
 from ..config import settings
 from ..events import EVENT_TYPE, Outcome, notify_observers
+from ..intents import Envelope, decode_envelope, publish_envelope
 from ..records import Intent, Record, State
 from ..stores.base import Store
 
@@ -303,23 +304,21 @@ class _Broker:
 
     def publish(self, intent: Intent) -> str:
         """Send ``intent``'s message as it was first sent; its task's name."""
-        from ..intents import decode_envelope, publish_envelope
-
         envelope = decode_envelope(intent.message)
         producer = self.producer
         if intent.queue not in self.declared:
             self._queue(intent, envelope)(producer.channel).declare()
             self.declared.add(intent.queue)
         publish_envelope(self.app, envelope, producer)
-        return str((getattr(envelope, "headers", None) or {}).get("task", ""))
+        return str(envelope.headers.get("task", ""))
 
-    def _queue(self, intent: Intent, envelope: Any) -> Any:
+    def _queue(self, intent: Intent, envelope: Envelope) -> Any:
         """The app's own queue of that name (its exchange and bindings), else one bound to the
-        envelope's exchange and routing key."""
+        envelope's exchange (the default exchange: none) and routing key."""
         known = self.app.amqp.queues.get(intent.queue)
-        exchange = getattr(envelope, "exchange", "") or intent.queue
-        return known or entity.Queue(intent.queue, entity.Exchange(exchange),  # type: ignore[no-untyped-call]
-                                     routing_key=getattr(envelope, "routing_key", "") or intent.queue)
+        exchange = entity.Exchange(envelope.exchange, type=envelope.exchange_type or "direct")  # type: ignore[no-untyped-call]
+        return known or entity.Queue(intent.queue, exchange,  # type: ignore[no-untyped-call]
+                                     routing_key=envelope.routing_key or intent.queue)
 
     def close(self) -> None:
         if self._channel is not None:
@@ -334,8 +333,7 @@ class _Broker:
 def relay_settings(app: Celery) -> tuple[bool, float, float]:
     """``idempotency_relay``, ``idempotency_relay_after`` and ``idempotency_relay_interval``."""
     read = settings(app)
-    return (getattr(read, "relay", True) is not False, float(getattr(read, "relay_after", 60.0)),
-            float(getattr(read, "relay_interval", 1.0)))
+    return read.relay, read.relay_after, read.relay_interval
 
 
 def _wants_relay(app: Celery, store: Store) -> bool:
@@ -346,7 +344,7 @@ def _wants_relay(app: Celery, store: Store) -> bool:
     for task in list(app.tasks.values()):
         if isinstance(task, IdempotentTask):
             with contextlib.suppress(Exception):  # a misconfigured task enqueues nothing
-                if getattr(task.idempotency_config, "intent", False):
+                if task.idempotency_config.intent:
                     return True
     return False
 

@@ -20,7 +20,7 @@ import importlib
 import logging
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,13 +215,18 @@ class Relay:
             stale=counts[Kind.STALE], postponed=counts[Kind.POSTPONE], oldest=oldest,
             resends=tuple(resends), full=len(due) >= self.batch)
 
-    def run_forever(self, stop: threading.Event) -> None:
+    def run_forever(self, stop: threading.Event,
+                    on_report: Callable[[RelayReport], None] | None = None) -> None:
         """Pass after pass until ``stop`` is set: at once after a full batch, else at most once
-        per ``interval``. An error of one pass is logged; the next pass tries again."""
+        per ``interval``; each pass's report goes to ``on_report``. An error of one pass is
+        logged; the next pass tries again."""
         while not stop.is_set():
             full = False
             try:
-                full = self.run_once().full
+                report = self.run_once()
+                full = report.full
+                if on_report is not None:
+                    on_report(report)
             except Exception as exc:  # the store or the broker is down: the next pass retries
                 logger.warning("celery_idem relay pass failed: %s: %s", type(exc).__name__, exc,
                                exc_info=logger.isEnabledFor(logging.DEBUG))

@@ -4,7 +4,7 @@
     celery -A proj idem intents                      intents kept: pending, overdue, stale, oldest
 
 Both take ``--json``; stored strings are printed escaped (:func:`celery_idem.contrib.ops.shown`).
-The commands join the ``idem`` group of :mod:`celery_idem.contrib.cli`, which imports this module.
+:mod:`celery_idem.contrib.cli` adds both to its ``idem`` group.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from celery.bin.base import CeleryCommand, CeleryOption
 from kombu.exceptions import OperationalError
 
 from ..config import settings
-from .cli import idem
 from .cli_output import EXIT_UNAVAILABLE, Run, ago_text, json_option, run_for
 from .ops import shown
 from .relay import Relay, RelayReport
@@ -45,7 +44,7 @@ def _report_text(report: RelayReport, dry_run: bool) -> str:
     return "\n".join(lines)
 
 
-@idem.command(cls=CeleryCommand)
+@click.command(cls=CeleryCommand)
 @click.option("--once", cls=CeleryOption, is_flag=True, help_group="Relay Options",
               help="One pass over the due intents, then exit (default: until interrupted).")
 @click.option("--dry-run", cls=CeleryOption, is_flag=True, help_group="Relay Options",
@@ -83,7 +82,7 @@ def relay(ctx: click.Context, once: bool, dry_run: bool, as_json: bool) -> None:
         worker.run_forever(stop, show)
 
 
-@idem.command(cls=CeleryCommand)
+@click.command(cls=CeleryCommand)
 @json_option
 @click.pass_context
 def intents(ctx: click.Context, as_json: bool) -> None:

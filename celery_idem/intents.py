@@ -1,7 +1,7 @@
 """Intents: the message of an ``idempotency_intent`` task, kept in the store until its outcome.
 
-At the publish (Celery's ``before_task_publish``, after Celery built the message and before
-kombu sends it) the message is encoded as an :class:`Envelope` and written with
+At the publish (:class:`IntentProducer`: after Celery built the message, before kombu sends it)
+the message is encoded as an :class:`Envelope` and written with
 ``Store.intend``; a store that cannot be reached, or a message over ``idempotency_intent_max_bytes``,
 fails the enqueue before anything is sent. A relay (``celery_idem.contrib.relay``) re-sends an
 envelope whose action has no outcome and no live attempt, and that is not waiting in its queue.
@@ -12,21 +12,20 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery.signals import before_task_publish
-from kombu import Exchange, Queue
+from kombu.entity import Exchange, Queue
 from kombu.serialization import dumps
 
 from .config import settings
 from .exceptions import ImproperlyConfigured
 from .identity import HEADER
 
-__all__ = ["Envelope", "IntentTooLarge", "connect", "decode_envelope", "encode_envelope",
-           "publish_envelope", "publishing", "write_intent"]
+__all__ = ["FUSED", "Envelope", "IntentProducer", "IntentTooLarge", "decode_envelope", "encode_envelope",
+           "publish_envelope", "write_intent"]
 
 #: The envelope's format version (a relay refuses one it does not know).
 VERSION = 1
@@ -128,9 +127,9 @@ def publish_envelope(app: Any, envelope: Envelope, producer: Any) -> None:
     message)."""
     queue = app.amqp.queues.get(envelope.queue) if envelope.queue else None
     if queue is None and envelope.queue:
-        exchange = Exchange(envelope.exchange, type=envelope.exchange_type) if envelope.exchange \
-            else Exchange("", type="direct")
-        queue = Queue(envelope.queue, exchange=exchange, routing_key=envelope.routing_key)
+        exchange = Exchange(envelope.exchange, type=envelope.exchange_type)  # type: ignore[no-untyped-call]
+        queue = Queue(envelope.queue, exchange=exchange,  # type: ignore[no-untyped-call]
+                      routing_key=envelope.routing_key)
     properties = dict(envelope.properties)
     properties.setdefault("delivery_mode", 2)
     producer.publish(
@@ -147,43 +146,52 @@ def _queue_name(routing_key: str, declare: Sequence[Any] | None) -> str:
     return routing_key
 
 
-_publishing = threading.local()
+#: Keywords of kombu's ``Producer.publish`` that are not message properties.
+_NOT_PROPERTIES = frozenset({"exchange", "routing_key", "serializer", "compression", "retry",
+                             "retry_policy", "declare", "headers", "timeout", "confirm_timeout",
+                             "mandatory", "immediate", "content_type", "content_encoding"})
 
 
-class publishing:
-    """Marks the thread's publish as ``task``'s for the hook (connected at the first use): the
-    signal names the task, not its app."""
+class IntentProducer:
+    """A producer that writes the intent of ``task``'s message, then sends it with ``producer``.
 
-    __slots__ = ("task",)
+    Celery's ``send_task_message`` calls ``publish`` with the message as kombu is about to encode
+    it; an error writing the intent propagates out of ``apply_async`` and nothing is sent (a
+    ``before_task_publish`` receiver cannot stop a publish: Celery logs its errors).
+    """
 
-    def __init__(self, task: Any) -> None:
-        self.task = task
-        connect()
+    def __init__(self, producer: Any, task: Any) -> None:
+        self._producer, self._task = producer, task
 
-    def __enter__(self) -> None:
-        stack = getattr(_publishing, "stack", None)
-        if stack is None:
-            stack = _publishing.stack = []
-        stack.append(self.task)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
 
-    def __exit__(self, *exc: object) -> None:
-        _publishing.stack.pop()
+    def publish(self, body: Any, **kwargs: Any) -> Any:
+        headers = kwargs.get("headers") or {}
+        if HEADER not in headers:
+            return self._producer.publish(body, **kwargs)
+        defer = self._task.idempotency_gate.store.deferring()
+        properties = {k: v for k, v in kwargs.items() if k not in _NOT_PROPERTIES and v is not None}
+        write_intent(self._task, body, kwargs.get("exchange"), kwargs.get("routing_key"),
+                     headers, properties, kwargs.get("declare"), kwargs.get("serializer"),
+                     fused=defer is None)
+        if defer is None:
+            return self._producer.publish(body, **kwargs)
+        # In the caller's transaction: sent once it commits (a rollback sends nothing; a crash
+        # after the commit leaves the committed intent to the relay).
+        app = self._task.app
+        defer(lambda: _publish_later(app, body, kwargs))
+        return None
 
 
-def _on_publish(sender: str | None = None, body: Any = None, exchange: Any = None,
-                routing_key: Any = None, headers: Mapping[str, Any] | None = None,
-                properties: Mapping[str, Any] | None = None, declare: Sequence[Any] | None = None,
-                **_: Any) -> None:
-    """Write the intent of an ``idempotency_intent`` task's message before kombu sends it."""
-    stack = getattr(_publishing, "stack", None)
-    if not stack or not headers or HEADER not in headers or stack[-1].name != sender:
-        return
-    task = stack[-1]
-    write_intent(task, body, exchange, routing_key, headers, properties or {}, declare)
+def _publish_later(app: Any, body: Any, kwargs: Mapping[str, Any]) -> None:
+    with app.producer_or_acquire() as producer:
+        producer.publish(body, **kwargs)
 
 
 def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers: Mapping[str, Any],
-                 properties: Mapping[str, Any], declare: Sequence[Any] | None) -> None:
+                 properties: Mapping[str, Any], declare: Sequence[Any] | None,
+                 serializer: str | None = None, *, fused: bool = True) -> None:
     """Encode the message ``task`` is about to send and write it as its key's intent.
 
     Raises:
@@ -196,7 +204,7 @@ def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers:
         raise ImproperlyConfigured(
             f"{task.name} keeps intents (idempotency_intent=True) but its store, "
             f"{type(store).__name__}, keeps none; nothing was sent")
-    content_type, encoding, data = dumps(body, serializer=task.serializer)  # type: ignore[no-untyped-call]
+    content_type, encoding, data = dumps(body, serializer=serializer or task.serializer)  # type: ignore[no-untyped-call]
     name = getattr(exchange, "name", exchange) or ""
     envelope = Envelope(
         body=data if isinstance(data, bytes) else str(data).encode(encoding),
@@ -215,20 +223,16 @@ def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers:
     expires = envelope.expires()
     if expires is not None:  # an expired message is discarded by the worker: never re-sent
         ttl = max(0.001, min(ttl, expires - store.now()))
-    store.intend(str(headers[HEADER]), envelope.task_id, envelope.queue, message,
-                 relay_after=conf.relay_after, ttl=ttl, eta=envelope.eta())
+    key = str(headers[HEADER])
+    take = FUSED.get() if fused else None
+    if take is not None and take(store, key, envelope.task_id, envelope.queue, message,
+                                   conf.relay_after, ttl, envelope.eta()):
+        return  # written by the publish's own script
+    store.intend(key, envelope.task_id, envelope.queue, message, relay_after=conf.relay_after,
+                 ttl=ttl, eta=envelope.eta())
 
 
-_connected = threading.Lock()
-_done: list[bool] = []
-
-
-def connect() -> None:
-    """Connect the publish hook once per process (at the first enqueue of a task with intents,
-    so a process without such tasks pays nothing per publish)."""
-    if _done:
-        return
-    with _connected:
-        if not _done:
-            before_task_publish.connect(_on_publish, weak=False, dispatch_uid="celery_idem.intents")
-            _done.append(True)
+#: Set by a publish that can write the intent in its own round trip (the enqueue check within
+#: the Redis publish): ``(store, key, task_id, queue, message, relay_after, ttl, eta) -> bool``,
+#: True when it took the intent to write with the message.
+FUSED: ContextVar[Callable[..., bool] | None] = ContextVar("celery_idem_fused_intent", default=None)

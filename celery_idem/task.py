@@ -355,12 +355,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         def publish(prod: Any, sent_id: str | None, **extra: Any) -> AsyncResult:
             send = functools.partial(
                 super(IdempotentTask, self).apply_async, args, kwargs, task_id=sent_id,
-                producer=prod, link=link, link_error=link_error, shadow=shadow, headers=headers,
+                link=link, link_error=link_error, shadow=shadow, headers=headers,
                 **{**options, **extra})
-            if not self.idempotency_config.intent:
-                return send()
-            with intents.publishing(self):  # the store keeps the message until its outcome
-                return send()
+            if not self.idempotency_config.intent or self.app.conf.task_always_eager:
+                return send(producer=prod)
+            with self.app.producer_or_acquire(prod) as real:  # the store keeps the message
+                return send(producer=intents.IntentProducer(real, self))
 
         decision: Publish | Answer = Publish(task_id)
         request: EnqueueRequest | None = None

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_idem import events
+from celery_idem import IdempotentTask, events
+from celery_idem.contrib import relay_worker
 from celery_idem.contrib.relay import Action, Kind, Relay, decide
 from celery_idem.intents import Envelope, encode_envelope
 from celery_idem.records import Intent, Record, State
@@ -259,3 +260,67 @@ def test_run_forever_passes_until_stopped(app: Celery) -> None:
         thread.join(5)
     assert not thread.is_alive()
     assert _queued(app, queue) == [lost.task_id]
+
+
+# -- worker start (celery_idem.contrib.relay_worker) ----------------------------------------------
+
+
+def _worker_app(intent: bool, **conf: Any) -> Celery:
+    app = Celery(f"relay_worker_{uuid.uuid4().hex[:6]}", broker="memory://", set_as_current=False)
+    app.conf.update(idempotency_store="memory://", idempotency_relay_interval=0.01, **conf)
+
+    @app.task(base=IdempotentTask, shared=False, name="w.ship", idempotency_fields=("order",),
+              idempotency_intent=intent)
+    def ship(order: str) -> str:
+        return order
+
+    return app
+
+
+@pytest.mark.parametrize(("intent", "conf", "wanted"), [
+    (True, {}, True),
+    (False, {}, False),  # no task keeps intents
+    (True, {"idempotency_relay": False}, False),
+])
+def test_a_worker_wants_a_relay_when_a_task_keeps_intents_unless_turned_off(
+        intent: bool, conf: dict[str, Any], wanted: bool) -> None:
+    app = _worker_app(intent, **conf)
+    assert relay_worker.wants_relay(app) is wanted
+    assert (relay_worker.start_relay(app) is not None) is wanted
+    relay_worker.stop_relay(app)
+    app.close()
+
+
+def test_a_store_without_intents_gets_no_relay(monkeypatch: pytest.MonkeyPatch) -> None:
+    app = _worker_app(True)
+    monkeypatch.setattr(MemoryStore, "keeps_intents", False)
+    assert not relay_worker.wants_relay(app)
+    app.close()
+
+
+def test_the_worker_relay_runs_in_a_daemon_thread_once_per_app_until_stopped() -> None:
+    app = _worker_app(True)
+    stop = relay_worker.start_relay(app)
+    assert stop is not None and relay_worker.start_relay(app) is stop
+    (thread,) = [t for t in threading.enumerate() if t.name == "celery_idem-relay"]
+    assert thread.daemon
+    relay_worker._on_shutdown(sender=type("Worker", (), {"app": app})())
+    assert stop.is_set()
+    thread.join(5)
+    assert not thread.is_alive()
+    app.close()
+
+
+@pytest.mark.parametrize(("pool", "green"), [
+    ("prefork", ""), ("threads", ""), ("gevent", "gevent"), ("eventlet", "eventlet"),
+    ("celery.concurrency.gevent:TaskPool", "gevent"),
+])
+def test_the_relay_is_a_greenlet_under_a_green_pool(pool: str, green: str) -> None:
+    app = Celery("relay_pool", broker="memory://", set_as_current=False)
+    assert relay_worker._green(type("Worker", (), {"pool_cls": pool})(), app) == green
+    from celery.concurrency import get_implementation
+
+    if green != "eventlet":  # the class a worker holds once it set up its pool
+        cls = get_implementation(pool.rpartition(":")[0].rpartition(".")[2] or pool)
+        assert relay_worker._green(type("Worker", (), {"pool_cls": cls})(), app) == green
+    app.close()

@@ -12,7 +12,7 @@ import redis
 
 from celery_idem.intents import Envelope, encode_envelope
 from celery_idem.records import Intent
-from tests.cli.conftest import Idem
+from tests.cli.conftest import Idem, _idem
 from tests.integration.harness import wait_for
 
 # Every command runs as a `celery` subprocess (about 2 s of imports each): the slow group.
@@ -38,9 +38,10 @@ def _queued_ids(client: redis.Redis, queue: str) -> list[str]:
     return [json.loads(raw)["headers"]["id"] for raw in client.lrange(queue, 0, -1)]
 
 
-def _intend(idem: Idem, name: str, *, relay_after: float = 0.001, ttl: float = 600) -> Intent:
+def _intend(idem: Idem, name: str, *, relay_after: float = 0.001, ttl: float = 600,
+            queue: str | None = None) -> Intent:
     """An intent of a message the broker never got (a charge of order ``name``)."""
-    queue, task_id = idem.env["IDEM_QUEUE"], uuid.uuid4().hex
+    queue, task_id = queue or idem.env["IDEM_QUEUE"], uuid.uuid4().hex
     body = json.dumps([[name, 100], {}, {"callbacks": None, "errbacks": None, "chain": None,
                                          "chord": None}]).encode()
     message = encode_envelope(Envelope(
@@ -120,3 +121,36 @@ def test_intents_counts_pending_overdue_stale_and_the_oldest_per_queue(
     assert (doc["stale"], doc["relayed"]) == (1, 1)
     assert _queued_ids(broker, queue) == [overdue.task_id]
     assert idem_redis.json("intents")["pending"] == 2
+
+
+@pytest.fixture
+def idem_amqp(amqp_url: str, redis_url: str) -> Iterator[Idem]:
+    """The command on a fresh Redis prefix with RabbitMQ as the broker (the test's queues
+    deleted after it)."""
+    from kombu import Connection
+
+    for idem in _idem(redis_url, redis_url):
+        idem.env["IDEM_BROKER"] = amqp_url
+        yield idem
+        with Connection(amqp_url) as conn:
+            for queue in (idem.env["IDEM_QUEUE"], idem.env["IDEM_QUEUE"] + "-busy"):
+                conn.default_channel.queue_delete(queue)
+
+
+def test_relay_on_rabbitmq_reads_a_missing_queue_as_empty_and_goes_on(idem_amqp: Idem) -> None:
+    from kombu import Connection, Queue
+
+    queue, busy = idem_amqp.env["IDEM_QUEUE"], idem_amqp.env["IDEM_QUEUE"] + "-busy"
+    lost = _intend(idem_amqp, "o-7")  # its queue does not exist: RabbitMQ's 404 closes the channel
+    waiting = _intend(idem_amqp, "o-8", queue=busy)  # read next, on a fresh channel
+    with Connection(idem_amqp.env["IDEM_BROKER"]) as conn, conn.Producer() as producer:
+        producer.publish(b"x", routing_key=busy, declare=[Queue(busy)])
+    _due(idem_amqp, lost, waiting)
+    doc = idem_amqp.json("relay", "--once")
+    assert (doc["relayed"], doc["waiting"]) == (1, 1)
+    assert [r["task_id"] for r in doc["resends"]] == [lost.task_id]
+    with Connection(idem_amqp.env["IDEM_BROKER"]) as conn:
+        channel = conn.default_channel
+        message = channel.basic_get(queue, no_ack=True)
+        assert message is not None and message.headers["id"] == lost.task_id
+        assert channel.basic_get(queue, no_ack=True) is None

@@ -71,9 +71,11 @@ def relay(ctx: click.Context, once: bool, dry_run: bool, as_json: bool) -> None:
             run.emit(_report_doc(report, dry_run), _report_text(report, dry_run))
 
         if once:
+            with run.app.connection_for_write() as conn:  # not connected: its transport's errors
+                errors = (OperationalError, *conn.connection_errors)
             try:
                 show(worker.run_once())
-            except OperationalError as exc:
+            except errors as exc:
                 run.fail(EXIT_UNAVAILABLE, f"the broker cannot be reached: {exc}")
             return
         stop = threading.Event()

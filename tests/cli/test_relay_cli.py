@@ -10,10 +10,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from celery_idem.contrib.cli_output import EXIT_UNAVAILABLE
 from celery_idem.intents import Envelope, encode_envelope
 from celery_idem.records import Intent
 from tests.cli.conftest import Idem, _idem
-from tests.integration.harness import wait_for
+from tests.integration.harness import free_port, wait_for
 
 # Every command runs as a `celery` subprocess (about 2 s of imports each): the slow group.
 pytestmark = pytest.mark.slow
@@ -154,3 +155,12 @@ def test_relay_on_rabbitmq_reads_a_missing_queue_as_empty_and_goes_on(idem_amqp:
         message = channel.basic_get(queue, no_ack=True)
         assert message is not None and message.headers["id"] == lost.task_id
         assert channel.basic_get(queue, no_ack=True) is None
+
+
+def test_relay_exits_4_when_the_broker_cannot_be_reached(idem_redis: Idem) -> None:
+    lost = _intend(idem_redis, "o-9")
+    _due(idem_redis, lost)
+    out = idem_redis.run("relay", "--once", env={"IDEM_BROKER": f"redis://127.0.0.1:{free_port()}/0"})
+    assert out.returncode == EXIT_UNAVAILABLE, out.stderr
+    assert "the broker cannot be reached" in out.stderr and out.stdout == ""
+    assert list(idem_redis.store.intents()) == [lost]  # nothing moved: the next pass sends it

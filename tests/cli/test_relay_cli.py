@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -14,7 +18,7 @@ from celery_idem.contrib.cli_output import EXIT_UNAVAILABLE
 from celery_idem.intents import Envelope, encode_envelope
 from celery_idem.records import Intent
 from tests.cli.conftest import Idem, _idem
-from tests.integration.harness import free_port, wait_for
+from tests.integration.harness import ROOT, free_port, wait_for
 
 # Every command runs as a `celery` subprocess (about 2 s of imports each): the slow group.
 pytestmark = pytest.mark.slow
@@ -164,3 +168,21 @@ def test_relay_exits_4_when_the_broker_cannot_be_reached(idem_redis: Idem) -> No
     assert out.returncode == EXIT_UNAVAILABLE, out.stderr
     assert "the broker cannot be reached" in out.stderr and out.stdout == ""
     assert list(idem_redis.store.intents()) == [lost]  # nothing moved: the next pass sends it
+
+
+def test_relay_without_once_runs_until_interrupted(idem_redis: Idem, broker: redis.Redis) -> None:
+    queue = idem_redis.env["IDEM_QUEUE"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.integration.app", "idem", "relay", "--json"],
+        cwd=ROOT, env={**os.environ, **idem_redis.env}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        lost = _intend(idem_redis, "o-10")  # written while the relay runs: a later pass sends it
+        wait_for(lambda: _queued_ids(broker, queue) == [lost.task_id], timeout=60,
+                 what="the running relay to re-send the lost message")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    doc = json.loads(out)  # one document: the one pass that did something
+    assert [r["task_id"] for r in doc["resends"]] == [lost.task_id]

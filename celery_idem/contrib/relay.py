@@ -280,12 +280,12 @@ class _Broker:
         self.declared: set[str] = set()
         self._producer: Any = None
         self._channel: Any = None
-        self._stack = contextlib.ExitStack()
+        self.held = contextlib.ExitStack()
 
     @property
     def producer(self) -> Any:
         if self._producer is None:
-            self._producer = self._stack.enter_context(self.app.producer_pool.acquire(block=True))
+            self._producer = self.held.enter_context(self.app.producer_pool.acquire(block=True))
         return self._producer
 
     def length(self, queue: str) -> int:
@@ -328,4 +328,4 @@ class _Broker:
         if self._channel is not None:
             with contextlib.suppress(Exception):
                 self._channel.close()
-        self._stack.close()
+        self.held.close()

@@ -63,3 +63,13 @@ def test_a_worker_re_sends_a_message_the_broker_lost(relay_cluster: Cluster, poo
     assert (", gevent pool" in log) is (pool == "gevent")  # a greenlet, not a thread
     assert f"celery_idem relayed key={intent.key} task_id={result.id} reason=queue_empty" in log
     assert log.count("celery_idem relayed") == 1
+
+
+def test_idempotency_relay_false_starts_no_relay(relay_cluster: Cluster) -> None:
+    # worker_ready (which starts the relay) is sent before the worker logs " ready."
+    relay_cluster.env["IDEM_RELAY"] = "0"
+    off = relay_cluster.worker("relay-off", app="tests.integration.relay_app")
+    relay_cluster.env.pop("IDEM_RELAY")
+    on = relay_cluster.worker("relay-on", app="tests.integration.relay_app")
+    assert "celery_idem relay started" not in off.text()
+    assert "celery_idem relay started" in on.text()

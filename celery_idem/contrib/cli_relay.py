@@ -18,7 +18,15 @@ from celery.bin.base import CeleryCommand, CeleryOption
 from kombu.exceptions import OperationalError
 
 from ..config import settings
-from .cli_output import EXIT_UNAVAILABLE, Run, ago_text, json_option, run_for
+from .cli_output import (
+    EXIT_REFUSED,
+    EXIT_UNAVAILABLE,
+    Run,
+    ago_text,
+    json_option,
+    run_for,
+    store_location,
+)
 from .ops import shown
 from .relay import Relay, RelayReport
 
@@ -62,6 +70,8 @@ def relay(ctx: click.Context, once: bool, dry_run: bool, as_json: bool) -> None:
     run = run_for(ctx, as_json)
     read = settings(run.app)
     with run.store() as store:
+        if not store.keeps_intents:  # else every pass of a relay left running would say so
+            run.fail(EXIT_REFUSED, f"{store_location(store)} keeps no intents: nothing to relay")
         worker = Relay(run.app, store, relay_after=read.relay_after, interval=read.relay_interval,
                        dry_run=dry_run)
 

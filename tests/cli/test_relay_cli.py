@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_idem.contrib.cli_output import EXIT_UNAVAILABLE
+from celery_idem.contrib.cli_output import EXIT_REFUSED, EXIT_UNAVAILABLE
 from celery_idem.intents import Envelope, encode_envelope
 from celery_idem.records import Intent
 from tests.cli.conftest import Idem, _idem
@@ -186,3 +186,18 @@ def test_relay_without_once_runs_until_interrupted(idem_redis: Idem, broker: red
     assert proc.returncode == 0, err
     doc = json.loads(out)  # one document: the one pass that did something
     assert [r["task_id"] for r in doc["resends"]] == [lost.task_id]
+
+
+@pytest.fixture
+def idem_sql(pg_url: str, redis_url: str) -> Iterator[Idem]:
+    """The command on a fresh prefix of the SQL store (PostgreSQL)."""
+    yield from _idem("db+" + pg_url, redis_url)
+
+
+@pytest.mark.parametrize("command", ["relay", "intents"])
+def test_a_store_without_intents_is_refused(idem_sql: Idem, command: str) -> None:
+    if idem_sql.store.keeps_intents:
+        pytest.skip("the SQL store keeps intents")
+    out = idem_sql.run(command, "--json")
+    assert out.returncode == EXIT_REFUSED, out.stderr
+    assert "keeps no intents" in json.loads(out.stderr)["message"]

@@ -136,7 +136,8 @@ def publish_envelope(app: Any, envelope: Envelope, producer: Any) -> None:
         envelope.body, exchange=envelope.exchange, routing_key=envelope.routing_key,
         headers=dict(envelope.headers), content_type=envelope.content_type,
         content_encoding=envelope.content_encoding, declare=[queue] if queue is not None else [],
-        retry=True, **properties)
+        # Bounded as Celery's own publish is: a broker that stays down fails this send.
+        retry=True, retry_policy=app.conf.task_publish_retry_policy, **properties)
 
 
 def _queue_name(routing_key: str, declare: Sequence[Any] | None) -> str:

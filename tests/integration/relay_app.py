@@ -24,3 +24,20 @@ def ship(self: Any, order_id: str) -> str:
     """Ship once: the message is kept in the store until the outcome is recorded."""
     effect(f"ship:{order_id}", self.request.id)
     return order_id
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("order_id",), idempotency_intent=True)
+def ship_order(self: Any, order_id: str) -> str:
+    """Ship an order committed with the enqueue (the transactional enqueue): the body must see
+    its row in the table ``IDEM_ORDERS`` of the database ``IDEM_ORDERS_DB``."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(os.environ["IDEM_ORDERS_DB"])
+    try:
+        with engine.connect() as conn:
+            seen = conn.exec_driver_sql(
+                f"SELECT id FROM {os.environ['IDEM_ORDERS']} WHERE id = '{order_id}'").all()
+    finally:
+        engine.dispose()
+    effect(f"ship_order:{order_id}", f"{self.request.id}:{len(seen)}")
+    return order_id

@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import sqlalchemy as sa
+from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, Connection
+from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
 from ...config import DEFAULT_PREFIX
-from ...exceptions import StoreUnavailable
+from ...exceptions import ImproperlyConfigured, StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
 from ..base import BackendWrite, ClaimRaced, lease_lost, new_claim_id, record_from_row
 from ..sql_intents import IntentSQL, SQLIntents
@@ -203,6 +207,10 @@ class SQLStore(SQLIntents):
         """A pooled connection to the store's database, with errors translated."""
         with self._translate_errors():
             self._ensure_table()
+            joined = _JOINED.get()
+            if joined is not None and joined[0] is self:  # in the caller's open transaction
+                yield joined[1].connection()
+                return
             with self._engine.connect() as conn:
                 yield conn
 
@@ -251,6 +259,48 @@ class SQLStore(SQLIntents):
         with self._connect() as conn:
             result = conn.exec_driver_sql(sql, tuple(params))
             return result.rowcount, list(result.all()) if result.returns_rows else []
+
+    @contextlib.contextmanager
+    def joined(self, session: Session) -> Iterator[None]:
+        """The transactional enqueue: within, an intent task's ``delay()`` writes its intent in
+        ``session``'s transaction and publishes once the session commits; a rollback publishes
+        nothing, and a crash after the commit leaves the committed intent to the relay.
+
+        Example::
+
+            with Session(engine) as session, session.begin(), store.joined(session):
+                session.add(Order(id=order_id))
+                charge.delay(order_id)  # sent after the commit; the body sees the order
+
+        The store's other writes within (the enqueue's reservation) join it too. On SQLite, the
+        store's tables must exist before (a worker creates them when it starts).
+
+        Raises:
+            ImproperlyConfigured: ``session`` is bound to another database than the store's.
+        """
+        bind = session.get_bind()
+        url = bind.engine.url
+        if (url.get_backend_name(), url.host, url.port, url.database) != (
+                self.url.get_backend_name(), self.url.host, self.url.port, self.url.database):
+            raise ImproperlyConfigured(
+                f"the session's database ({url.render_as_string(hide_password=True)}) is not the "
+                f"store's ({self._shown_url}): an intent written there would not be the store's")
+        token = _JOINED.set((self, session))
+        try:
+            yield
+        finally:
+            _JOINED.reset(token)
+
+    def deferring(self) -> Callable[[Callable[[], None]], None] | None:
+        joined = _JOINED.get()
+        if joined is None or joined[0] is not self:
+            return None
+        session = joined[1]
+        if session.in_nested_transaction():
+            raise ImproperlyConfigured(
+                "an intent task's enqueue inside a SAVEPOINT (session.begin_nested()) is not "
+                "supported: enqueue it in the outer transaction; nothing was sent")
+        return functools.partial(_after_commit, session)
 
     def _record(self, row: Row) -> Record:
         return record_from_row(row, self.prefix, self._table.name)
@@ -471,3 +521,31 @@ class SQLStore(SQLIntents):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._shown_url} table={self._table.name!r} prefix={self.prefix!r}>"
+
+
+#: The store and the caller's session an intent joins (:meth:`SQLStore.joined`).
+_JOINED: ContextVar[tuple[SQLStore, Session] | None] = ContextVar("celery_idem_sql_joined", default=None)
+_PENDING = "celery_idem.after_commit"
+
+
+def _after_commit(session: Session, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once ``session``'s transaction commits; drop it if it rolls back."""
+    pending = session.info.get(_PENDING)
+    if pending is None:  # the first one in this session: hear how its transactions end
+        pending = session.info[_PENDING] = []
+        event.listen(session, "after_commit", _run_pending)
+        event.listen(session, "after_rollback", _drop_pending)
+    pending.append(callback)
+
+
+def _run_pending(session: Session) -> None:
+    pending, session.info[_PENDING] = session.info[_PENDING], []
+    for callback in pending:
+        try:
+            callback()
+        except Exception:  # committed: the relay sends the message its intent keeps
+            logger.exception("celery_idem could not publish after the commit; the relay will")
+
+
+def _drop_pending(session: Session) -> None:
+    session.info[_PENDING] = []

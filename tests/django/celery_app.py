@@ -92,3 +92,17 @@ def held_charge(self: IdempotentTask, action: str, marker: str) -> dict[str, Any
         Order.objects.create(**row)
         tx.result = row
     return tx.result  # type: ignore[no-any-return]
+
+
+if os.environ.get("DJ_RELAY_AFTER"):
+    app.conf.idempotency_relay_after = float(os.environ["DJ_RELAY_AFTER"])
+    app.conf.idempotency_relay_interval = 0.2
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_fields=("action",), idempotency_intent=True)
+def ship_order(self: IdempotentTask, action: str) -> bool:
+    """Enqueued in the transaction that creates the action's Order (the transactional enqueue):
+    notes on the broker's Redis whether the body saw that row."""
+    seen = Order.objects.filter(action=action).exists()
+    _flags.rpush(f"{PREFIX}shipped:{action}", f"{self.request.id}:{seen}")
+    return seen

@@ -173,6 +173,7 @@ def worker_env(alias: str) -> dict[str, str]:
         "DJANGO_SETTINGS_MODULE": "tests.django.worker_settings",
         "CELERY_IDEM_DJANGO_SQLITE": state["sqlite"],
         "CELERY_IDEM_DJANGO_PG": state["pg"],
+        "CELERY_IDEM_DJANGO_MYSQL": state.get("mysql") or "",
         "CELERY_IDEM_DJANGO_ALIAS": alias,
     }
 

@@ -1,8 +1,9 @@
 """Django settings of the worker processes (and ``manage.py migrate``) in tests/django.
 
 The databases come from the environment set by :func:`tests.django.support.worker_env`:
-``CELERY_IDEM_DJANGO_ALIAS=pg`` makes the PostgreSQL test database the ``default`` one (so
-``result_backend = "django-db"`` and ``django://`` both mean PostgreSQL), ``sqlite`` the file.
+``CELERY_IDEM_DJANGO_ALIAS=pg`` (or ``mysql``) makes the PostgreSQL (or MariaDB) test database
+the ``default`` one (so ``result_backend = "django-db"`` and ``django://`` both mean it),
+``sqlite`` the file.
 """
 
 import os
@@ -13,9 +14,11 @@ __all__ = ["INSTALLED_APPS"]
 
 SECRET_KEY = "celery-idem-tests"
 USE_TZ = True
-_dbs = databases(os.environ.get("CELERY_IDEM_DJANGO_SQLITE", ""), os.environ.get("CELERY_IDEM_DJANGO_PG"))
-if os.environ.get("CELERY_IDEM_DJANGO_ALIAS") == "pg":
-    _dbs = {"default": _dbs["pg"], "sqlite": _dbs["default"]}
+_dbs = databases(os.environ.get("CELERY_IDEM_DJANGO_SQLITE", ""), os.environ.get("CELERY_IDEM_DJANGO_PG"),
+                 os.environ.get("CELERY_IDEM_DJANGO_MYSQL") or None)
+if os.environ.get("CELERY_IDEM_DJANGO_ALIAS") in ("pg", "mysql"):
+    _alias = os.environ["CELERY_IDEM_DJANGO_ALIAS"]
+    _dbs = {"default": _dbs[_alias], "sqlite": _dbs["default"]}
 DATABASES = _dbs
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

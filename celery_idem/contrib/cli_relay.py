@@ -105,6 +105,8 @@ def intents(ctx: click.Context, as_json: bool) -> None:
     pending = overdue = stale = 0
     oldest: dict[str, float] = {}
     with run.store() as store:
+        if not store.keeps_intents:
+            run.fail(EXIT_REFUSED, f"{store_location(store)} keeps no intents")
         now = store.now()
         for intent in store.intents(500):
             pending += 1

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Celery
+from celery import Celery, states
 from kombu import entity
 from kombu.exceptions import ChannelError
 
@@ -32,7 +32,7 @@ from ..intents import Envelope, decode_envelope, publish_envelope
 from ..records import Intent, Record, State
 from ..stores.base import Store
 
-__all__ = ["BATCH", "Action", "Kind", "Relay", "RelayReport", "Resend", "decide"]
+__all__ = ["BATCH", "ENDED", "Action", "Kind", "Relay", "RelayReport", "Resend", "celery_ended", "decide"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -190,11 +190,19 @@ class Relay:
         oldest: dict[str, float] = {}
         resends: list[Resend] = []
         with contextlib.closing(_Broker(self.app)) as broker:
+            decided = []
             for intent, record in due:
                 mark = marks.get(intent.queue, 0.0)
                 may_wait = record is None and intent.expires > now and intent.enqueued > mark
                 length = broker.length(intent.queue) if may_wait else 0
-                action = decide(intent, record, now, length, mark, self.relay_after)
+                decided.append((intent, decide(intent, record, now, length, mark, self.relay_after)))
+            ended = celery_ended(self.app, [i.task_id for i, a in decided if a.kind is Kind.RESEND])
+            for intent, action in decided:
+                if intent.task_id in ended:  # revoked, or Celery's retries gave up: not lost
+                    action = Action(Kind.CLOSE, reason=ended[intent.task_id])
+                    logger.info("celery_idem intent closed key=%s task_id=%s: the task ended %s "
+                                "in Celery's result backend", intent.key, intent.task_id,
+                                action.reason)
                 if action.kind is Kind.RESEND and not self._resend(intent, action, broker):
                     continue  # another relay moved it first
                 counts[action.kind] += 1
@@ -267,6 +275,29 @@ class Relay:
                                 at="relay")
         except Exception as exc:  # monitoring must never change what the relay did
             logger.debug("celery_idem event not sent key=%s: %s", intent.key, exc)
+
+
+#: Celery's final states that end an action without an outcome: not lost, never re-sent.
+ENDED = frozenset({states.REVOKED, states.FAILURE})
+
+
+def celery_ended(app: Celery, task_ids: list[str]) -> dict[str, str]:
+    """The task ids among ``task_ids`` whose result Celery's backend holds as revoked or failed
+    (one ``MGET`` on a key-value backend); unknown, or no backend: none."""
+    if not task_ids:
+        return {}
+    backend = app.backend
+    try:
+        if hasattr(backend, "mget") and hasattr(backend, "get_key_for_task"):
+            values = backend.mget([backend.get_key_for_task(t) for t in task_ids])
+            metas = [backend.decode_result(v) if v else None for v in values]
+        else:
+            metas = [backend.get_task_meta(t) for t in task_ids]
+    except Exception as exc:  # no backend, or it is down: re-send (the gate answers a done one)
+        logger.debug("celery_idem relay could not read task states: %s", exc)
+        return {}
+    return {t: str(m["status"]) for t, m in zip(task_ids, metas, strict=True)
+            if m and m.get("status") in ENDED}
 
 
 class _Broker:

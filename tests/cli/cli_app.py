@@ -2,7 +2,8 @@
 
 ``celery -A tests.cli.cli_app idem ...`` is ``-A tests.integration.app`` plus, from the
 environment: ``IDEM_ACCEPT`` (comma-separated ``accept_content`` and ``result_accept_content``,
-e.g. ``json,pickle``) and ``IDEM_EVENTS=1`` (``idempotency_events = True``). It also defines
+e.g. ``json,pickle``), ``IDEM_EVENTS=1`` (``idempotency_events = True``) and
+``IDEM_NO_INTENTS=1`` (a Redis store that keeps no intents). It also defines
 two tasks of its own, for tests/cli/test_lease_status.py (run by ``-A tests.cli.cli_app``).
 """
 
@@ -22,6 +23,14 @@ if os.environ.get("IDEM_ACCEPT"):
     app.conf.result_accept_content = accept
 if os.environ.get("IDEM_EVENTS") == "1":
     app.conf.idempotency_events = True
+if os.environ.get("IDEM_NO_INTENTS") == "1":  # a third-party store without the intent verbs
+    from celery_idem.stores.redis import RedisStore
+
+    class NoIntentsStore(RedisStore):
+        keeps_intents = False
+
+    app.conf.idempotency_store = NoIntentsStore.from_url(os.environ["IDEM_STORE"],
+                                                         prefix=os.environ["IDEM_PREFIX"])
 
 
 # -- what `idem list` / `show` say about a claim's holder (tests/cli/test_lease_status.py) ----------

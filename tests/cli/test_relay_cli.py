@@ -188,16 +188,8 @@ def test_relay_without_once_runs_until_interrupted(idem_redis: Idem, broker: red
     assert [r["task_id"] for r in doc["resends"]] == [lost.task_id]
 
 
-@pytest.fixture
-def idem_sql(pg_url: str, redis_url: str) -> Iterator[Idem]:
-    """The command on a fresh prefix of the SQL store (PostgreSQL)."""
-    yield from _idem("db+" + pg_url, redis_url)
-
-
 @pytest.mark.parametrize("command", ["relay", "intents"])
-def test_a_store_without_intents_is_refused(idem_sql: Idem, command: str) -> None:
-    if idem_sql.store.keeps_intents:
-        pytest.skip("the SQL store keeps intents")
-    out = idem_sql.run(command, "--json")
+def test_a_store_without_intents_is_refused(idem_redis: Idem, command: str) -> None:
+    out = idem_redis.run(command, "--json", env={"IDEM_NO_INTENTS": "1"}, app="tests.cli.cli_app")
     assert out.returncode == EXIT_REFUSED, out.stderr
     assert "keeps no intents" in json.loads(out.stderr)["message"]

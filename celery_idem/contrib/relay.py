@@ -289,7 +289,10 @@ def celery_ended(app: Celery, task_ids: list[str]) -> dict[str, str]:
     backend = app.backend
     try:
         if hasattr(backend, "mget") and hasattr(backend, "get_key_for_task"):
-            values = backend.mget([backend.get_key_for_task(t) for t in task_ids])
+            keys = [backend.get_key_for_task(t) for t in task_ids]
+            values = backend.mget(keys)
+            if isinstance(values, Mapping):  # the cache backend's get_multi
+                values = [values.get(k) for k in keys]
             metas = [backend.decode_result(v) if v else None for v in values]
         else:
             metas = [backend.get_task_meta(t) for t in task_ids]

@@ -324,3 +324,20 @@ def test_the_relay_is_a_greenlet_under_a_green_pool(pool: str, green: str) -> No
         cls = get_implementation(pool.rpartition(":")[0].rpartition(".")[2] or pool)
         assert relay_worker._green(type("Worker", (), {"pool_cls": cls})(), app) == green
     app.close()
+
+
+@pytest.mark.parametrize("state", ["REVOKED", "FAILURE"])
+def test_an_intent_whose_task_celery_holds_as_revoked_or_failed_is_closed_not_re_sent(
+        state: str) -> None:
+    app = Celery("test_relay_ended", broker="memory://", backend="cache+memory://",
+                 set_as_current=False)
+    clock, queue = Clock(), f"q-{uuid.uuid4().hex[:8]}"
+    store = MemoryStore(prefix="unit:", clock=clock)
+    ended, lost = _intend(store, "op:ended", queue), _intend(store, "op:lost", queue)
+    app.backend.store_result(ended.task_id, None, state)
+    clock.now += AFTER + 1
+    report = Relay(app, store, relay_after=AFTER, interval=0.01).run_once()
+    assert (report.relayed, report.closed) == (1, 1)
+    assert _queued(app, queue) == [lost.task_id]
+    assert [i.key for i in store.intents()] == ["op:lost"]
+    app.close()

@@ -77,6 +77,7 @@ class IdempotencyConfig:
     check_on_enqueue: bool = True
     fingerprint: bool = True
     period: float | None = None
+    intent: bool = False
 
 
 #: Every ``idempotency_*`` task option: one per :class:`IdempotencyConfig` field.
@@ -240,7 +241,8 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
         record_timeout=_positive("idempotency_record_timeout", attrs.idempotency_record_timeout),
         check_on_enqueue=_flag(owner, "idempotency_check_on_enqueue", attrs.idempotency_check_on_enqueue),
         fingerprint=_flag(owner, "idempotency_fingerprint", attrs.idempotency_fingerprint),
-        period=period)
+        period=period,
+        intent=_flag(owner, "idempotency_intent", attrs.idempotency_intent))
 
 
 def _period(owner: str, value: Any, ttl: float) -> float | None:
@@ -293,6 +295,10 @@ class Settings:
     log_answers: bool = True
     accelerate: bool = True
     store_requeues: int | None = 3
+    relay: bool = True
+    relay_after: float = 60.0
+    relay_interval: float = 1.0
+    intent_max_bytes: int = 256 * 1024
 
 
 _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary()
@@ -331,7 +337,13 @@ def settings(app: Any) -> Settings:
             require_durable_store=bool(conf.get("idempotency_require_durable_store")),
             log_answers=conf.get("idempotency_log_answers", True) is not False,
             accelerate=accelerate_switch(conf.get("idempotency_accelerate", True) is not False),
-            store_requeues=_store_requeues(conf.get("idempotency_store_requeues", 3)))
+            store_requeues=_store_requeues(conf.get("idempotency_store_requeues", 3)),
+            relay=conf.get("idempotency_relay", True) is not False,
+            relay_after=_positive("idempotency_relay_after", conf.get("idempotency_relay_after", 60.0)),
+            relay_interval=_positive("idempotency_relay_interval",
+                                     conf.get("idempotency_relay_interval", 1.0)),
+            intent_max_bytes=int(_positive("idempotency_intent_max_bytes",
+                                           conf.get("idempotency_intent_max_bytes", 256 * 1024))))
     return found
 
 

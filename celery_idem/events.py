@@ -51,6 +51,7 @@ class Outcome(str, enum.Enum):
     #: Producer side: an enqueue of a key in progress (or reserved by a queued message)
     #: attached to that action; nothing was published (``celery_idem.attach``).
     ATTACHED = "attached"
+    RELAYED = "relayed"  #: a relay re-sent a lost intent's message (``celery_idem.contrib.relay``)
 
 
 #: Answers given without running the body: INFO (DEBUG with ``idempotency_log_answers = False``),

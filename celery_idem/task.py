@@ -25,7 +25,7 @@ from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError
 
-from . import identity, timelimits
+from . import identity, intents, timelimits
 from .app import emit_decision, get_store, owner_id
 from .codec import KombuCodec
 from .compat import push_fresh_request
@@ -95,6 +95,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_check_on_enqueue: ClassVar[bool] = True
     #: Seconds of a schedule slot (None: no slot).
     idempotency_period: ClassVar[float | None] = None
+    #: Keep the encoded message in the store until the outcome is recorded; the relay re-sends it
+    #: if the broker loses it (docs/reliability.md, "Lost messages").
+    idempotency_intent: ClassVar[bool] = False
 
     #: At-least-once delivery: a message is acknowledged only after the body ran, and
     #: re-delivered if the worker dies. The gate makes the repeats harmless.
@@ -350,10 +353,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             or options.get("group_id")
 
         def publish(prod: Any, sent_id: str | None, **extra: Any) -> AsyncResult:
-            return super(IdempotentTask, self).apply_async(
-                args, kwargs, task_id=sent_id, producer=prod, link=link,
-                link_error=link_error, shadow=shadow, headers=headers, **{**options, **extra},
-            )
+            send = functools.partial(
+                super(IdempotentTask, self).apply_async, args, kwargs, task_id=sent_id,
+                link=link, link_error=link_error, shadow=shadow, headers=headers,
+                **{**options, **extra})
+            if not self.idempotency_config.intent or self.app.conf.task_always_eager:
+                return send(producer=prod)
+            with self.app.producer_or_acquire(prod) as real:  # the store keeps the message
+                return send(producer=intents.IntentProducer(real, self))
 
         decision: Publish | Answer = Publish(task_id)
         request: EnqueueRequest | None = None

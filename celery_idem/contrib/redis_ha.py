@@ -90,6 +90,9 @@ class RedisClusterStore(RedisStore):
     its key: the masters' clocks should agree (NTP) for lease arithmetic across slots.
     """
 
+    #: The intents' index spans every key: one slot cannot hold it.
+    keeps_intents = False
+
     accelerates: ClassVar[bool] = False  # no wire for a cluster client
 
     def __init__(self, client: RedisCluster, prefix: str = DEFAULT_PREFIX, *,

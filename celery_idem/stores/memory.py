@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..config import DEFAULT_PREFIX
-from ..records import Claim, ClaimStatus, Record, State
+from ..records import Claim, ClaimStatus, Intent, Record, State
 from .base import Store, lease_lost, new_claim_id, next_token
 
 __all__ = ["MemoryStore"]
@@ -29,6 +29,8 @@ class MemoryStore(Store):
         self._clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, tuple[Record, float]] = {}  # key -> (record, expires_at)
+        self._intents: dict[str, Intent] = {}
+        self._watermarks: dict[str, float] = {}
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> MemoryStore:
@@ -134,3 +136,52 @@ class MemoryStore(Store):
             now = self._clock()
             records = [r for k in list(self._records) if (r := self._live(k, now)) is not None]
         yield from (r for r in records if state is None or r.state is state)
+
+    # -- intents ---------------------------------------------------------------------------------
+
+    keeps_intents = True
+
+    def intend(self, key: str, task_id: str, queue: str, message: bytes, *, relay_after: float,
+               ttl: float, eta: float | None = None) -> Intent:
+        with self._lock:
+            now = self._clock()
+            intent = Intent(key, task_id, queue, bytes(message), now,
+                            max(now, eta or 0.0) + relay_after, now + ttl)
+            self._intents[key] = intent
+            return intent
+
+    def due_intents(self, limit: int = 500) -> list[tuple[Intent, Record | None]]:
+        with self._lock:
+            now = self._clock()
+            due = sorted((i for i in self._intents.values() if i.deadline <= now),
+                         key=lambda i: i.deadline)[:limit]
+            return [(i, self._live(i.key, now)) for i in due]
+
+    def reschedule_intent(self, intent: Intent, deadline: float, *, resent: bool = False) -> bool:
+        with self._lock:
+            held = self._intents.get(intent.key)
+            if held is None or held.task_id != intent.task_id or held.deadline != intent.deadline:
+                return False
+            enqueued = self._clock() if resent else held.enqueued
+            self._intents[intent.key] = dataclasses.replace(held, deadline=deadline, enqueued=enqueued)
+            return True
+
+    def close_intent(self, key: str, task_id: str) -> None:
+        with self._lock:
+            held = self._intents.get(key)
+            if held is not None and held.task_id == task_id:
+                del self._intents[key]
+
+    def intents(self, count: int = 100) -> Iterator[Intent]:
+        with self._lock:
+            found = list(self._intents.values())
+        yield from found
+
+    def watermarks(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._watermarks)
+
+    def raise_watermarks(self, marks: Mapping[str, float]) -> None:
+        with self._lock:
+            for queue, mark in marks.items():
+                self._watermarks[queue] = max(self._watermarks.get(queue, mark), mark)

@@ -35,6 +35,7 @@ from .redis_format import (
     refuse_nul,
     unreadable,
 )
+from .redis_intents import RedisIntents
 
 if TYPE_CHECKING:
     from .redis_wire import WireScripts
@@ -128,7 +129,7 @@ class Scripts:
         return None
 
 
-class RedisStore(Store):
+class RedisStore(RedisIntents, Store):
     """Idempotency records in Redis, one Lua script (one round trip) per verb.
 
     Args:
@@ -248,6 +249,10 @@ class RedisStore(Store):
                     f"(wait_replicas): not known to survive a failover", reply)
             return reply
         raise StoreUnavailable(f"the Redis store at {self.location} keeps losing its scripts")
+
+    def _errors(self, key: str | None = None) -> _translate_errors:
+        """Maps redis-py's errors of a verb on ``key`` to the contract's."""
+        return _translate_errors(self, key)
 
     # -- verbs ---------------------------------------------------------------------------------
 

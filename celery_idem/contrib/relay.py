@@ -1,0 +1,405 @@
+"""The relay: re-sends an intent's message when it is due and lost (``idempotency_intent``).
+
+A task enqueued with ``idempotency_intent=True`` leaves its encoded message in the store until
+an attempt records the key's outcome. A relay decides what to do with each intent whose deadline
+has passed with :func:`decide` (pure: no store, no broker). A re-send first wins the store's
+compare-and-set (:meth:`Store.reschedule_intent` with ``resent=True``), so of several relays
+(one per worker) one sends; then it publishes the message as it was first sent, task id
+included, and logs ``celery_idem relayed key=... task_id=... reason=...`` at WARNING.
+
+Workers start a relay in a daemon thread (a greenlet under gevent or eventlet) when the app's
+store keeps intents and a task of the app enqueues them, unless ``idempotency_relay = False``.
+The ``celery -A proj idem relay`` command runs one outside workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_ready, worker_shutdown
+from kombu import entity
+from kombu.exceptions import ChannelError
+
+from ..config import settings
+from ..events import EVENT_TYPE, Outcome, notify_observers
+from ..intents import Envelope, decode_envelope, publish_envelope
+from ..records import Intent, Record, State
+from ..stores.base import Store
+
+__all__ = ["Action", "Kind", "Relay", "RelayReport", "Resend", "decide", "relay_settings",
+           "start_relay", "stop_relay"]
+
+logger = logging.getLogger("celery_idem")
+
+#: Intents read per store round trip; a full batch makes the next pass start at once.
+BATCH = 500
+
+
+class Kind(str, enum.Enum):
+    """What the relay does with one due intent (the value is the report's counter)."""
+
+    STALE = "stale"  #: expired: close it, never re-send
+    CLOSE = "closed"  #: the key's outcome is recorded: close it
+    POSTPONE = "postponed"  #: an attempt holds a live lease: look again after it
+    WAIT = "waiting"  #: it may still wait in its queue: look again later
+    RESEND = "relayed"  #: lost: re-send it
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """The decision for one intent.
+
+    Attributes:
+        kind: What to do.
+        deadline: The new deadline (store clock) for POSTPONE, WAIT and RESEND.
+        watermark: The ``enqueued`` its queue's watermark rises to (the key was seen claimed).
+        reason: Why a RESEND: ``queue_empty``, ``overtaken`` (never claimed, and a message sent
+            after it on its queue was), ``released`` or ``lease_expired``.
+    """
+
+    kind: Kind
+    deadline: float | None = None
+    watermark: float | None = None
+    reason: str = ""
+
+
+def _claimed(record: Record | None, now: float) -> float | None:
+    """The lease end of a live claim (IN_PROGRESS, lease not run out), else None."""
+    if record is None or record.state is not State.IN_PROGRESS or record.lease_expires is None:
+        return None
+    return record.lease_expires if record.lease_expires > now else None
+
+
+def decide(intent: Intent, record: Record | None, now: float, queue_length: int,
+           watermark: float, relay_after: float = 60.0) -> Action:
+    """Decide what to do with one due intent (pure: the caller reads and writes).
+
+    1. stale (its record's ttl has passed): close it, never re-send;
+    2. the key is done or failed: close it (its queue's watermark rises to its ``enqueued``);
+    3. an attempt holds a live lease: look again when the lease ends plus ``relay_after``;
+    4. otherwise (never claimed, released, lease expired) re-send it, unless it was never
+       claimed and may still wait in its queue: the queue is not empty and no message enqueued
+       after it on that queue was seen claimed (``enqueued`` above the queue's watermark).
+
+    Args:
+        intent: The intent, as :meth:`Store.due_intents` returned it.
+        record: Its key's record (None: absent or only reserved).
+        now: The store's clock.
+        queue_length: Messages in the intent's queue (0 for a missing queue; the relay reads
+            it only for a fresh, never claimed intent above the watermark).
+        watermark: The queue's watermark: the newest ``enqueued`` of an intent seen claimed.
+        relay_after: Seconds to the next look after a postponement, a wait or a re-send.
+    """
+    if intent.expires <= now:
+        return Action(Kind.STALE)
+    if record is not None and record.state in (State.DONE, State.FAILED):
+        return Action(Kind.CLOSE, watermark=intent.enqueued)
+    lease_end = _claimed(record, now)
+    if lease_end is not None:
+        return Action(Kind.POSTPONE, deadline=lease_end + relay_after, watermark=intent.enqueued)
+    if record is None:
+        if queue_length > 0 and intent.enqueued > watermark:
+            return Action(Kind.WAIT, deadline=now + relay_after)
+        reason = "queue_empty" if queue_length <= 0 else "overtaken"
+    else:
+        reason = "released" if record.state is State.RELEASED else "lease_expired"
+    return Action(Kind.RESEND, deadline=now + relay_after, reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Resend:
+    """One message re-sent (or, in a dry run, that would be)."""
+
+    key: str
+    task_id: str
+    queue: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RelayReport:
+    """What one pass of the relay did.
+
+    Attributes:
+        relayed: Messages re-sent (a dry run: that would be).
+        waiting: Intents that may still wait in their queue.
+        closed: Intents closed: their key's outcome is recorded.
+        stale: Intents closed unsent: their record's ttl had passed.
+        postponed: Intents an attempt holds a live lease on.
+        oldest: Per queue, the age (seconds) of the oldest due intent left open.
+        resends: The re-sends themselves.
+        full: The batch was full: more may be due.
+    """
+
+    relayed: int = 0
+    waiting: int = 0
+    closed: int = 0
+    stale: int = 0
+    postponed: int = 0
+    oldest: Mapping[str, float] = field(default_factory=dict)
+    resends: tuple[Resend, ...] = ()
+    full: bool = False
+
+
+class Relay:
+    """Re-sends lost intents of one app's store (see the module's docstring).
+
+    Args:
+        app: The Celery app (its producer pool publishes).
+        store: The app's store; it keeps intents.
+        relay_after: Seconds before a re-sent, postponed or waiting intent is looked at again.
+        interval: Seconds between passes when idle (:meth:`run_forever`).
+        dry_run: Decide only: send, close and move nothing.
+        batch: Intents read per pass.
+    """
+
+    def __init__(self, app: Celery, store: Store, *, relay_after: float, interval: float = 1.0,
+                 dry_run: bool = False, batch: int = BATCH) -> None:
+        self.app, self.store = app, store
+        self.relay_after, self.interval = float(relay_after), float(interval)
+        self.dry_run, self.batch = dry_run, batch
+
+    def run_once(self) -> RelayReport:
+        """One pass over the due intents.
+
+        Raises:
+            StoreUnavailable: The store could not be reached.
+            ImproperlyConfigured: The store keeps no intents.
+        """
+        store = self.store
+        due = store.due_intents(self.batch)
+        if not due:
+            return RelayReport()
+        now = store.now()
+        marks = dict(store.watermarks())
+        # Claims anywhere in the batch show what their queue has delivered: learn them first.
+        seen: dict[str, float] = {}
+        for intent, record in due:
+            if decide(intent, record, now, 0, 0.0).watermark is not None:
+                seen[intent.queue] = max(seen.get(intent.queue, 0.0), intent.enqueued)
+        raised = {q: m for q, m in seen.items() if m > marks.get(q, 0.0)}
+        marks.update(raised)
+        if raised and not self.dry_run:
+            store.raise_watermarks(raised)
+        counts = dict.fromkeys(Kind, 0)
+        oldest: dict[str, float] = {}
+        resends: list[Resend] = []
+        with contextlib.closing(_Broker(self.app)) as broker:
+            for intent, record in due:
+                mark = marks.get(intent.queue, 0.0)
+                may_wait = record is None and intent.expires > now and intent.enqueued > mark
+                length = broker.length(intent.queue) if may_wait else 0
+                action = decide(intent, record, now, length, mark, self.relay_after)
+                if action.kind is Kind.RESEND and not self._resend(intent, action, broker):
+                    continue  # another relay moved it first
+                counts[action.kind] += 1
+                if action.kind in (Kind.STALE, Kind.CLOSE):
+                    self._close(intent, action)
+                    continue
+                if action.kind is Kind.RESEND:
+                    resends.append(Resend(intent.key, intent.task_id, intent.queue, action.reason))
+                elif not self.dry_run:
+                    store.reschedule_intent(intent, action.deadline or now)
+                oldest[intent.queue] = max(oldest.get(intent.queue, 0.0), now - intent.enqueued)
+        return RelayReport(
+            relayed=counts[Kind.RESEND], waiting=counts[Kind.WAIT], closed=counts[Kind.CLOSE],
+            stale=counts[Kind.STALE], postponed=counts[Kind.POSTPONE], oldest=oldest,
+            resends=tuple(resends), full=len(due) >= self.batch)
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """Pass after pass until ``stop`` is set: at once after a full batch, else at most once
+        per ``interval``. An error of one pass is logged; the next pass tries again."""
+        while not stop.is_set():
+            full = False
+            try:
+                full = self.run_once().full
+            except Exception as exc:  # the store or the broker is down: the next pass retries
+                logger.warning("celery_idem relay pass failed: %s: %s", type(exc).__name__, exc,
+                               exc_info=logger.isEnabledFor(logging.DEBUG))
+            if not full:
+                stop.wait(self.interval)
+
+    # -- one intent -------------------------------------------------------------------------
+
+    def _close(self, intent: Intent, action: Action) -> None:
+        if action.kind is Kind.STALE:
+            logger.warning("celery_idem intent stale key=%s task_id=%s queue=%s: its record's ttl "
+                           "has passed, it is closed and never re-sent", intent.key, intent.task_id,
+                           intent.queue)
+        if not self.dry_run:
+            self.store.close_intent(intent.key, intent.task_id)
+
+    def _resend(self, intent: Intent, action: Action, broker: _Broker) -> bool:
+        if not self.dry_run:
+            if not self.store.reschedule_intent(intent, action.deadline or 0.0, resent=True):
+                return False
+            task_name = broker.publish(intent)
+            logger.warning("celery_idem relayed key=%s task_id=%s reason=%s", intent.key,
+                           intent.task_id, action.reason)
+            self._notify(intent, action.reason, task_name)
+        return True
+
+    def _notify(self, intent: Intent, reason: str, task_name: str) -> None:
+        from ..app import events_enabled
+
+        notify_observers(task_name, Outcome.RELAYED, intent.key, 0, intent.task_id, task_span=False)
+        app = self.app
+        if not (settings(app).events or events_enabled(app)):
+            return
+        try:
+            with app.events.default_dispatcher() as dispatcher:
+                dispatcher.send(EVENT_TYPE, uuid=intent.task_id, name=task_name,
+                                idempotency_key=intent.key, outcome=Outcome.RELAYED.value,
+                                original_task_id=intent.task_id, token=0, reason=reason,
+                                at="relay")
+        except Exception as exc:  # monitoring must never change what the relay did
+            logger.debug("celery_idem event not sent key=%s: %s", intent.key, exc)
+
+
+class _Broker:
+    """One pass's broker side: queue lengths (read once per queue) and publishes (each queue
+    declared at its first publish: after a broker flush kombu's Redis transport has lost its
+    bindings, and a declaration cached by kombu would not be made again)."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.lengths: dict[str, int] = {}
+        self.declared: set[str] = set()
+        self._producer: Any = None
+        self._channel: Any = None
+        self._stack = contextlib.ExitStack()
+
+    @property
+    def producer(self) -> Any:
+        if self._producer is None:
+            self._producer = self._stack.enter_context(self.app.producer_pool.acquire(block=True))
+        return self._producer
+
+    def length(self, queue: str) -> int:
+        """Messages in ``queue``, read once per pass (a missing queue has none)."""
+        if queue in self.lengths:
+            return self.lengths[queue]
+        conn = self.producer.connection
+        self._channel = self._channel or conn.channel()
+        try:
+            found = int(self._channel.queue_declare(queue=queue, passive=True).message_count)
+        except (ChannelError, *conn.channel_errors) as exc:
+            # A missing queue: RabbitMQ answers 404 and closes the channel; take a fresh one.
+            with contextlib.suppress(Exception):
+                self._channel.close()
+            self._channel, found = None, 0
+            if getattr(exc, "reply_code", 404) != 404:
+                raise
+        self.lengths[queue] = found
+        return found
+
+    def publish(self, intent: Intent) -> str:
+        """Send ``intent``'s message as it was first sent; its task's name."""
+        envelope = decode_envelope(intent.message)
+        producer = self.producer
+        if intent.queue not in self.declared:
+            self._queue(intent, envelope)(producer.channel).declare()
+            self.declared.add(intent.queue)
+        publish_envelope(self.app, envelope, producer)
+        return str(envelope.headers.get("task", ""))
+
+    def _queue(self, intent: Intent, envelope: Envelope) -> Any:
+        """The app's own queue of that name (its exchange and bindings), else one bound to the
+        envelope's exchange (the default exchange: none) and routing key."""
+        known = self.app.amqp.queues.get(intent.queue)
+        exchange = entity.Exchange(envelope.exchange, type=envelope.exchange_type or "direct")  # type: ignore[no-untyped-call]
+        return known or entity.Queue(intent.queue, exchange,  # type: ignore[no-untyped-call]
+                                     routing_key=envelope.routing_key or intent.queue)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            with contextlib.suppress(Exception):
+                self._channel.close()
+        self._stack.close()
+
+
+# -- worker start ---------------------------------------------------------------------------
+
+
+def relay_settings(app: Celery) -> tuple[bool, float, float]:
+    """``idempotency_relay``, ``idempotency_relay_after`` and ``idempotency_relay_interval``."""
+    read = settings(app)
+    return read.relay, read.relay_after, read.relay_interval
+
+
+def _wants_relay(app: Celery, store: Store) -> bool:
+    from ..task import IdempotentTask
+
+    if not store.keeps_intents:
+        return False
+    for task in list(app.tasks.values()):
+        if isinstance(task, IdempotentTask):
+            with contextlib.suppress(Exception):  # a misconfigured task enqueues nothing
+                if task.idempotency_config.intent:
+                    return True
+    return False
+
+
+_running: weakref.WeakKeyDictionary[Celery, threading.Event] = weakref.WeakKeyDictionary()
+
+
+def _green(sender: Any, app: Celery) -> str:
+    """``gevent`` or ``eventlet`` when the worker runs that pool, else ``""``."""
+    controller = getattr(sender, "controller", sender)
+    pool = getattr(controller, "pool_cls", None) or app.conf.worker_pool or ""
+    name = pool if isinstance(pool, str) else f"{getattr(pool, '__module__', '')}.{pool!r}"
+    return next((green for green in ("gevent", "eventlet") if green in name.lower()), "")
+
+
+def start_relay(app: Celery, sender: Any = None) -> threading.Event | None:
+    """Start ``app``'s relay in this process (once), if the app wants one; its stop event."""
+    if app in _running:
+        return _running[app]
+    from ..app import get_store  # celery_idem.app loads this module while it loads
+
+    run, relay_after, interval = relay_settings(app)
+    store = get_store(app)
+    if not run or not _wants_relay(app, store):
+        return None
+    stop = _running[app] = threading.Event()
+    relay = Relay(app, store, relay_after=relay_after, interval=interval)
+    green = _green(sender, app)
+    if green:  # gevent.spawn, eventlet.spawn: a blocked thread would stall every greenlet
+        importlib.import_module(green).spawn(relay.run_forever, stop)
+    else:
+        threading.Thread(target=relay.run_forever, args=(stop,), name="celery_idem-relay",
+                         daemon=True).start()
+    logger.info("celery_idem relay started (relay_after=%s s, interval=%s s)", relay_after, interval)
+    return stop
+
+
+def stop_relay(app: Celery) -> None:
+    """Stop ``app``'s relay in this process (its current pass ends first)."""
+    stop = _running.pop(app, None)
+    if stop is not None:
+        stop.set()
+
+
+@worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
+def _on_ready(sender: Any = None, **_: Any) -> None:
+    try:
+        if getattr(sender, "app", None) is not None:
+            start_relay(sender.app, sender)
+    except Exception:  # the relay is an add-on: a worker runs its tasks without it
+        logger.exception("celery_idem could not start the relay")
+
+
+@worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+def _on_shutdown(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is not None:
+        stop_relay(app)

@@ -1,0 +1,135 @@
+"""celery_idem.intents: the producer writes an intent task's message as Celery sent it, and the
+envelope sends it again unchanged (kombu's in-process ``memory://`` broker, ``memory://`` store).
+
+The real broker and worker counterparts are in tests/integration/test_intents.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu import Connection
+
+from celery_idem import IdempotentTask
+from celery_idem.exceptions import ImproperlyConfigured, StoreUnavailable
+from celery_idem.intents import IntentTooLarge, decode_envelope, encode_envelope, publish_envelope
+from celery_idem.stores.memory import MemoryStore
+
+
+@pytest.fixture
+def app() -> Celery:
+    app = Celery(f"test_intents_{uuid.uuid4().hex[:6]}", set_as_current=False,
+                 broker=f"memory://intents-{uuid.uuid4().hex}")
+    app.conf.idempotency_store = "memory://"
+    app.conf.idempotency_relay_after = 30
+    app.conf.idempotency_intent_max_bytes = 4096
+    app.conf.task_default_queue = f"q-{uuid.uuid4().hex[:8]}"
+    return app
+
+
+def make(app: Celery, intent: bool = True) -> Any:
+    @app.task(base=IdempotentTask, shared=False, idempotency_intent=intent)
+    def charge(order_id: str, amount: int) -> str:
+        return order_id
+
+    return charge
+
+
+def drain(app: Celery, queue: str) -> list[Any]:
+    """Every message waiting in ``queue`` (as kombu delivers it)."""
+    got: list[Any] = []
+    with Connection(app.conf.broker_url) as conn:
+        simple = conn.SimpleQueue(queue, no_ack=True)
+        while True:
+            try:
+                got.append(simple.get(block=False))
+            except simple.Empty:
+                break
+        simple.close()
+    return got
+
+
+def test_the_message_is_kept_as_sent_and_sent_again_unchanged(app: Celery) -> None:
+    charge = make(app)
+    result = charge.apply_async(("o-1", 4200), priority=3)
+    store = charge.idempotency_gate.store
+    (intent,) = list(store.intents())
+    assert intent.task_id == result.id and intent.key == result.idempotency_key
+    assert intent.queue == app.conf.task_default_queue
+    assert intent.deadline == pytest.approx(intent.enqueued + 30)
+    env = decode_envelope(intent.message)
+    assert decode_envelope(encode_envelope(env)) == env
+    (sent,) = drain(app, intent.queue)
+
+    with app.producer_or_acquire() as producer:
+        publish_envelope(app, env, producer)
+    (again,) = drain(app, intent.queue)
+    assert again.body == sent.body and again.content_type == sent.content_type
+    assert again.headers["id"] == result.id and again.headers["task"] == charge.name
+    assert again.headers["idempotency_key"] == result.idempotency_key
+    assert again.properties.get("priority") == 3 == sent.properties.get("priority")
+    assert again.decode() == [["o-1", 4200], {}, {"callbacks": None, "errbacks": None,
+                                                  "chain": None, "chord": None}]
+
+
+def test_a_countdown_moves_the_deadline_and_expires_bounds_the_intent(app: Celery) -> None:
+    charge = make(app)
+    store = charge.idempotency_gate.store
+    charge.apply_async(("o-2", 1), countdown=600, expires=900)
+    (intent,) = list(store.intents())
+    assert intent.deadline == pytest.approx(intent.enqueued + 600 + 30, abs=1)
+    assert intent.expires == pytest.approx(intent.enqueued + 900, abs=1)
+
+
+def test_a_task_without_intents_writes_none(app: Celery) -> None:
+    plain = make(app, intent=False)
+    plain.delay("o-3", 1)
+    assert list(plain.idempotency_gate.store.intents()) == []
+
+
+def test_an_oversized_message_is_refused_and_nothing_is_sent(app: Celery) -> None:
+    charge = make(app)
+    with pytest.raises(IntentTooLarge, match=r"over idempotency_intent_max_bytes \(4096\); nothing was sent"):
+        charge.delay("x" * 5000, 1)
+    assert drain(app, app.conf.task_default_queue) == []
+    assert list(charge.idempotency_gate.store.intents()) == []
+
+
+class NoIntents(MemoryStore):
+    keeps_intents = False
+
+
+class Down(MemoryStore):
+    def intend(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("the store is down")
+
+
+@pytest.mark.parametrize(("store", "error"), [(NoIntents, ImproperlyConfigured),
+                                               (Down, StoreUnavailable)])
+def test_no_intent_no_message(app: Celery, store: type[MemoryStore], error: type[Exception]) -> None:
+    charge = make(app)
+    charge.idempotency_gate.store = store()
+    with pytest.raises(error):
+        charge.delay("o-4", 1)
+    assert drain(app, app.conf.task_default_queue) == []
+
+
+def test_a_retry_replaces_the_intent_with_its_own_message(app: Celery) -> None:
+    charge = make(app)
+    first = charge.delay("o-5", 1)
+    store = charge.idempotency_gate.store
+    (before,) = list(store.intents())
+    charge.apply_async(("o-5", 1), task_id=first.id, retries=1, countdown=60,
+                       headers={"idempotency_key": first.idempotency_key})
+    (after,) = list(store.intents())
+    assert after.task_id == first.id and after.deadline > before.deadline + 59
+
+
+def test_an_envelope_that_is_not_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a celery_idem intent envelope"):
+        decode_envelope(b"not json")
+    with pytest.raises(ValueError, match="envelope version 9"):
+        decode_envelope(b'{"v": 9}')

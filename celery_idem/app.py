@@ -266,6 +266,12 @@ def check_worker(sender: Any = None, **_: Any) -> None:
             return
         timelimits.check_worker(app, tasks, getattr(sender, "time_limit", None),
                                 getattr(sender, "soft_time_limit", None))
+        intent = [t.name for t in tasks if t.idempotency_config.intent]
+        if intent and not store.keeps_intents:
+            raise ImproperlyConfigured(
+                f"{', '.join(sorted(intent))} keep intents (idempotency_intent=True) but the "
+                f"store, {type(store).__name__}, keeps none: use a Redis (not Cluster), SQL or "
+                f"Django store, or turn idempotency_intent off")
         check_pool(sender, app)
         if probe.probe_store(store, setting):
             check_store(store, require=settings(app).require_durable_store)

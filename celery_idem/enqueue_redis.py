@@ -41,8 +41,10 @@ from .attach import add_to_parent
 from .enqueue import Answer, Decision, EnqueueRequest, Publish, ReadFirst
 from .exceptions import StoreUnavailable
 from .identity import HEADER
+from .intents import FUSED
 from .records import Record, Reservation, State
 from .stores.redis import RESERVED, RedisStore, same_server
+from .stores.redis_intents import INTENT
 
 try:  # the join guard Celery's own result handles use (celery/result.py)
     from celery._state import task_join_will_block
@@ -75,6 +77,24 @@ class _Pending:
     key: str
     reserve: tuple[str, str, int] | None = None
     found: Record | Reservation | None = None
+    #: The intent to write with the message (``idempotency_intent``): its script arguments.
+    intent: tuple[Any, ...] | None = None
+
+    def take_intent(self, store: Any, key: str, task_id: str, queue: str, message: bytes,
+                    relay_after: float, ttl: float, eta: float | None) -> bool:
+        """Take this enqueue's intent to write in the publish's script (``intents.FUSED``)."""
+        if store is not self.store or key != self.key:
+            return False
+        self.intent = (task_id, queue, message, round(relay_after * 1000),
+                       max(1, round(ttl * 1000)), round(eta * 1000) if eta else 0, key)
+        return True
+
+    def write_intent(self) -> None:
+        """Write the taken intent with its own round trip (kombu pushes the message itself)."""
+        if self.intent is not None:
+            task_id, queue, message, relay_after, ttl, eta, key = self.intent
+            self.store.intend(key, task_id, queue, message, relay_after=relay_after / 1000,
+                              ttl=ttl / 1000, eta=eta / 1000 if eta else None)
 
 
 _PENDING: ContextVar[_Pending | None] = ContextVar("celery_idem_pending_publish", default=None)
@@ -184,6 +204,7 @@ class WithinPublish(ReadFirst):
             pending = _Pending(store, req.key, (sent_id, req.fingerprint() or "", lease)
                                if reserving else None)
             token = _PENDING.set(pending)
+            fused = FUSED.set(pending.take_intent)
             try:
                 # Celery lists the result among a running task's children only once sent.
                 result = req.publish(prod, sent_id, add_to_parent=False)
@@ -191,6 +212,7 @@ class WithinPublish(ReadFirst):
                 pending.found = None
                 result = None
             finally:
+                FUSED.reset(fused)
                 _PENDING.reset(token)
         if result is None or pending.found is not None:
             # Not sent: the result subscription Celery made for it is not wanted.
@@ -258,6 +280,7 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
     if kwargs.get("_publish_batch") is not None or (expires and queue in expires):
         # kombu sends this one in several commands: read first, then let kombu push it.
         if not _found_first(pending):
+            pending.write_intent()
             put(self, queue, message, **kwargs)
         return None
     name = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
@@ -270,6 +293,9 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         args: tuple[Any, ...] = (payload, "0")
     else:
         keys, args = (name, record, record + RESERVED), (payload, "1", *pending.reserve)
+    if pending.intent is not None:  # written with the push, in the same script
+        keys = (name, record, record + RESERVED, record + INTENT, store.intent_index())
+        args = (*args, "", "", "0")[:5] + pending.intent
     with self.conn_or_acquire() as client:
         try:
             reply = client.evalsha(_SHA, len(keys), *keys, *args)
@@ -281,6 +307,7 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
     if reply == _CHECK:
         # Not a plain record: nothing was pushed; the store's read raises (CorruptRecord) or not.
         if not _found_first(pending):
+            pending.write_intent()
             put(self, queue, message, **kwargs)
     elif isinstance(reply, list):
         task_id, _, fingerprint = reply[0].decode().partition("\0")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from .config import settings
 from .exceptions import ImproperlyConfigured
 from .identity import HEADER
 
-__all__ = ["Envelope", "IntentProducer", "IntentTooLarge", "decode_envelope", "encode_envelope",
+__all__ = ["FUSED", "Envelope", "IntentProducer", "IntentTooLarge", "decode_envelope", "encode_envelope",
            "publish_envelope", "write_intent"]
 
 #: The envelope's format version (a relay refuses one it does not know).
@@ -167,16 +168,30 @@ class IntentProducer:
 
     def publish(self, body: Any, **kwargs: Any) -> Any:
         headers = kwargs.get("headers") or {}
-        if HEADER in headers:
-            properties = {k: v for k, v in kwargs.items() if k not in _NOT_PROPERTIES and v is not None}
-            write_intent(self._task, body, kwargs.get("exchange"), kwargs.get("routing_key"),
-                         headers, properties, kwargs.get("declare"), kwargs.get("serializer"))
-        return self._producer.publish(body, **kwargs)
+        if HEADER not in headers:
+            return self._producer.publish(body, **kwargs)
+        defer = self._task.idempotency_gate.store.deferring()
+        properties = {k: v for k, v in kwargs.items() if k not in _NOT_PROPERTIES and v is not None}
+        write_intent(self._task, body, kwargs.get("exchange"), kwargs.get("routing_key"),
+                     headers, properties, kwargs.get("declare"), kwargs.get("serializer"),
+                     fused=defer is None)
+        if defer is None:
+            return self._producer.publish(body, **kwargs)
+        # In the caller's transaction: sent once it commits (a rollback sends nothing; a crash
+        # after the commit leaves the committed intent to the relay).
+        app = self._task.app
+        defer(lambda: _publish_later(app, body, kwargs))
+        return None
+
+
+def _publish_later(app: Any, body: Any, kwargs: Mapping[str, Any]) -> None:
+    with app.producer_or_acquire() as producer:
+        producer.publish(body, **kwargs)
 
 
 def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers: Mapping[str, Any],
                  properties: Mapping[str, Any], declare: Sequence[Any] | None,
-                 serializer: str | None = None) -> None:
+                 serializer: str | None = None, *, fused: bool = True) -> None:
     """Encode the message ``task`` is about to send and write it as its key's intent.
 
     Raises:
@@ -208,5 +223,16 @@ def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers:
     expires = envelope.expires()
     if expires is not None:  # an expired message is discarded by the worker: never re-sent
         ttl = max(0.001, min(ttl, expires - store.now()))
-    store.intend(str(headers[HEADER]), envelope.task_id, envelope.queue, message,
-                 relay_after=conf.relay_after, ttl=ttl, eta=envelope.eta())
+    key = str(headers[HEADER])
+    take = FUSED.get() if fused else None
+    if take is not None and take(store, key, envelope.task_id, envelope.queue, message,
+                                   conf.relay_after, ttl, envelope.eta()):
+        return  # written by the publish's own script
+    store.intend(key, envelope.task_id, envelope.queue, message, relay_after=conf.relay_after,
+                 ttl=ttl, eta=envelope.eta())
+
+
+#: Set by a publish that can write the intent in its own round trip (the enqueue check within
+#: the Redis publish): ``(store, key, task_id, queue, message, relay_after, ttl, eta) -> bool``,
+#: True when it took the intent to write with the message.
+FUSED: ContextVar[Callable[..., bool] | None] = ContextVar("celery_idem_fused_intent", default=None)

@@ -11,6 +11,7 @@ app's own store (``idempotency_store``, else ``result_backend``) and key prefix:
     celery -A proj idem forget KEY [--token N] [--yes] [--reason TEXT]   forget an outcome
     celery -A proj idem key TASK [ARGS...] [--kwargs JSON]
     celery -A proj idem mcp --toolbox MODULE:NAME [--http HOST:PORT]   serve agent tools (MCP)
+    celery -A proj idem relay [--once] [--dry-run]   re-send lost intents; idem intents: count them
 
 Every command takes ``--json`` (one JSON document on stdout; errors as JSON on stderr).
 
@@ -75,17 +76,17 @@ from .cli_output import (
     task_option,
     utc_text,
 )
+from .cli_relay import intents, relay
 from .maintenance import purge_expired
 from .ops import Operator, printable, shown
 
 __all__ = ["EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE", "idem", "mcp"]
 
 
-
 # -- commands --------------------------------------------------------------------------------
 
 
-@click.group(name="idem")
+@click.group(name="idem", commands=[relay, intents])  # celery_idem.contrib.cli_relay
 @click.pass_context
 @handle_preload_options  # type: ignore[untyped-decorator]
 def idem(ctx: click.Context) -> None:

@@ -7,36 +7,32 @@ compare-and-set (:meth:`Store.reschedule_intent` with ``resent=True``), so of se
 (one per worker) one sends; then it publishes the message as it was first sent, task id
 included, and logs ``celery_idem relayed key=... task_id=... reason=...`` at WARNING.
 
-Workers start a relay in a daemon thread (a greenlet under gevent or eventlet) when the app's
-store keeps intents and a task of the app enqueues them, unless ``idempotency_relay = False``.
-The ``celery -A proj idem relay`` command runs one outside workers.
+Workers start a relay (:mod:`celery_idem.contrib.relay_worker`); ``celery -A proj idem relay``
+runs one outside them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import importlib
 import logging
 import threading
-import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_ready, worker_shutdown
 from kombu import entity
 from kombu.exceptions import ChannelError
 
+from ..app import events_enabled
 from ..config import settings
 from ..events import EVENT_TYPE, Outcome, notify_observers
 from ..intents import Envelope, decode_envelope, publish_envelope
 from ..records import Intent, Record, State
 from ..stores.base import Store
 
-__all__ = ["Action", "Kind", "Relay", "RelayReport", "Resend", "decide", "relay_settings",
-           "start_relay", "stop_relay"]
+__all__ = ["BATCH", "Action", "Kind", "Relay", "RelayReport", "Resend", "decide"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -215,13 +211,18 @@ class Relay:
             stale=counts[Kind.STALE], postponed=counts[Kind.POSTPONE], oldest=oldest,
             resends=tuple(resends), full=len(due) >= self.batch)
 
-    def run_forever(self, stop: threading.Event) -> None:
+    def run_forever(self, stop: threading.Event,
+                    on_report: Callable[[RelayReport], None] | None = None) -> None:
         """Pass after pass until ``stop`` is set: at once after a full batch, else at most once
-        per ``interval``. An error of one pass is logged; the next pass tries again."""
+        per ``interval``; each pass's report goes to ``on_report``. An error of one pass is
+        logged; the next pass tries again."""
         while not stop.is_set():
             full = False
             try:
-                full = self.run_once().full
+                report = self.run_once()
+                full = report.full and not self.dry_run  # a dry run moves nothing: same batch
+                if on_report is not None:
+                    on_report(report)
             except Exception as exc:  # the store or the broker is down: the next pass retries
                 logger.warning("celery_idem relay pass failed: %s: %s", type(exc).__name__, exc,
                                exc_info=logger.isEnabledFor(logging.DEBUG))
@@ -242,15 +243,18 @@ class Relay:
         if not self.dry_run:
             if not self.store.reschedule_intent(intent, action.deadline or 0.0, resent=True):
                 return False
-            task_name = broker.publish(intent)
+            try:
+                task_name = broker.publish(intent)
+            except ValueError as exc:  # not an envelope this version reads: a later one may
+                logger.error("celery_idem intent unreadable key=%s task_id=%s: %s", intent.key,
+                             intent.task_id, exc)
+                return False
             logger.warning("celery_idem relayed key=%s task_id=%s reason=%s", intent.key,
                            intent.task_id, action.reason)
             self._notify(intent, action.reason, task_name)
         return True
 
     def _notify(self, intent: Intent, reason: str, task_name: str) -> None:
-        from ..app import events_enabled
-
         notify_observers(task_name, Outcome.RELAYED, intent.key, 0, intent.task_id, task_span=False)
         app = self.app
         if not (settings(app).events or events_enabled(app)):
@@ -276,12 +280,12 @@ class _Broker:
         self.declared: set[str] = set()
         self._producer: Any = None
         self._channel: Any = None
-        self._stack = contextlib.ExitStack()
+        self.held = contextlib.ExitStack()
 
     @property
     def producer(self) -> Any:
         if self._producer is None:
-            self._producer = self._stack.enter_context(self.app.producer_pool.acquire(block=True))
+            self._producer = self.held.enter_context(self.app.producer_pool.acquire(block=True))
         return self._producer
 
     def length(self, queue: str) -> int:
@@ -297,7 +301,7 @@ class _Broker:
             with contextlib.suppress(Exception):
                 self._channel.close()
             self._channel, found = None, 0
-            if str(getattr(exc, "reply_code", 404)) != "404":  # kombu's virtual transports: "404"
+            if str(getattr(exc, "reply_code", None) or 404) != "404":  # kombu's virtual: "404"
                 raise
         self.lengths[queue] = found
         return found
@@ -324,82 +328,4 @@ class _Broker:
         if self._channel is not None:
             with contextlib.suppress(Exception):
                 self._channel.close()
-        self._stack.close()
-
-
-# -- worker start ---------------------------------------------------------------------------
-
-
-def relay_settings(app: Celery) -> tuple[bool, float, float]:
-    """``idempotency_relay``, ``idempotency_relay_after`` and ``idempotency_relay_interval``."""
-    read = settings(app)
-    return read.relay, read.relay_after, read.relay_interval
-
-
-def _wants_relay(app: Celery, store: Store) -> bool:
-    from ..task import IdempotentTask
-
-    if not store.keeps_intents:
-        return False
-    for task in list(app.tasks.values()):
-        if isinstance(task, IdempotentTask):
-            with contextlib.suppress(Exception):  # a misconfigured task enqueues nothing
-                if task.idempotency_config.intent:
-                    return True
-    return False
-
-
-_running: weakref.WeakKeyDictionary[Celery, threading.Event] = weakref.WeakKeyDictionary()
-
-
-def _green(sender: Any, app: Celery) -> str:
-    """``gevent`` or ``eventlet`` when the worker runs that pool, else ``""``."""
-    controller = getattr(sender, "controller", sender)
-    pool = getattr(controller, "pool_cls", None) or app.conf.worker_pool or ""
-    name = pool if isinstance(pool, str) else f"{getattr(pool, '__module__', '')}.{pool!r}"
-    return next((green for green in ("gevent", "eventlet") if green in name.lower()), "")
-
-
-def start_relay(app: Celery, sender: Any = None) -> threading.Event | None:
-    """Start ``app``'s relay in this process (once), if the app wants one; its stop event."""
-    if app in _running:
-        return _running[app]
-    from ..app import get_store  # celery_idem.app loads this module while it loads
-
-    run, relay_after, interval = relay_settings(app)
-    store = get_store(app)
-    if not run or not _wants_relay(app, store):
-        return None
-    stop = _running[app] = threading.Event()
-    relay = Relay(app, store, relay_after=relay_after, interval=interval)
-    green = _green(sender, app)
-    if green:  # gevent.spawn, eventlet.spawn: a blocked thread would stall every greenlet
-        importlib.import_module(green).spawn(relay.run_forever, stop)
-    else:
-        threading.Thread(target=relay.run_forever, args=(stop,), name="celery_idem-relay",
-                         daemon=True).start()
-    logger.info("celery_idem relay started (relay_after=%s s, interval=%s s)", relay_after, interval)
-    return stop
-
-
-def stop_relay(app: Celery) -> None:
-    """Stop ``app``'s relay in this process (its current pass ends first)."""
-    stop = _running.pop(app, None)
-    if stop is not None:
-        stop.set()
-
-
-@worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
-def _on_ready(sender: Any = None, **_: Any) -> None:
-    try:
-        if getattr(sender, "app", None) is not None:
-            start_relay(sender.app, sender)
-    except Exception:  # the relay is an add-on: a worker runs its tasks without it
-        logger.exception("celery_idem could not start the relay")
-
-
-@worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
-def _on_shutdown(sender: Any = None, **_: Any) -> None:
-    app = getattr(sender, "app", None)
-    if app is not None:
-        stop_relay(app)
+        self.held.close()

@@ -24,7 +24,7 @@ import base64
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -348,6 +348,16 @@ class Store(abc.ABC):
     def close_intent(self, key: str, task_id: str) -> None:
         """Drop ``key``'s intent if it is still ``task_id``'s (its outcome is recorded, or it is stale)."""
         raise self._no_intents()
+
+    def deferring(self) -> Callable[[Callable[[], None]], None] | None:
+        """When the store's writes join a transaction the caller has open (Django's
+        ``atomic``, a SQLAlchemy session the caller handed over), what runs a callback once it
+        commits, and never if it rolls back; None: no such transaction, writes commit at once.
+
+        An intent task's enqueue inside one writes its intent in it and publishes after the
+        commit (the transactional enqueue, docs/reliability.md).
+        """
+        return None
 
     def intents(self, count: int = 100) -> Iterator[Intent]:
         """Every intent, in batches of about ``count`` (for operators; not atomic as a whole)."""

@@ -94,7 +94,7 @@ class _Host(Protocol):
     def _decode(self, key: str, value: bytes) -> Record: ...
     def _errors(self, key: str | None = None) -> AbstractContextManager[None]: ...
     def _intent_script(self, name: str, source: str) -> Any: ...
-    def _index(self) -> str: ...
+    def intent_index(self) -> str: ...
 
 
 class RedisIntents:
@@ -109,7 +109,8 @@ class RedisIntents:
             scripts[name] = self.client.register_script(source)
         return scripts[name]
 
-    def _index(self: _Host) -> str:
+    def intent_index(self: _Host) -> str:
+        """The Redis key of the intents' index (sorted by deadline)."""
         return self.prefix + "\x1fintents"
 
     def intend(self: _Host, key: str, task_id: str, queue: str, message: bytes, *,
@@ -118,14 +119,14 @@ class RedisIntents:
                 _ms(eta) if eta else 0, key]
         with self._errors(key):
             now, deadline, expires = self._intent_script("intend", _INTEND)(
-                keys=(self.name_of(key) + INTENT, self._index()), args=args)
+                keys=(self.name_of(key) + INTENT, self.intent_index()), args=args)
         return Intent(key, task_id, queue, bytes(message), now / 1000, deadline / 1000,
                       expires / 1000)
 
     def due_intents(self: _Host, limit: int = 500) -> list[tuple[Intent, Record | None]]:
         with self._errors():
             reply = self._intent_script("due", _DUE)(
-                keys=(self._index(),), args=[self.prefix, limit, INTENT])
+                keys=(self.intent_index(),), args=[self.prefix, limit, INTENT])
         found: list[tuple[Intent, Record | None]] = []
         for n in range(1, len(reply), 8):
             member, task_id, queue, message, enqueued, deadline, expires, value = reply[n:n + 8]
@@ -139,7 +140,7 @@ class RedisIntents:
                           resent: bool = False) -> bool:
         with self._errors(intent.key):
             done = self._intent_script("reschedule", _RESCHEDULE)(
-                keys=(self.name_of(intent.key) + INTENT, self._index()),
+                keys=(self.name_of(intent.key) + INTENT, self.intent_index()),
                 args=[intent.task_id, _ms(intent.deadline), _ms(deadline), "1" if resent else "0",
                       intent.key])
         return bool(done)
@@ -147,13 +148,13 @@ class RedisIntents:
     def close_intent(self: _Host, key: str, task_id: str) -> None:
         with self._errors(key):
             self._intent_script("close", _CLOSE)(
-                keys=(self.name_of(key) + INTENT, self._index()), args=[task_id, key])
+                keys=(self.name_of(key) + INTENT, self.intent_index()), args=[task_id, key])
 
     def intents(self: _Host, count: int = 100) -> Iterator[Intent]:
         start = 0
         while True:
             with self._errors():
-                members = self.client.zrange(self._index(), start, start + count - 1)
+                members = self.client.zrange(self.intent_index(), start, start + count - 1)
                 if not members:
                     return
                 pipe = self.client.pipeline(transaction=False)

@@ -30,6 +30,7 @@ def test_outcome_values_are_the_event_fields_consumers_match_on() -> None:
     assert {o.value for o in Outcome} == {
         "claimed", "takeover", "duplicate", "waited", "requeued", "released", "recorded",
         "terminal", "lease_lost", "record_failed", "held", "mismatch", "answered", "attached",
+        "relayed",
     }
     assert Outcome("held") is Outcome.HELD and Outcome.HELD == "held"
     assert events.EVENT_TYPE == "task-idempotency"

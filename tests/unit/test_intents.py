@@ -133,3 +133,28 @@ def test_an_envelope_that_is_not_one_is_refused() -> None:
         decode_envelope(b"not json")
     with pytest.raises(ValueError, match="envelope version 9"):
         decode_envelope(b'{"v": 9}')
+
+
+class InTransaction(MemoryStore):
+    """A store whose writes join a caller's open transaction: callbacks wait for the commit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_commit: list[Any] = []
+
+    def deferring(self) -> Any:
+        return self.on_commit.append
+
+
+def test_in_a_transaction_the_intent_is_written_and_the_message_waits_for_the_commit(
+        app: Celery) -> None:
+    charge = make(app)
+    store = charge.idempotency_gate.store = InTransaction()
+    result = charge.delay("o-6", 1)
+    (intent,) = list(store.intents())
+    assert intent.task_id == result.id
+    assert drain(app, app.conf.task_default_queue) == []  # not before the commit
+    (commit,) = store.on_commit
+    commit()
+    (sent,) = drain(app, app.conf.task_default_queue)
+    assert sent.headers["id"] == result.id

@@ -2,9 +2,9 @@
 
 Real ``celery worker`` processes on a private ``redis-server`` broker; the store, the result
 backend and the ledger are the shared Redis under the test's own prefix. The task keeps an intent
-at enqueue (``idempotency_intent=True``; ``idempotency_relay_after`` 2 s, interval 0.2 s). A
-relay runs in a worker that consumes another queue only: it re-sends this test's intents and
-runs none of them.
+at enqueue (``idempotency_intent=True``; ``idempotency_relay_after`` 2 s, interval 0.2 s). The
+relays are ``celery -A tests.integration.intent_app idem relay`` processes, beside no worker or
+beside workers whose own relay is off.
 
 ``IDEM_INTENTS=0`` runs the same tests with a task that keeps no intent: each fails (the
 control). ``IDEM_BACKLOG`` sets the backlog's size (default 2,000).
@@ -16,17 +16,17 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.integration import intent_app as tasks
 from tests.integration.conftest import Cluster
-from tests.integration.harness import RedisServer, Worker, wait_for
+from tests.integration.harness import RedisServer, wait_for
 from tests.integration.intent_support import (
     APP,
     RELAY_AFTER,
     RELAY_INTERVAL,
+    Relay,
     effects,
     flush,
     kept,
@@ -53,10 +53,18 @@ def cluster(make_cluster: Callable[..., Cluster], broker: RedisServer) -> Cluste
     return make_intent_cluster(make_cluster, broker)
 
 
-def relay_worker(cluster: Cluster, name: str) -> Worker:
-    """A worker that consumes another queue only: for this test's actions, a relay."""
-    return cluster.worker(name, app=APP, concurrency=1,
-                          extra=("-Q", f"{cluster.env['IDEM_QUEUE']}-elsewhere"))
+@pytest.fixture
+def relay(cluster: Cluster) -> Iterator[Callable[[str], Relay]]:
+    """Starts ``celery -A tests.integration.intent_app idem relay`` processes (stopped after)."""
+    started: list[Relay] = []
+
+    def start(name: str) -> Relay:
+        started.append(Relay(cluster.env, f"{name}-{cluster.prefix.strip(':')}"))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.stop()
 
 
 def _queue(cluster: Cluster) -> str:
@@ -64,20 +72,22 @@ def _queue(cluster: Cluster) -> str:
 
 
 def _hold_steady(broker: RedisServer, cluster: Cluster, n: int, seconds: float,
-                 relays: list[Worker]) -> None:
+                 relays: list[Relay]) -> None:
     """For ``seconds``: exactly ``n`` messages in the queue, and no relay re-sent one."""
     until = time.monotonic() + seconds
     while time.monotonic() < until:
         assert queued(broker, _queue(cluster)) == n
-        for relay in relays:
-            assert not relayed_lines(relay.text()), relayed_lines(relay.text())[:3]
+        for one in relays:
+            assert one.alive(), one.text()[-2000:]
+            assert not one.relayed(), one.relayed()[:3]
         time.sleep(0.2)
 
 
-def test_a_backlog_waiting_in_its_queue_is_not_re_sent(cluster: Cluster,
-                                                       broker: RedisServer) -> None:
-    # Given a relay, and no worker consuming the queue
-    relay = relay_worker(cluster, "relay")
+def test_a_backlog_waiting_in_its_queue_is_not_re_sent(
+    cluster: Cluster, broker: RedisServer, relay: Callable[[str], Relay],
+) -> None:
+    # Given a relay (``idem relay``), and no worker on the queue
+    relayer = relay("relay")
     # When a backlog of actions is enqueued
     started = time.monotonic()
     results = [tasks.intended.delay(f"b-{i}") for i in range(BACKLOG)]
@@ -86,7 +96,7 @@ def test_a_backlog_waiting_in_its_queue_is_not_re_sent(cluster: Cluster,
     assert len(kept(cluster)) == BACKLOG, "an enqueue kept no intent"
     # Then for three relay periods after the last enqueue nothing is re-sent: the queue holds
     # exactly the backlog, and the relay logs no re-send
-    _hold_steady(broker, cluster, BACKLOG, 3 * RELAY_AFTER, [relay])
+    _hold_steady(broker, cluster, BACKLOG, 3 * RELAY_AFTER, [relayer])
     # And the relay did look at every intent: each was due, found waiting, and put off
     intents = kept(cluster)
     assert len(intents) == BACKLOG
@@ -102,7 +112,7 @@ def test_a_backlog_waiting_in_its_queue_is_not_re_sent(cluster: Cluster,
     wait_for(lambda: not kept(cluster), timeout=RELAY_AFTER + 30, what="the intents to close")
     counts = Counter(a for a, _, _ in effects(cluster))
     assert counts == dict.fromkeys(actions, 1), [a for a, n in counts.items() if n != 1][:5]
-    resent = sum(len(relayed_lines(w.text())) for w in [relay, *workers])
+    resent = len(relayer.relayed()) + sum(len(relayed_lines(w.text())) for w in workers)
     print(f"\n{BACKLOG} enqueued in {enqueued:.1f} s, ran in {drained:.1f} s; {resent} re-sent "
           f"while the queue drained (each ran once)")
 
@@ -110,12 +120,13 @@ def test_a_backlog_waiting_in_its_queue_is_not_re_sent(cluster: Cluster,
 @pytest.mark.xfail(reason="a claimed re-sent intent raises its queue's watermark to its re-send "
                    "time, past every never-claimed message still in the queue: the relay then "
                    "re-sends them as overtaken, and their claims raise it again", strict=False)
-def test_a_draining_backlog_is_not_re_sent(cluster: Cluster, broker: RedisServer) -> None:
+def test_a_draining_backlog_is_not_re_sent(cluster: Cluster, broker: RedisServer,
+                                           relay: Callable[[str], Relay]) -> None:
     n = 1000
     # Given a backlog waiting in its queue, its intents due and put off by a relay
-    relay = relay_worker(cluster, "relay")
+    relayer = relay("relay")
     [tasks.intended.delay(f"d-{i}") for i in range(n)]
-    _hold_steady(broker, cluster, n, 2 * RELAY_AFTER, [relay])
+    _hold_steady(broker, cluster, n, 2 * RELAY_AFTER, [relayer])
     # When workers drain it
     workers = [cluster.worker(f"w{k}", app=APP, pool="prefork", concurrency=2) for k in (1, 2)]
     actions = [f"d-{i}" for i in range(n)]
@@ -125,7 +136,7 @@ def test_a_draining_backlog_is_not_re_sent(cluster: Cluster, broker: RedisServer
     # yet claimed when a later one was (a relay cannot tell them from lost ones)
     counts = Counter(a for a, _, _ in effects(cluster))
     assert counts == dict.fromkeys(actions, 1)
-    resent = sum(len(relayed_lines(w.text())) for w in [relay, *workers])
+    resent = len(relayer.relayed()) + sum(len(relayed_lines(w.text())) for w in workers)
     assert resent <= n // 20, f"{resent} re-sent while {n} drained"
 
 
@@ -166,16 +177,15 @@ def _all_due(cluster: Cluster, n: int) -> None:
 
 
 def test_two_relays_over_a_flushed_broker_re_send_each_action_once(
-    cluster: Cluster, broker: RedisServer,
+    cluster: Cluster, broker: RedisServer, relay: Callable[[str], Relay],
 ) -> None:
     n = 200
     # Given n actions enqueued while no worker runs, then lost: the broker is flushed
     results = [tasks.intended.delay(f"two-{i}") for i in range(n)]
     flush(broker)
     _all_due(cluster, n)
-    # When two relays start at once (workers that consume another queue only)
-    with ThreadPoolExecutor(2) as pool:
-        relays = list(pool.map(lambda name: relay_worker(cluster, name), ["ra", "rb"]))
+    # When two relays (``idem relay``) start at once
+    relays = [relay("ra"), relay("rb")]
     # Then they re-send, and no action twice: for two relay periods with no worker on the
     # queue, each key is in one re-send at most, and the queue holds no more than n messages.
     # (Once the queue holds re-sent messages, the intents not yet re-sent may be still waiting
@@ -184,11 +194,12 @@ def test_two_relays_over_a_flushed_broker_re_send_each_action_once(
              what="the relays to re-send")
     until = time.monotonic() + 2 * RELAY_AFTER
     while time.monotonic() < until:
-        keys = [line.split("key=")[1].split()[0] for r in relays for line in relayed_lines(r.text())]
+        in_queue = queued(broker, _queue(cluster))  # first: a re-send is logged after its publish
+        keys = [line.split("key=")[1].split()[0] for r in relays for line in r.relayed()]
         assert len(keys) == len(set(keys)), "an action was re-sent twice"
-        assert queued(broker, _queue(cluster)) == len(keys) <= n
+        assert in_queue <= len(keys) <= n
         time.sleep(0.2)
-    by_relay = [len(relayed_lines(r.text())) for r in relays]
+    by_relay = [len(r.relayed()) for r in relays]
     # When a worker starts on the queue (its relay off: the two relays re-send the rest), every
     # action runs once and its caller's handle answers
     cluster.env["IDEM_RELAY"] = "0"  # read by the workers started from here on
@@ -201,22 +212,25 @@ def test_two_relays_over_a_flushed_broker_re_send_each_action_once(
     print(f"\nre-sent by each relay: {by_relay}")
 
 
-def test_a_relay_killed_mid_batch_leaves_nothing_lost(cluster: Cluster,
-                                                      broker: RedisServer) -> None:
+def test_a_relay_killed_mid_batch_leaves_nothing_lost(
+    cluster: Cluster, broker: RedisServer, relay: Callable[[str], Relay],
+) -> None:
     n = 1000
     # Given n actions enqueued while no worker runs, then lost in a broker flush
     results = [tasks.intended.delay(f"kill-{i}") for i in range(n)]
     flush(broker)
     _all_due(cluster, n)
     # When a relay starts, and is SIGKILLed right after its first re-send
-    first = relay_worker(cluster, "ra")
-    wait_for(lambda: relayed_lines(first.text()), timeout=RELAY_AFTER + 15, interval=0.005,
-             what="the first re-send")
+    first = relay("ra")
+    wait_for(first.relayed, timeout=RELAY_AFTER + 15, interval=0.005, what="the first re-send")
     first.kill()
-    resent = len(relayed_lines(first.text()))
+    resent = len(first.relayed())
     in_queue = queued(broker, _queue(cluster))
     assert in_queue < n, "the relay re-sent every action before it was killed"
-    # Then a worker on the queue (its relay the only one left) runs every action exactly once
+    # Then, with another relay and a worker on the queue (its own relay off), every action runs
+    # exactly once
+    relay("rb")
+    cluster.env["IDEM_RELAY"] = "0"  # read by the workers started from here on
     cluster.worker("w1", app=APP, concurrency=4)
     actions = [f"kill-{i}" for i in range(n)]
     wait_effects(cluster, actions, timeout=90)

@@ -62,18 +62,23 @@ def _django_sql(store: Any, sql: str, params: list[Any]) -> None:
 
 
 def drop_table(store: Any) -> None:
-    """Drop a SQLStore's table (each test has its own), if the test created it.
+    """Drop a SQLStore's tables (each test has its own), if the test created them.
 
     A DjangoStore's table is the migrated one, shared by the session: only this store's
-    prefix's rows go.
+    prefix's rows go (its intents and watermarks too).
     """
     if hasattr(store, "using"):
-        _django_sql(store, "DELETE FROM {t} WHERE substr({key}, 1, %s) = %s",
-                    [len(store.prefix), store.prefix])
+        q = store.connection.ops.quote_name
+        for table, column in ((store.table_name, "key"), (f"{store.table_name}_intents", "key"),
+                              (f"{store.table_name}_watermarks", "queue")):
+            with store.connection.cursor() as cursor:
+                cursor.execute(f"DELETE FROM {q(table)} WHERE substr({q(column)}, 1, %s) = %s",
+                               [len(store.prefix), store.prefix])
         return
     import sqlalchemy as sa
 
-    sa.Table(store._table.name, sa.MetaData()).drop(store._engine, checkfirst=True)
+    for name in (f"{store._table.name}_intents", f"{store._table.name}_watermarks", store._table.name):
+        sa.Table(name, sa.MetaData()).drop(store._engine, checkfirst=True)
 
 
 def lose(store: Any, key: str) -> None:

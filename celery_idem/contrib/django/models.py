@@ -18,6 +18,8 @@ from .fields import KeyTextField
 
 RECORDS_TABLE = "celery_idem_records"
 RECEIPTS_TABLE = "celery_idem_receipts"
+INTENTS_TABLE = f"{RECORDS_TABLE}_intents"
+WATERMARKS_TABLE = f"{RECORDS_TABLE}_watermarks"
 
 
 class IdempotencyRecord(models.Model):  # type: ignore[misc]
@@ -74,3 +76,40 @@ class IdempotencyReceipt(models.Model):  # type: ignore[misc]
 
     def __str__(self) -> str:
         return f"{printable(self.key)} (token {self.token})"
+
+
+class IdempotencyIntent(models.Model):  # type: ignore[misc]
+    """A message kept until its action's outcome is recorded (see records.Intent)."""
+
+    key = KeyTextField(max_length=255, primary_key=True)
+    task_id = KeyTextField(max_length=255)
+    queue = KeyTextField(max_length=255)
+    message = models.BinaryField()
+    enqueued = models.FloatField()
+    deadline = models.FloatField()
+    expires = models.FloatField()
+
+    class Meta:
+        db_table = INTENTS_TABLE
+        # Django allows 30 characters (models.E034): SQLAlchemy's name is longer.
+        indexes = [  # noqa: RUF012
+            models.Index(fields=["deadline"], name="ix_celery_idem_intents_dl"),
+        ]
+        verbose_name = "idempotency intent"
+
+    def __str__(self) -> str:
+        return f"{printable(self.key)} (task {printable(self.task_id)})"
+
+
+class IdempotencyWatermark(models.Model):  # type: ignore[misc]
+    """Per queue (the stored name), the newest enqueue time of an intent a relay saw claimed."""
+
+    queue = KeyTextField(max_length=255, primary_key=True)
+    enqueued = models.FloatField()
+
+    class Meta:
+        db_table = WATERMARKS_TABLE
+        verbose_name = "idempotency watermark"
+
+    def __str__(self) -> str:
+        return f"{printable(self.queue)} ({self.enqueued})"

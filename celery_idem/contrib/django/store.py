@@ -29,14 +29,16 @@ committed or rolled back with the caller's transaction, as any ORM write would b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit
 
 from ...config import DEFAULT_PREFIX
 from ...exceptions import ImproperlyConfigured, StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
-from ...stores.base import ClaimRaced, Store, lease_lost, new_claim_id, next_token, record_from_row
+from ...stores.base import ClaimRaced, lease_lost, new_claim_id, next_token, record_from_row
+from ...stores.sql_intents import RECORD_COLUMNS, IntentSQL, SQLIntents
 from .lifecycle import close_at_thread_exit, in_task, is_psycopg3, refresh_connection
 from .sql import Dialect, status_sql
 
@@ -45,8 +47,7 @@ __all__ = ["DjangoStore"]
 DEFAULT_TABLE: Final = "celery_idem_records"
 
 #: The columns of a record row, in the order every SELECT of this module returns them.
-COLUMNS: Final = ("key", "state", "token", "owner", "task_id", "attempt", "lease_expires",
-                  "payload_hash", "content_type", "data", "updated", "expires", "claim_id")
+COLUMNS: Final = RECORD_COLUMNS
 
 _HOLDS: Final = (ClaimStatus.CLAIMED.value, ClaimStatus.TAKEOVER.value)
 # A claim that raced a concurrent first claim of the same key wrote nothing and runs again.
@@ -54,8 +55,11 @@ _CLAIM_RUNS: Final = 3
 _VENDORS: Final = ("postgresql", "sqlite", "mysql")
 
 
-class DjangoStore(Store):
+class DjangoStore(SQLIntents):
     """The idempotency store in a Django database, on ``django.db.connections[using]``.
+
+    Intents are the SQL store's (:mod:`celery_idem.stores.sql_intents`), on Django's connection,
+    in ``<table_name>_intents`` and ``<table_name>_watermarks`` (migrated for the default table).
 
     Args:
         using: The ``DATABASES`` alias (``"default"`` unless the URL names one).
@@ -98,6 +102,7 @@ class DjangoStore(Store):
         # PostgreSQL through psycopg 3: the verbs run as prepared statements (_one_prepared).
         self._prepared = vendor == "postgresql" and is_psycopg3(connections[using])
         self._sql: dict[str, str] = {}
+        self._intent_sql = IntentSQL(vendor, self._d.q, self._d.now, table_name, prefix)
         self._build_statements()
         from .lifecycle import install_worker_signals
 
@@ -211,6 +216,20 @@ class DjangoStore(Store):
 
     def _stored(self, key: str) -> str:
         return self.prefix + key
+
+    def _run_intent_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+        with self._cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.rowcount, cursor.fetchall() if cursor.description else []
+
+    def deferring(self) -> Callable[[Callable[[], None]], None] | None:
+        """Inside ``transaction.atomic()`` on the store's alias (the verbs join it): Django's
+        ``on_commit`` for it; None in autocommit."""
+        if not self.connection.in_atomic_block:
+            return None
+        from django.db import transaction
+
+        return functools.partial(transaction.on_commit, using=self.using)
 
     def _record(self, row: Sequence[Any]) -> Record:
         return record_from_row(dict(zip(COLUMNS, row, strict=False)), self.prefix, self.table_name)

@@ -8,7 +8,8 @@ docs/stores.md ("Statements") counts more.
 
 Modules, imports running down the list: ``schema`` (the table, types and clock; public),
 ``engine`` (URL -> engine), ``claims`` (the claim's decision and statements), ``store``
-(:class:`SQLStore`); its fast twins, imported only when taken: ``psycopg`` (the statements on
+(:class:`SQLStore`; its intent verbs are :mod:`celery_idem.stores.sql_intents`, shared with the
+Django store); its fast twins, imported only when taken: ``psycopg`` (the statements on
 psycopg 3's own connection) and ``taskmeta`` (Celery's result row).
 """
 

@@ -18,8 +18,8 @@ from sqlalchemy.sql.functions import FunctionElement
 from ...exceptions import ImproperlyConfigured
 from ..base import TOKEN_CLOCK_SCALE, mysql_byte_collation
 
-__all__ = ["DEFAULT_TABLE_NAME", "add_missing_columns", "data_type", "db_now", "new_metadata",
-           "records_table", "text_type", "token_for"]
+__all__ = ["DEFAULT_TABLE_NAME", "add_missing_columns", "data_type", "db_now", "intent_tables",
+           "new_metadata", "records_table", "text_type", "token_for"]
 
 #: The table the store uses unless ``table_name`` says otherwise.
 DEFAULT_TABLE_NAME: Final = "celery_idem_records"
@@ -111,6 +111,26 @@ def records_table(name: str = DEFAULT_TABLE_NAME) -> sa.Table:
         sa.Column("expires", sa.Double, nullable=False, index=True),
         # See Record.claim_id; NULL in a released tombstone and in rows older than claim ids.
         sa.Column("claim_id", text_type(64), nullable=True))
+
+
+def intent_tables(records: sa.Table) -> tuple[sa.Table, sa.Table]:
+    """The intents and watermarks tables of ``records`` (``<name>_intents``, ``<name>_watermarks``;
+    :mod:`celery_idem.stores.sql_intents`), in its ``MetaData``: created with it."""
+    intents = sa.Table(
+        f"{records.name}_intents", records.metadata,
+        sa.Column("key", text_type(255), primary_key=True),
+        sa.Column("task_id", text_type(255), nullable=False),
+        sa.Column("queue", text_type(255), nullable=False),
+        sa.Column("message", data_type(), nullable=False),
+        # Store clock (epoch seconds), as the records' times.
+        sa.Column("enqueued", sa.Double, nullable=False),
+        sa.Column("deadline", sa.Double, nullable=False, index=True),
+        sa.Column("expires", sa.Double, nullable=False))
+    watermarks = sa.Table(
+        f"{records.name}_watermarks", records.metadata,
+        sa.Column("queue", text_type(255), primary_key=True),
+        sa.Column("enqueued", sa.Double, nullable=False))
+    return intents, watermarks
 
 
 def add_missing_columns(engine: Engine, table: sa.Table) -> None:

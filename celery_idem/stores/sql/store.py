@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
@@ -18,10 +18,11 @@ from sqlalchemy.sql.elements import ColumnElement
 from ...config import DEFAULT_PREFIX
 from ...exceptions import StoreUnavailable
 from ...records import Claim, ClaimStatus, Record, State
-from ..base import BackendWrite, ClaimRaced, Store, lease_lost, new_claim_id, record_from_row
+from ..base import BackendWrite, ClaimRaced, lease_lost, new_claim_id, record_from_row
+from ..sql_intents import IntentSQL, SQLIntents
 from .claims import HOLDS, ClaimArgs, build_pg_claim, select_then_write
 from .engine import build_engine, sqlalchemy_url
-from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, records_table
+from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, intent_tables, records_table
 
 if TYPE_CHECKING:  # the fast twins, imported when the store takes them
     from .psycopg import PsycopgPath, RawSession
@@ -114,8 +115,9 @@ class VerbStatements:
                 sa.or_(t.c.state == State.DONE.value, t.c.state == State.FAILED.value)).values(**tombstone))
 
 
-class SQLStore(Store):
-    """The idempotency store in a SQL database, through SQLAlchemy Core.
+class SQLStore(SQLIntents):
+    """The idempotency store in a SQL database, through SQLAlchemy Core (intents: the shared
+    statements of :mod:`celery_idem.stores.sql_intents`, in tables beside the records table).
 
     Args:
         url: ``db+postgresql[+driver]://...``, ``db+mysql[+driver]://...``,
@@ -144,6 +146,12 @@ class SQLStore(Store):
         self.dialect: str = self._engine.dialect.name
         self._shown_url = self._engine.url.render_as_string(hide_password=True)
         self._table = records_table(table_name)
+        intent_tables(self._table)  # created with it (its MetaData's)
+        dialect = self._engine.dialect
+        self._intent_sql = IntentSQL(
+            "mysql" if self.dialect in ("mysql", "mariadb") else self.dialect,
+            dialect.identifier_preparer.quote_identifier, str(db_now().compile(dialect=dialect)),
+            table_name, prefix, "?" if dialect.loaded_dbapi.paramstyle == "qmark" else "%s")
         self._table_ready = False
         self._table_lock = threading.Lock()
         # Statements built once with ``idem_*`` bind parameters: building one costs more client
@@ -221,17 +229,28 @@ class SQLStore(Store):
         with self._table_lock:
             if self._table_ready:
                 return
-            try:
-                self._table.metadata.create_all(self._engine, checkfirst=True)
-            except sa_exc.DBAPIError:
-                # Another worker created it between our check and our CREATE: as good as ours.
-                if not sa.inspect(self._engine).has_table(self._table.name):
-                    raise
+            for run in range(len(self._table.metadata.tables)):
+                try:
+                    self._table.metadata.create_all(self._engine, checkfirst=True)
+                    break
+                except sa_exc.DBAPIError:
+                    # Another worker created one between our check and our CREATE: as good as
+                    # ours; the next run creates those still missing.
+                    inspector = sa.inspect(self._engine)
+                    if all(inspector.has_table(name) for name in self._table.metadata.tables):
+                        break
+                    if run == len(self._table.metadata.tables) - 1:
+                        raise
             add_missing_columns(self._engine, self._table)
             self._table_ready = True
 
     def _stored(self, key: str) -> str:
         return self.prefix + key
+
+    def _run_intent_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+        with self._connect() as conn:
+            result = conn.exec_driver_sql(sql, tuple(params))
+            return result.rowcount, list(result.all()) if result.returns_rows else []
 
     def _record(self, row: Row) -> Record:
         return record_from_row(row, self.prefix, self._table.name)

@@ -23,7 +23,7 @@ from tests.integration.conftest import Cluster
 from tests.integration.harness import ROOT, RedisServer, stop_group, wait_for
 from tests.integration.intent_app import INTENTS, LEDGER, RELAY_AFTER, RELAY_INTERVAL
 
-__all__ = ["APP", "INTENTS", "RELAY_AFTER", "RELAY_INTERVAL", "Relay", "effects", "flush",
+__all__ = ["APP", "INTENTS", "RELAY_AFTER", "RELAY_INTERVAL", "Relay", "drop_sql_intents", "effects", "flush",
            "kept", "make_intent_cluster", "queued", "relayed_lines", "restart_empty", "wait_effects"]
 
 APP = "tests.integration.intent_app"
@@ -38,6 +38,19 @@ def make_intent_cluster(make_cluster: Callable[..., Cluster], broker: RedisServe
     return make_cluster(IDEM_BROKER=broker.url, IDEM_RELAY_AFTER=str(RELAY_AFTER),
                         IDEM_RELAY_INTERVAL=str(RELAY_INTERVAL),
                         IDEM_INTENTS="1" if INTENTS else "0", **env)
+
+
+def drop_sql_intents(cluster: Cluster) -> None:
+    """Delete the test's rows of the SQL store's intents and watermarks tables (its prefix): a
+    failed test leaves some; Cluster.close deletes only the records."""
+    import sqlalchemy as sa
+
+    store = cluster.store
+    with store._engine.begin() as conn:
+        for table in (store._intent_sql.intents_table, store._intent_sql.watermarks_table):
+            column = "key" if table.endswith("_intents") else "queue"
+            conn.execute(sa.text(f'DELETE FROM "{table}" WHERE substr("{column}", 1, :n) = :p'),
+                         {"n": len(cluster.prefix), "p": cluster.prefix})
 
 
 def queued(broker: RedisServer, queue: str) -> int:

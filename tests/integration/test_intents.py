@@ -28,6 +28,7 @@ from tests.integration.intent_support import (
     INTENTS,
     RELAY_AFTER,
     RELAY_INTERVAL,
+    drop_sql_intents,
     effects,
     flush,
     kept,
@@ -53,9 +54,18 @@ def broker() -> Iterator[RedisServer]:
     server.cleanup()
 
 
-@pytest.fixture
-def cluster(make_cluster: Callable[..., Cluster], broker: RedisServer) -> Cluster:
-    return make_intent_cluster(make_cluster, broker)
+@pytest.fixture(params=["redis", "postgresql"])
+def cluster(request: pytest.FixtureRequest, make_cluster: Callable[..., Cluster],
+            broker: RedisServer) -> Iterator[Cluster]:
+    """The store on the shared Redis (results too), or on PostgreSQL (results in Celery's
+    database backend there): never on the broker."""
+    if request.param == "redis":
+        yield make_intent_cluster(make_cluster, broker)
+        return
+    url = "db+" + request.getfixturevalue("pg_url")
+    cluster = make_intent_cluster(make_cluster, broker, IDEM_STORE=url, IDEM_BACKEND=url)
+    yield cluster
+    drop_sql_intents(cluster)
 
 
 def _enqueue_while_no_worker(cluster: Cluster, broker: RedisServer, name: str) -> list[object]:

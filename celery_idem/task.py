@@ -148,19 +148,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         app = self.app
         accept = app.conf.result_accept_content or app.conf.accept_content
         return Gate(
-            get_store(app),
-            self.idempotency_config,
+            get_store(app), self.idempotency_config,
             # Through the backend's prepare_value, as Celery stores results: an AsyncResult a
             # body returns is recorded as its as_tuple(), not refused by the serializer.
             KombuCodec(app.conf.result_serializer, accept,
                        prepare=lambda value: self.backend.prepare_value(value)),
             emit=functools.partial(emit_decision, self),
-            # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
-            retry_signals=(Retry, Reject),
-            # Task.replace: the replacement, frozen with this task id, now carries the action.
-            handover_signals=(Replaced,),
-            # The task's own soft limit, fired while it waits for a busy key: re-queue.
-            interrupts=(SoftTimeLimitExceeded,),
+            retry_signals=(Retry, Reject),  # it re-published itself, or asked for redelivery
+            handover_signals=(Replaced,),  # Task.replace: the replacement carries the action
+            interrupts=(SoftTimeLimitExceeded,),  # its own soft limit, while waiting: re-queue
         )
 
     # -- the key -------------------------------------------------------------------------------
@@ -214,20 +210,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def idempotency_token(self) -> int | None:
-        """The fencing token of this attempt's claim (inside the body), else None.
-
-        Strictly increasing per key across claims and takeovers: pass it to a remote that
-        rejects writes with a token lower than one it has seen.
-        """
+        """The fencing token of this attempt's claim (inside the body), else None: strictly
+        increasing per key across claims and takeovers, for a remote that rejects lower ones."""
         return getattr(self.request, "idempotency_token_", None)
 
     @property
     def idempotency_lease_lost(self) -> bool:
-        """True once a renewal found that another attempt took this claim over (inside the body).
-
-        A body about to make a write it cannot take back may check it; the write is refused
-        anyway when the outcome is recorded, but the effect would already have happened.
-        """
+        """True once a renewal found that another attempt took this claim over (inside the body):
+        check it before a write that cannot be taken back (recording it would be refused, but
+        the effect would have happened)."""
         lease = current_lease.get()
         return lease is not None and lease.lost.is_set()
 
@@ -260,29 +251,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if key is None or token is None:
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction must be used inside the running body of "
-                f"an IdempotentTask (bind=True, called through the worker, delay() or apply())"
-            )
+                f"an IdempotentTask (bind=True, called through the worker, delay() or apply())")
         held = current_lease.get()
         if held is not None and held.key != key:
             # A saga step's key: a receipt keyed by the task would answer the saga with the step's.
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction cannot be used inside a saga step (the "
                 f"step runs under its own key {held.key!r}); write the step's receipt-worthy "
-                f"effect in the task body, or make the step its own IdempotentTask"
-            )
+                f"effect in the task body, or make the step its own IdempotentTask")
         earlier = getattr(req, "idempotency_receipt_", None)
         if earlier is not None and not earlier.rolled_back:
             # Only a block it rolled back (a retry after a deadlock) surely left no receipt.
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction was already used in this run of "
-                f"{key!r}; one action has one receipt, so put all its writes in one block"
-            )
+                f"{key!r}; one action has one receipt, so put all its writes in one block")
         read = settings(self.app)
-        common: dict[str, Any] = {
-            "key": read.key_prefix + key, "token": token, "task_id": req.id or "",
-            "codec": self._gate.codec, "ttl": self.idempotency_config.ttl,
-            "lease_lost": lambda: self.idempotency_lease_lost, "on_found": ReceiptFound,
-        }
         # The receipts are add-ons (Django's connection, or a SQLAlchemy one), found by kind.
         kind = "django" if session_or_connection is None else "sqlalchemy"
         point = registered(RECEIPTS).get(kind)
@@ -290,8 +273,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise ImproperlyConfigured(
                 f"{self.name}: no {kind} receipts are installed (the {RECEIPTS!r} entry point "
                 f"group has none): pip install 'celery-idem[{'django' if kind == 'django' else 'sql'}]'")
-        tx = point.load()(session_or_connection, commit=commit, using=using or "default",
-                          table=table or read.receipts_table or "celery_idem_receipts", **common)
+        tx = point.load()(
+            session_or_connection, commit=commit, using=using or "default",
+            table=table or read.receipts_table or "celery_idem_receipts",
+            key=read.key_prefix + key, token=token, task_id=req.id or "", codec=self._gate.codec,
+            ttl=self.idempotency_config.ttl, lease_lost=lambda: self.idempotency_lease_lost,
+            on_found=ReceiptFound)
         req.idempotency_receipt_ = tx
         return tx
 
@@ -400,7 +387,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._call_as_errback(args, kwargs)
         # Time limits count from the start of the request, and a wait for a busy key spends it.
         started = time.monotonic()
-        self._check_call(args, kwargs)
+        if (sig := self._call_signature) is not None:
+            # Not through the gate: nothing is claimed (a duplicate would wait for a body that
+            # never started) or recorded (with typing=False another worker's code may accept it).
+            try:
+                bind_arguments(sig, args, kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{self.name}(): {exc}") from None
         req = self.request
         header = (req.headers or {}).get(HEADER)
         if header is None:
@@ -438,18 +431,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 return found.receipt.value
 
         return deliver(self, self._gate, self._result_writer, attempt, body, started)
-
-    def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Raise TypeError, without entering the gate, when the body cannot take these arguments:
-        nothing is claimed (a duplicate would wait for a body that never started) or recorded
-        (with ``typing=False`` another worker's code may accept the call)."""
-        sig = self._call_signature
-        if sig is None:
-            return
-        try:
-            bind_arguments(sig, args, kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.name}(): {exc}") from None
 
     def _call_as_errback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run a new-style errback, ``errback(request, exc, traceback)``, that Celery called

@@ -92,7 +92,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_check_on_enqueue: ClassVar[bool] = True
     #: Seconds of a schedule slot (None: no slot).
     idempotency_period: ClassVar[float | None] = None
-    #: Keep the encoded message in the store until the outcome is recorded (re-sent if lost).
+    #: Keep the encoded message in the store until the outcome is recorded; the relay re-sends it
+    #: if the broker loses it (docs/reliability.md, "Lost messages").
     idempotency_intent: ClassVar[bool] = False
 
     #: At-least-once delivery (acknowledged after the body, re-delivered if the worker dies):

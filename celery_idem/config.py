@@ -1,9 +1,7 @@
 """Task options, checked when the task class is created and resolved once per task.
 
-Precedence is call > task > default: a per-call ``idempotency_key`` beats the task's key rules,
-and a task option (``@app.task(...)`` keyword, then a base-class attribute) beats the built-in
-default. Store settings (``idempotency_store``, ``idempotency_key_prefix``) are app settings;
-for shared task defaults, subclass :class:`~celery_idem.IdempotentTask`.
+Precedence, call > task (``@app.task`` keyword, then base-class attribute) > default, and the
+app settings apart: docs/configuration.md, "Precedence".
 """
 
 from __future__ import annotations

@@ -227,12 +227,10 @@ class WithinPublish(ReadFirst):
 
 
 def fuse(channel: Any, store: Any) -> bool:
-    """Hook ``channel`` so the enqueue check rides on the publish; False if it cannot.
-
-    It can when ``channel`` is kombu's Redis channel on the server and database of ``store``, a
-    plain :class:`RedisStore` without replica wait. The verdict is kept on the channel, per
-    store (kombu's producer pools are shared by the apps of one broker URL).
-    """
+    """Hook ``channel`` so the enqueue check rides on the publish; False if it cannot (not
+    kombu's Redis channel on the server and database of ``store``, a plain :class:`RedisStore`
+    without replica wait). The verdict is kept on the channel per store: kombu's producer pools
+    are shared by the apps of one broker URL."""
     verdicts = channel.__dict__.setdefault(_ATTR, weakref.WeakKeyDictionary())
     ok: bool | None = verdicts.get(store)
     if ok is None:

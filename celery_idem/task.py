@@ -446,11 +446,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.pop_request()
 
     def on_replace(self, sig: Any) -> Any:
-        """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it.
-
-        Celery's ``Ignore`` is raised as :class:`Replaced`: the gate releases the claim unrecorded
-        (``docs/limits.md``). In eager mode the replacement runs in place, recorded as the body's.
-        """
+        """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it:
+        Celery's ``Ignore`` is raised as :class:`Replaced`, so the gate releases the claim
+        unrecorded (``docs/limits.md``); in eager mode the replacement runs in place."""
         try:
             return super().on_replace(sig)
         except Replaced:

@@ -2,8 +2,7 @@
 
 Public API: :class:`IdempotentTask`, :func:`idempotency_key` and the exceptions. This module
 imports no store backend, and no Celery until :class:`IdempotentTask` or :class:`CachedResult`
-is first used (they load ``celery_idem.task``), so
-``import celery_idem.gate`` (or any other core module) stays Celery-free.
+is first used (they load ``celery_idem.task``): ``import celery_idem.gate`` stays Celery-free.
 """
 
 from __future__ import annotations
@@ -30,12 +29,9 @@ __all__ = ["CachedResult", "CorruptRecord", "IdempotencyError", "IdempotencyKeyM
            "IdempotentTask", "ImproperlyConfigured", "InvalidKey", "LeaseLost",
            "StoreUnavailable", "TerminalError", "__version__", "idempotency_key"]
 
-#: Names served by the Celery seam, loaded on first access.
-_SEAM_NAMES = ("CachedResult", "IdempotentTask")
-
 
 def __getattr__(name: str) -> _typing.Any:
-    if name in _SEAM_NAMES:
+    if name in ("CachedResult", "IdempotentTask"):  # the Celery seam, loaded on first access
         from . import task
 
         globals().update(CachedResult=task.CachedResult, IdempotentTask=task.IdempotentTask)

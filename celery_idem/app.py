@@ -8,7 +8,7 @@ import os
 import socket
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
@@ -31,8 +31,8 @@ __all__ = ["check_pool", "check_worker", "emit_answer", "emit_decision", "events
 
 logger = logging.getLogger("celery_idem")
 
-# The ``celery_idem.observers`` entry points (OpenTelemetry's among them) are loaded with the
-# core; each registers itself in ``celery_idem.events.OBSERVERS`` if its dependency is installed.
+# The ``celery_idem.observers`` entry points (OpenTelemetry's) load with the core; each registers
+# itself in ``celery_idem.events.OBSERVERS`` if its dependency is installed.
 for _point in registered(OBSERVERS).values():
     try:
         _point.load()
@@ -71,8 +71,8 @@ def get_store(app: Celery) -> Store:
                 url, prefix=read.key_prefix,
                 options={**(read.store_options or {}), "accelerate": read.accelerate},
                 backend_transport_options=conf.get("result_backend_transport_options"))
-            # A store built here is ours to close when the app is collected (not a Store the
-            # user passed, nor Django's connections). No store refers back to its app.
+            # Ours to close when the app is collected (not a Store the user passed, nor Django's
+            # connections); no store refers back to its app.
             if type(store).__module__.startswith("celery_idem.stores."):
                 weakref.finalize(app, _close_quietly, store)
         _stores[app] = store
@@ -80,8 +80,7 @@ def get_store(app: Celery) -> Store:
 
 
 def _close_quietly(store: Store) -> None:
-    # At garbage collection or exit an exception can only be printed.
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # at garbage collection or exit it could only be printed
         store.close()
 
 
@@ -128,10 +127,9 @@ def emit_decision(task: Task, outcome: Outcome, key: str, token: int, original: 
 
 def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_task_id: str,
                 result_id: str, record_state: str) -> None:
-    """Report a decision ``apply_async`` made from a record or a queued message's reservation
-    (``record_state="reserved"``, token 0): a log line, the observers, and a ``task-idempotency``
-    event under the result's id when this process sends events (``idempotency_events``,
-    ``task_send_sent_event``, a worker's ``-E``)."""
+    """Report a decision ``apply_async`` made from a record or a reservation (``"reserved"``,
+    token 0) as :func:`emit_decision` does, the event under the result's id when this process
+    sends events (``idempotency_events``, ``task_send_sent_event``, a worker's ``-E``)."""
     app = task.app
     conf = app.conf
     extra = {"record_state": record_state, "at": "enqueue"}
@@ -152,8 +150,7 @@ def emit_answer(task: Task, outcome: Outcome, key: str, token: int, original_tas
 
 # -- worker start ---------------------------------------------------------------------------------
 # worker_init runs before Celery sets up logging (a line would miss a --logfile): what the checks
-# log is held and logged at celeryd_after_setup, or at worker_shutdown if the worker stops first.
-
+# log is held until celeryd_after_setup, or worker_shutdown if the worker stops first.
 
 _Held = tuple[Callable[[logging.LogRecord], bool], list[logging.LogRecord], int]
 _held: weakref.WeakKeyDictionary[Celery, _Held] = weakref.WeakKeyDictionary()
@@ -167,8 +164,7 @@ def _hold_logs(app: Celery) -> None:
         return False
 
     _held[app] = (hold, records, logger.level)
-    # Every level is kept: what is shown is decided on release, at the level Celery sets up.
-    logger.setLevel(logging.DEBUG)
+    logger.setLevel(logging.DEBUG)  # every level is kept: the release filters at Celery's level
     logger.addFilter(hold)
 
 
@@ -188,7 +184,7 @@ def release_held_logs(app: Celery) -> None:
 @celeryd_after_setup.connect(weak=False)  # type: ignore[untyped-decorator]
 @worker_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
 def _release(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    # The worker is celeryd_after_setup's instance (its sender is a host name), worker_shutdown's sender.
+    # The worker: celeryd_after_setup's instance (its sender is a host name), worker_shutdown's sender.
     app = getattr(sender if instance is None else instance, "app", None)
     if app is not None:
         release_held_logs(app)
@@ -233,16 +229,15 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     """Celery's ``worker_init`` hook: switch events on, and check the store, pool and time limits.
 
     A misconfigured store or time limit stops the worker with ``SystemExit``, logged at CRITICAL
-    (Celery swallows other exceptions of signal handlers); what only degrades is warned about.
+    (Celery swallows other exceptions of signal handlers, and the worker would consume messages
+    it can only fail); what only degrades is warned about.
     """
     if (app := getattr(sender, "app", None)) is None:
         return
     try:
         settings(app)  # read first: an unknown idempotency_* setting stops the worker too
     except ImproperlyConfigured as exc:
-        if logger.hasHandlers():  # else Python's last resort prints it, as SystemExit does
-            logger.critical("celery_idem: %s", exc)
-        raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
+        _stop(exc)
     if getattr(sender, "task_events", False) or settings(app).events \
             or app.conf.worker_send_task_events:
         _events_on.add(app)
@@ -250,8 +245,7 @@ def check_worker(sender: Any = None, **_: Any) -> None:
     tasks = [task for task in app.tasks.values() if hasattr(type(task), "idempotency_gate")]
     if not tasks:
         return
-    # Only a worker program (``celery worker``) sets Celery's logging up after this hook; an
-    # embedded WorkController runs under the logging its program set up already.
+    # Only a worker program sets Celery's logging up after this hook (not an embedded one).
     from celery.apps.worker import Worker  # loaded already when a worker program is the sender
 
     if isinstance(sender, Worker):
@@ -277,9 +271,11 @@ def check_worker(sender: Any = None, **_: Any) -> None:
             check_store(store, require=settings(app).require_durable_store)
             check_replication(store)
     except ImproperlyConfigured as exc:
-        # Celery swallows a signal handler's exception and the worker would consume messages
-        # it can only fail: stop it, with the reason and what was held.
-        release_held_logs(app)
-        if logger.hasHandlers():  # else Python's last resort prints it, as SystemExit does
-            logger.critical("celery_idem: %s", exc)
-        raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc
+        release_held_logs(app)  # the reason comes after what was held
+        _stop(exc)
+
+
+def _stop(exc: ImproperlyConfigured) -> NoReturn:
+    if logger.hasHandlers():  # else Python's last resort prints it, as SystemExit does
+        logger.critical("celery_idem: %s", exc)
+    raise SystemExit(f"celery_idem: the worker cannot start: {exc}") from exc

@@ -31,18 +31,15 @@ __all__ = ["AttachedResult", "add_to_parent", "attach", "may_attach"]
 logger = logging.getLogger("celery_idem")
 
 #: Seconds of one wait on the result backend before the handle looks at the record (where an
-#: outcome recorded under another task id is seen).
+#: outcome recorded under another task id shows).
 FOLLOW_STEP = 1.0
 
 
 def may_attach(task: Task, options: Mapping[str, Any]) -> bool:
     """Whether this enqueue may attach to an action under way instead of publishing: not eager,
     not with a countdown or an ETA (sooner than asked), not without a result backend."""
-    if task.app.conf.task_always_eager:
-        return False
-    if options.get("countdown") is not None or options.get("eta") is not None:
-        return False
-    return not isinstance(task.backend, DisabledBackend)
+    return not (task.app.conf.task_always_eager or options.get("countdown") is not None
+                or options.get("eta") is not None or isinstance(task.backend, DisabledBackend))
 
 
 def attach(task: Task, gate: Gate, key: str, found: Record | Reservation, args: Sequence[Any] | None,
@@ -64,8 +61,7 @@ def attach(task: Task, gate: Gate, key: str, found: Record | Reservation, args: 
         emit_answer(task, Outcome.MISMATCH, key, token, holder, holder, state)
         raise IdempotencyKeyMismatch(
             f"idempotency key {key!r} is in use by an action with different arguments (task "
-            f"{holder}); use a new key for a new action. Nothing was sent.",
-            key=key)
+            f"{holder}); use a new key for a new action. Nothing was sent.", key=key)
     emit_answer(task, Outcome.ATTACHED, key, token, holder, holder, state)
     result = AttachedResult(task, gate, key, holder, args, kwargs, options)
     add_to_parent(task, result, options)
@@ -87,11 +83,11 @@ def _live(rec: Record) -> bool:
 class AttachedResult(AsyncResult):  # type: ignore[misc]
     """The result of an enqueue that attached to its action under way: nothing was published.
 
-    An ``AsyncResult`` of the attempt it attached to. It resolves to the holder's result in the
-    backend, else to the outcome in the action's record (a takeover records it under the key);
-    when the action has no attempt left for a whole lease, the handle publishes the call itself,
-    once, under its id, and follows it; when the holder ends without an outcome, under a new id
-    (:meth:`_attempt_ended`). Revoking it revokes the shared action.
+    An ``AsyncResult`` of the attempt it attached to, resolving to the holder's result in the
+    backend, else to the outcome in the action's record (a takeover records it under the key).
+    When the action has no attempt left for a whole lease, the handle publishes the call itself,
+    once, under its id (under a new id when the holder ended without an outcome), and follows
+    it. Revoking it revokes the shared action.
 
     Attributes:
         id: The task id of the attempt it attached to (the holder's, or the reserved message's).
@@ -190,15 +186,14 @@ class AttachedResult(AsyncResult):  # type: ignore[misc]
         elif self._gone_since is None:
             self._gone_since = time.monotonic()
         elif time.monotonic() - self._gone_since >= self._gate.config.lease:
-            # The message it attached to is gone: send the call itself under that id (the gate
-            # still runs the body at most once if the message turns up after all).
+            # Its message is gone: send the call under that id (the gate still runs the body at
+            # most once if the message turns up after all).
             self._publish(self.id, "has no attempt left")
         return None
 
     def _attempt_ended(self) -> bool:
-        """Whether the holder ended without an outcome: its result is FAILURE, or REVOKED before
-        this copy attached, and the record holds none. The handle then follows the record's
-        outcome, or the call published under a new id."""
+        """Whether the holder ended without an outcome (FAILURE, or REVOKED before this copy
+        attached, and none recorded): then follow the record's, or the call under a new id."""
         if self.followed is not None or self._found is not None:
             return True
         status = str(super().state)

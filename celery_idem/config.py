@@ -1,9 +1,7 @@
 """Task options, checked when the task class is created and resolved once per task.
 
-Precedence is call > task > default: a per-call ``idempotency_key`` beats the task's key rules,
-and a task option (``@app.task(...)`` keyword, then a base-class attribute) beats the built-in
-default. Store settings (``idempotency_store``, ``idempotency_key_prefix``) are app settings;
-for shared task defaults, subclass :class:`~celery_idem.IdempotentTask`.
+Precedence, call > task (``@app.task`` keyword, then base-class attribute) > default, and the
+app settings apart: docs/configuration.md, "Precedence".
 """
 
 from __future__ import annotations
@@ -100,8 +98,7 @@ def _positive(name: str, value: Any, *, zero_ok: bool = False) -> float:
     return float(value)
 
 
-#: The prefix every option shares, and its abbreviations that a near-miss name may start with
-#: (``idem_fields``): at least this many letters of it.
+#: The prefix every option shares, and the fewest letters of it a near miss may abbreviate it to.
 _PREFIX = "idempotency"
 _MIN_ABBREVIATION = 4
 
@@ -121,8 +118,8 @@ def _distance(a: str, b: str) -> int:
 
 
 def _close_suffix(tail: str, options: Iterable[str] = KNOWN_OPTIONS) -> str | None:
-    """The option whose suffix (after ``idempotency_``) ``tail`` is, give or take one typo for a
-    suffix of up to four letters (two edits from ``ttl`` reach many ordinary words), two else."""
+    """The option whose suffix (after ``idempotency_``) ``tail`` is, give or take one typo up to
+    four letters (two edits from ``ttl`` reach many ordinary words), two else."""
     best: tuple[int, str] | None = None
     for option in sorted(options):
         suffix = option.removeprefix(f"{_PREFIX}_")
@@ -133,27 +130,23 @@ def _close_suffix(tail: str, options: Iterable[str] = KNOWN_OPTIONS) -> str | No
 
 
 def near_miss(name: str) -> str | None:
-    """The option ``name`` (without the exact prefix) was probably meant to be, or None: within
-    two edits of an option (``idempotencyfields``), or the prefix misspelt or abbreviated
-    (``idem_``) and an option's suffix give or take a typo (``idem_feilds``)."""
+    """The option ``name`` was probably meant to be, or None: within two edits of an option
+    (``idempotencyfields``), or its prefix misspelt or abbreviated (``idem_feilds``)."""
     if name.startswith("_") or name.startswith(f"{_PREFIX}_"):
         return None  # private, or handled as an unknown option by check_options
     for option in sorted(KNOWN_OPTIONS):
         if _distance(name, option) <= 2:
             return option
-    head, sep, tail = name.partition("_")
-    if not sep or not tail:
-        return None
+    head, _, tail = name.partition("_")
     abbreviation = len(head) >= _MIN_ABBREVIATION and _PREFIX.startswith(head)
-    if not (abbreviation or _distance(head, _PREFIX) <= 2):
+    if not tail or not (abbreviation or _distance(head, _PREFIX) <= 2):
         return None
     return _close_suffix(tail)
 
 
 def check_options(owner: str, namespace: Iterable[str]) -> None:
-    """Reject unknown ``idempotency_*`` names and near misses (:func:`near_miss`) of options in
-    ``namespace`` (``vars(cls)``) with ``ImproperlyConfigured`` naming the option meant (Celery
-    keeps any ``@app.task`` keyword as an attribute without a word)."""
+    """Reject unknown ``idempotency_*`` names and near misses of options in ``namespace``
+    (``vars(cls)``), naming the option meant: Celery keeps any ``@app.task`` keyword silently."""
     for name in namespace:
         if name.startswith("idempotency_") and name not in KNOWN_OPTIONS | _RUNTIME_ATTRIBUTES:
             if name in _APP_SETTINGS:
@@ -228,11 +221,7 @@ def resolve(owner: str, attrs: Any, signature: inspect.Signature | None) -> Idem
     period = _period(owner, attrs.idempotency_period, ttl)
     release_on = attrs.idempotency_release_on
     return IdempotencyConfig(
-        operation=operation,
-        fields=fields,
-        key_func=key_func,
-        ttl=ttl,
-        lease=lease,
+        operation=operation, fields=fields, key_func=key_func, ttl=ttl, lease=lease,
         release_on=default_release_on() if release_on is None
             else _exception_tuple("idempotency_release_on", release_on),
         terminal_on=_exception_tuple("idempotency_terminal_on", attrs.idempotency_terminal_on),
@@ -276,14 +265,11 @@ def _flag(owner: str, name: str, value: Any) -> bool:
 #: The key prefix when ``idempotency_key_prefix`` is not set: the one place this literal lives.
 DEFAULT_PREFIX = "celery-idem:"
 
+
 @dataclass(frozen=True)
 class Settings:
-    """The ``idempotency_*`` app settings of one app, read once (see :func:`settings`).
-
-    Each field is the setting ``idempotency_<field>`` (docs/configuration.md, "App settings"):
-    ``store`` None means the ``result_backend`` URL, ``store_options`` is read-only, and
-    ``accelerate`` is also off when ``CELERY_IDEM_ACCELERATE`` says so.
-    """
+    """The ``idempotency_*`` app settings of one app, read once (:func:`settings`), each field
+    the setting ``idempotency_<field>`` (docs/configuration.md, "App settings")."""
 
     store: Any = None
     key_prefix: str = DEFAULT_PREFIX
@@ -306,15 +292,13 @@ _settings: weakref.WeakKeyDictionary[Any, Settings] = weakref.WeakKeyDictionary(
 #: App settings (``app.conf``), which are not task options: one per :class:`Settings` field.
 _APP_SETTINGS = frozenset(f"idempotency_{f.name}" for f in dataclasses.fields(Settings))
 
-
 #: The environment variable that turns every acceleration off (``0``/``false``/``no``/``off``).
 ACCELERATE_ENV = "CELERY_IDEM_ACCELERATE"
 
 
 def accelerate_switch(setting: bool = True) -> bool:
-    """The acceleration switch: off when ``CELERY_IDEM_ACCELERATE`` is ``0``, ``false``, ``no``
-    or ``off`` (it wins over the app's ``idempotency_accelerate``), else ``setting``. Read by
-    :func:`settings` only, once per app (see ``celery_idem.paths``)."""
+    """The acceleration switch: off when :data:`ACCELERATE_ENV` says so (it wins over the app's
+    ``idempotency_accelerate``), else ``setting``; read once per app by :func:`settings`."""
     return os.environ.get(ACCELERATE_ENV, "").strip().lower() not in {"0", "false", "no", "off"} \
         and setting
 
@@ -349,8 +333,8 @@ def settings(app: Any) -> Settings:
 
 def check_app_settings(conf: Any) -> None:
     """Raise ``ImproperlyConfigured``, naming the setting meant, for an unknown ``idempotency_*``
-    setting of ``conf`` (an ``app.conf``, under its ``namespace=`` too): Celery keeps any setting
-    without a word, so a misspelt ``idempotency_store`` would leave the records elsewhere."""
+    setting of ``conf`` (an ``app.conf``, any ``namespace=``): Celery keeps any setting silently,
+    and a misspelt ``idempotency_store`` would leave the records elsewhere."""
     written_names = list(conf.keys())  # first: it loads the configuration, and its namespace
     prefix = conf.prefix or ""
     for written in written_names:
@@ -376,6 +360,5 @@ def _store_requeues(value: Any) -> int | None:
 
 
 def forget_settings(app: Any) -> None:
-    """Drop the settings read for ``app``: the next read sees ``app.conf`` (for tests that change
-    an app's settings after its first use)."""
+    """Drop the settings read for ``app``: the next read sees ``app.conf`` (for tests)."""
     _settings.pop(app, None)

@@ -43,7 +43,7 @@ class CachedResult(MetaHook, EagerResult):  # type: ignore[misc]
     """The result of an enqueue that found its key already recorded: nothing was published.
 
     ``get()`` returns the value (or raises the recorded error) at once; bound to the app's
-    result backend, it works in a ``ResultSet`` or ``GroupResult`` like any ``AsyncResult``.
+    result backend, it works in a ``ResultSet`` or ``GroupResult``.
 
     Attributes:
         id: The task id the caller chose (``task_id=``, a frozen signature, a chain step, a
@@ -88,8 +88,7 @@ class CachedResult(MetaHook, EagerResult):  # type: ignore[misc]
         if self._registering:
             self._resolved_early = True
             return meta
-        # The result consumer found this id's meta (the same outcome: the value is known).
-        fire_full_barriers(self._waiters)
+        fire_full_barriers(self._waiters)  # the consumer found this id's meta: the value is known
         self._waiters.clear()
         backend = self.backend
         if self._waited_on and backend is not None:
@@ -120,8 +119,8 @@ def restore_cached(task_id: str, value: Any, state: str, name: str | None, key: 
 
 
 def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: Exception) -> TypeError:
-    """Name the argument (of ``bound``, empty when the call does not bind) that ``serializer``
-    could not encode; nothing was sent."""
+    """The TypeError naming the argument of ``bound`` (empty: the call does not bind) that
+    ``serializer`` could not encode."""
     for name, value in bound.items():
         try:
             dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
@@ -139,22 +138,19 @@ def answer_from_record(task: Task, gate: Gate, writer: ResultWriter | None, key:
     or None: publish. ``arguments_hash`` computes the call's fingerprint (None: it has none).
 
     Raises:
-        IdempotencyKeyMismatch: The call has a fingerprint and the record was made with other
-            arguments, or has none to compare.
+        IdempotencyKeyMismatch: The call's fingerprint differs from the record's (or it has none).
     """
     rec = record
     if rec is None:
         try:
             rec = gate.store.get(key)
-        except StoreUnavailable as exc:
-            # The worker's gate still guards the body; publishing is safe.
+        except StoreUnavailable as exc:  # the worker's gate still guards the body: publish
             logger.debug("celery_idem enqueue check skipped key=%s: %s", key, exc)
             return None
     if rec is None or rec.state not in (State.DONE, State.FAILED):
         return None
     expected = arguments_hash()
-    if expected is not None and rec.payload_hash != expected:
-        # A record without a fingerprint cannot show it is this action: refused as well.
+    if expected is not None and rec.payload_hash != expected:  # none: cannot show it is this action
         emit_answer(task, Outcome.MISMATCH, rec.key, rec.token, rec.task_id, task_id or rec.task_id,
                     rec.state.value)
         raise IdempotencyKeyMismatch(
@@ -163,8 +159,7 @@ def answer_from_record(task: Task, gate: Gate, writer: ResultWriter | None, key:
     state, value = recorded_outcome(gate.codec, rec)
     conf = task.app.conf
     eager = conf.task_always_eager
-    if not (task_id or rec.task_id):
-        # The body ran in a direct call: the answer gets a new id, its outcome stored under it.
+    if not (task_id or rec.task_id):  # the body ran in a direct call: answer under a new id
         task_id = str(uuid())
     if task_id and task_id != rec.task_id and (not eager or conf.task_store_eager_result):
         # Someone may wait on this id (the caller, a chain, a parent): store the outcome under
@@ -204,15 +199,10 @@ def answer_request(task: Task, task_id: str, args: Sequence[Any] | None,
 
 @dataclass(frozen=True, slots=True)
 class EnqueueRequest:
-    """One enqueue that the key's record may answer (not a retry, a re-queue or a canvas publish).
-
-    Attributes:
-        task, gate, writer: The task, its gate and result writer (None: Celery writes).
-        key: The idempotency key (the scope included).
-        fingerprint: Computes the call's fingerprint (None: it has none), once.
-        args, kwargs, task_id, producer, options: The ``apply_async`` call's.
-        publish: Sends the message with a producer under a task id; keywords override options.
-    """
+    """One enqueue that the key's record may answer (not a retry, a re-queue or a canvas
+    publish): the task, its gate and result writer (None: Celery writes), the key, the
+    fingerprint (computed once; None: it has none), the ``apply_async`` call's arguments, and
+    ``publish(producer, task_id, **options_overridden)``, which sends the message."""
 
     task: Task
     gate: Gate
@@ -246,12 +236,12 @@ Decision = Publish | Answer
 
 
 class ReadFirst:
-    """The enqueue check: read the record (or reserve the key), then decide (the fast twin,
-    :class:`celery_idem.enqueue_redis.WithinPublish`, answers the same enqueues the same way)."""
+    """The enqueue check: read the record (or reserve the key), then decide (as the fast twin,
+    :class:`celery_idem.enqueue_redis.WithinPublish`, does)."""
 
     def attaching(self, req: EnqueueRequest) -> bool:
-        """Whether ``req`` may attach to an action under way (not with a task id chosen
-        beforehand: that id is waited on, so such an enqueue publishes)."""
+        """Whether ``req`` may attach to an action under way (not with a chosen task id: that id
+        is waited on)."""
         return req.task_id is None and may_attach(req.task, req.options)
 
     def decide(self, req: EnqueueRequest) -> Decision:
@@ -266,8 +256,7 @@ class ReadFirst:
                                       req.fingerprint())
             else:
                 found = store.get(req.key)
-        except StoreUnavailable as exc:
-            # Publish under the id it tried to reserve (a lost reply's reservation names it).
+        except StoreUnavailable as exc:  # publish under the id a lost reply's reservation names
             logger.debug("celery_idem enqueue check skipped key=%s: %s", req.key, exc)
             return Publish(sent_id, reserving)
         answer = self.answer(req, found, attaching) if found is not None else None

@@ -1,23 +1,19 @@
 """The enqueue check within the Redis publish, and the memory of this process's own messages.
 
-The fast twin of :class:`celery_idem.enqueue.ReadFirst` (read or reserve, then publish: two
-round trips). When the broker is kombu's Redis transport on the server and database of a plain
+The fast twin of :class:`celery_idem.enqueue.ReadFirst` (two round trips). When the broker is
+kombu's Redis transport on the server and database of a plain
 :class:`~celery_idem.stores.redis.RedisStore`, a script (``lua/publish.lua``) pushes the message
 only when the record is not done or failed (reserving the key for an enqueue that may attach),
-and otherwise hands back what it found: one atomic round trip. What it buys (``python -m
-bench.accel``, ``delay()`` of a unique key): 8% of the producer's time per message.
+else hands back what it found: one atomic round trip, 8% of the producer's time per message
+(``python -m bench.accel``).
 
-The hook is ``_put`` on the channel *instance* the task publishes on, never on kombu's class.
-It acts only on the message whose ``idempotency_key`` header is the key enqueued in this
-context and notes what it found on that enqueue's :class:`_Pending`; every other publish goes to
-kombu's own ``_put``. A publish of more than one command (a batch, a queue with ``x-expires``)
-reads the record first inside the hook. An enqueue answered from the record has paid for its
-message already, so the check rides on the publish only while few enqueues are answered
-(:attr:`WithinPublish.THRESHOLD`).
-
-:meth:`WithinPublish.mine` remembers, for a moment, the keys this process reserved for its own
-messages: a copy enqueued while one is in flight attaches to it with no store round trip (on
-the duplicates workload 3.4x plain Celery against 2.6x; docs/benchmarks.md, "In-flight copies").
+The hook is ``_put`` on the channel *instance*, never on kombu's class, and acts only on the
+message whose ``idempotency_key`` header is the key enqueued in this context (its
+:class:`_Pending`). A publish of several commands (a batch, a queue with ``x-expires``) reads
+the record first. An answered enqueue has paid for its message already, so the check rides on
+the publish only while few enqueues are answered (:attr:`WithinPublish.THRESHOLD`).
+:meth:`WithinPublish.mine` lets a copy enqueued while this process's own message is in flight
+attach with no round trip (docs/benchmarks.md, "In-flight copies").
 """
 
 from __future__ import annotations
@@ -71,13 +67,13 @@ _NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
 @dataclass
 class _Pending:
     """The enqueue whose message the hooked ``_put`` checks; ``found`` is what stopped it;
-    ``reserve``, when it may attach: (task id, fingerprint or "", reservation lease in ms)."""
+    ``reserve``, when it may attach: (task id, fingerprint or "", reservation lease in ms);
+    ``intent``: the script arguments of the intent to write with the message."""
 
     store: RedisStore
     key: str
     reserve: tuple[str, str, int] | None = None
     found: Record | Reservation | None = None
-    #: The intent to write with the message (``idempotency_intent``): its script arguments.
     intent: tuple[Any, ...] | None = None
 
     def take_intent(self, store: Any, key: str, task_id: str, queue: str, message: bytes,
@@ -103,15 +99,15 @@ _PENDING: ContextVar[_Pending | None] = ContextVar("celery_idem_pending_publish"
 class WithinPublish(ReadFirst):
     """The enqueue check within the Redis publish, where it pays; else read first."""
 
-    #: The weight of each enqueue in the running share of enqueues answered from the record.
+    #: The weight of each enqueue in the running share of enqueues answered from the record; at
+    #: or above THRESHOLD the record is read first (an answered enqueue costs about five times
+    #: more within the publish than a read first costs every enqueue).
     WEIGHT = 1 / 16
-    #: At or above this share the record is read first: an answered enqueue costs about five
-    #: times more within the publish than a read first costs every enqueue.
     THRESHOLD = 0.2
     #: Seconds this process's own message answers a copy of its key without asking the store
-    #: (:meth:`mine`). Short, so an operator's ``forget`` or a store's data loss is not hidden.
+    #: (short, so an operator's ``forget`` or a store's data loss is not hidden); at most
+    #: MAX_RECENT keys (a larger burst starts the memory over).
     RECENT = 1.0
-    #: At most this many remembered keys (a larger burst starts the memory over).
     MAX_RECENT = 4096
 
     def __init__(self) -> None:
@@ -153,8 +149,7 @@ class WithinPublish(ReadFirst):
     def mine(self, key: str) -> Reservation | None:
         """The reservation of ``key`` for this process's own message in flight (published less
         than :attr:`RECENT` ago, its result held by the caller and not seen finished), or None."""
-        found = self._mine.get(key)
-        if found is None:
+        if (found := self._mine.get(key)) is None:
             return None
         reservation, ref, deadline = found
         result = ref()
@@ -232,16 +227,11 @@ class WithinPublish(ReadFirst):
 
 
 def fuse(channel: Any, store: Any) -> bool:
-    """Hook ``channel`` so the enqueue check rides on the publish; False if it cannot.
-
-    It can when ``channel`` is kombu's Redis channel on the server and database of ``store``, a
-    plain :class:`RedisStore` without replica wait. The verdict is kept on the channel, per
-    store (kombu's producer pools are shared by the apps of one broker URL).
-    """
-    verdicts = channel.__dict__.get(_ATTR)
-    if verdicts is None:
-        verdicts = weakref.WeakKeyDictionary()
-        setattr(channel, _ATTR, verdicts)
+    """Hook ``channel`` so the enqueue check rides on the publish; False if it cannot (not
+    kombu's Redis channel on the server and database of ``store``, a plain :class:`RedisStore`
+    without replica wait). The verdict is kept on the channel per store: kombu's producer pools
+    are shared by the apps of one broker URL."""
+    verdicts = channel.__dict__.setdefault(_ATTR, weakref.WeakKeyDictionary())
     ok: bool | None = verdicts.get(store)
     if ok is None:
         ok = verdicts[store] = _compatible(channel, store)
@@ -251,10 +241,8 @@ def fuse(channel: Any, store: Any) -> bool:
 
 
 def _compatible(channel: Any, store: Any) -> bool:
-    try:
-        from kombu.transport.redis import Channel
-    except ImportError:  # pragma: no cover - kombu without redis-py
-        return False
+    from kombu.transport.redis import Channel  # imports without redis-py too (this module needs it)
+
     if type(store) is not RedisStore or store.wait_replicas or not isinstance(channel, Channel) \
             or not store.accelerated:
         return False
@@ -279,10 +267,7 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
     expires = getattr(self, "_expires", None)
     if kwargs.get("_publish_batch") is not None or (expires and queue in expires):
         # kombu sends this one in several commands: read first, then let kombu push it.
-        if not _found_first(pending):
-            pending.write_intent()
-            put(self, queue, message, **kwargs)
-        return None
+        return _put_unless_found(pending, put, self, queue, message, kwargs)
     name = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
     record = store.name_of(pending.key)
     payload = dumps(message)  # type: ignore[no-untyped-call]
@@ -306,9 +291,7 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         return None  # pushed
     if reply == _CHECK:
         # Not a plain record: nothing was pushed; the store's read raises (CorruptRecord) or not.
-        if not _found_first(pending):
-            pending.write_intent()
-            put(self, queue, message, **kwargs)
+        _put_unless_found(pending, put, self, queue, message, kwargs)
     elif isinstance(reply, list):
         task_id, _, fingerprint = reply[0].decode().partition("\0")
         pending.found = Reservation(task_id, fingerprint or None)
@@ -317,17 +300,20 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
     return None
 
 
-def _found_first(pending: _Pending) -> bool:
+def _put_unless_found(pending: _Pending, put: Any, channel: Any, queue: str,
+                      message: dict[str, Any], kwargs: dict[str, Any]) -> None:
     """The enqueue check in two steps: read the record; note it when it answers the enqueue
-    (done or failed, or in progress when the enqueue may attach)."""
+    (done or failed, or in progress when the enqueue may attach), else let kombu push it."""
     try:
         record = pending.store.get(pending.key)
     except StoreUnavailable:
-        return False  # as the check does: the worker's gate still guards the body; publish
+        record = None  # as the check does: the worker's gate still guards the body; publish
     if record is not None and (record.state in (State.DONE, State.FAILED) or (
             pending.reserve is not None and record.state is State.IN_PROGRESS)):
         pending.found = record
-    return pending.found is not None
+    if pending.found is None:
+        pending.write_intent()
+        put(channel, queue, message, **kwargs)
 
 
 def _undo_for(backend: Any) -> Callable[[str], None] | None:

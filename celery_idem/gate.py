@@ -14,9 +14,8 @@
                                     │    (under a deadline: raise Requeue, freed)
                                     └─ still busy ──────────────> raise Requeue
 
-The task layer supplies the key, the body and a codec, and turns :class:`Requeue` and
-:class:`~celery_idem.exceptions.StoreUnavailable` into a re-queued message; the gate calls back
-only through the body, ``fold`` and ``emit``. No Celery, no kombu here (tests/unit/test_layering.py).
+The task layer supplies the key, the body and a codec, and re-queues the message on
+:class:`Requeue` and :class:`~celery_idem.exceptions.StoreUnavailable`. No Celery, no kombu here.
 """
 
 from __future__ import annotations
@@ -45,15 +44,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Attempt:
-    """One execution attempt as the gate sees it.
-
-    Attributes:
-        key: The idempotency key.
-        task_id: The attempt's task id.
-        attempt: Its ``retries`` count (a higher one may take over its own claim).
-        owner: Who runs it (``host:pid``).
-        payload_hash: Hash of the full arguments when validating, else None.
-    """
+    """One execution attempt as the gate sees it: its key, task id, ``retries`` count (a higher
+    one may take over its own claim), owner (``host:pid``) and fingerprint (None: none)."""
 
     key: str
     task_id: str
@@ -64,15 +56,9 @@ class Attempt:
 
 @dataclass(frozen=True)
 class RunOutcome(Generic[T]):
-    """What :meth:`Gate.run` did for one attempt.
-
-    Attributes:
-        value: The body's result, or the recorded result of the attempt that ran it.
-        ran: True when this attempt ran the body; False when answered from the record.
-        write: The backend write ``fold`` built for the record (None: none).
-        folded: True when ``write`` went in the record's own store call: the caller then skips
-            the backend's own write.
-    """
+    """What :meth:`Gate.run` did for one attempt: ``value`` (the body's result, or the recorded
+    one), whether this attempt ``ran`` the body, the backend ``write`` that ``fold`` built (None:
+    none), and whether it was ``folded`` into the record's store call (the caller skips it)."""
 
     value: T
     ran: bool
@@ -81,13 +67,8 @@ class RunOutcome(Generic[T]):
 
 
 class Requeue(Exception):
-    """Raised when this attempt should go round again instead of running the body.
-
-    Attributes:
-        key: The idempotency key.
-        holder: The record last seen (None when it is gone or unknown).
-        freed: True when the key is free now (the next attempt may claim it at once).
-    """
+    """Raised when this attempt should go round again instead of running the body: ``holder`` is
+    the record last seen (None: gone or unknown), ``freed`` whether the next attempt may claim."""
 
     def __init__(self, key: str, holder: Record | None, *, freed: bool = False) -> None:
         state = "free now" if freed else "still in progress"
@@ -163,7 +144,7 @@ class Gate:
         try:
             claim, waited = self._settle(attempt, deadline)
         except self.interrupts as exc:
-            # Nothing ran; a claim that landed just before the interrupt expires like a crash's.
+            # Nothing ran; a claim that landed just before it expires like a crash's.
             self.emit(Outcome.REQUEUED, attempt.key, 0, "", {"reason": type(exc).__name__})
             raise Requeue(attempt.key, None) from exc
         if claim.status.holds:
@@ -208,13 +189,11 @@ class Gate:
                     raise Requeue(attempt.key, found)
                 if deadline is None or (found is not None and found.state in (State.DONE, State.FAILED)):
                     break  # done, failed, or free to take: the next claim decides atomically
-                if not live:
-                    # Freed, but part of the time limit went on waiting: the next delivery claims.
+                if not live:  # freed, but the wait spent part of the time limit: the next delivery claims
                     self.emit(Outcome.REQUEUED, attempt.key, holder.token, holder.task_id,
                               {"reason": "freed"})
                     raise Requeue(attempt.key, found, freed=True)
-                # Another attempt took over meanwhile: wait for it (claiming has the same risk).
-                assert found is not None
+                assert found is not None  # taken over meanwhile: wait for it (as claiming would)
                 holder = found
 
     def answer(self, rec: Record) -> Any:
@@ -253,8 +232,7 @@ class Gate:
 
     def _after_error(self, attempt: Attempt, fence: Fence, exc: BaseException) -> None:
         cfg, key, token = self.config, attempt.key, fence.token
-        if isinstance(exc, self.handover_signals):
-            # The replacement reports the outcome under this task id: nothing to record.
+        if isinstance(exc, self.handover_signals):  # the replacement reports the outcome
             self._release(attempt, fence, exc, reason="handed_over")
             return
         if isinstance(exc, cfg.terminal_on):
@@ -271,8 +249,8 @@ class Gate:
         if retried or isinstance(exc, cfg.release_on):
             self._release(attempt, fence, exc, retried=retried)
             return
-        # Not known to be safe to retry, not known to be final: the effect may have happened.
-        # Keep the claim (no heartbeat) so no duplicate runs until the lease runs out.
+        # Neither safe to retry nor final: the effect may have happened. Keep the claim (no
+        # heartbeat) so no duplicate runs until the lease runs out.
         self.emit(Outcome.HELD, key, token, attempt.task_id,
                   {"error": type(exc).__name__, "held_for": f"{cfg.lease:g}s"})
 
@@ -283,8 +261,7 @@ class Gate:
         try:
             self.store.release(key, token, claim_id=fence.claim_id)
         except LeaseLost as lost:
-            if retried:
-                # The re-published attempt already took its claim over: the hand-over working.
+            if retried:  # the re-published attempt took its claim over already: the hand-over works
                 logger.debug("celery_idem retry took over key=%s: %s", key, lost)
             else:
                 self.emit(Outcome.LEASE_LOST, key, token, attempt.task_id, {"verb": "release"})
@@ -303,9 +280,7 @@ class Gate:
         token = fence.token
         try:
             ctype, data = self.codec.encode_result(result)
-        except Exception as exc:
-            # The effect happened but its result cannot be stored: record the failure so that
-            # no duplicate runs the body again, and let the error reach the caller.
+        except Exception as exc:  # the effect happened: record a failure, so no duplicate runs it
             failure = TypeError(f"the result of {attempt.key!r} cannot be encoded: {exc}")
             logger.error("celery_idem result not encodable key=%s task_id=%s token=%s: %s; recorded "
                          "as failed so no duplicate runs the body again", attempt.key,
@@ -319,8 +294,8 @@ class Gate:
         if recorded:
             self.emit(Outcome.RECORDED, attempt.key, token, attempt.task_id, {})
             return folded
-        # Refused for record_timeout. If a small record goes in now, the store refuses the result
-        # itself (too large): record that, so a duplicate raises instead of running.
+        # Refused for record_timeout. If a small record goes in, the result itself is refused (too
+        # large): record that, so a duplicate raises instead of running.
         refused = TerminalError(f"the body of {attempt.key!r} ran (task {attempt.task_id}) but the "
                                 f"store refused to record its result of {len(data)} bytes; "
                                 f"duplicates get this error")
@@ -337,11 +312,9 @@ class Gate:
 
     def _write(self, attempt: Attempt, fence: Fence, state: State, ctype: str, data: bytes,
                also: BackendWrite | None = None) -> tuple[bool, bool]:
-        """Record, retrying for ``record_timeout`` (the lease is renewed meanwhile).
-
-        Returns ``(recorded, folded)``: False when the store stayed unreachable (reported loudly);
-        folded when ``also`` was written with it. Raises LeaseLost when another holder took over.
-        """
+        """Record, retrying for ``record_timeout`` (the lease is renewed meanwhile): ``(recorded,
+        folded)``, recorded False when the store stayed unreachable (reported loudly), folded when
+        ``also`` was written with it. Raises LeaseLost when another holder took over."""
         key, token, claim_id = attempt.key, fence.token, fence.claim_id
         deadline = self.monotonic() + self.config.record_timeout
         delay = 0.05
@@ -374,9 +347,7 @@ class Gate:
 
     def _expired(self, rec: Record, claim: Claim, seen: float) -> bool:
         """Whether ``rec``'s lease has run out by the store's clock (``claim.now`` at ``seen``)."""
-        if rec.lease_expires is None:
-            return True
-        return rec.lease_expires <= claim.now + (self.monotonic() - seen)
+        return rec.lease_expires is None or rec.lease_expires <= claim.now + (self.monotonic() - seen)
 
     def _wait(self, key: str, holder: Record, claim: Claim, seen: float, deadline: float) -> Record | None:
         """The record once ``holder``'s changes, its lease runs out, or at ``deadline`` (None: gone);

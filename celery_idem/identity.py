@@ -27,14 +27,6 @@ __all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "SCOPED
 HEADER = "idempotency_key"
 #: Message header Celery beat sets on every message it sends: a send of the schedule.
 BEAT_HEADER = "celery_beat_task"
-_BEAT = threading.local()  # marks a beat service's thread, for a beat that sets no header
-for _signal in (signals.beat_init, signals.beat_embedded_init):
-    _signal.connect(lambda **_: setattr(_BEAT, "on", True), weak=False)
-
-
-def scheduled_send(headers: Mapping[str, Any]) -> bool:
-    """Whether a publish is beat's send of the schedule (beat's header, or a beat thread's)."""
-    return bool(headers.get(BEAT_HEADER)) or getattr(_BEAT, "on", False)
 #: Message header naming who asked for the action (``IdempotentTask.idempotency_principal``).
 PRINCIPAL_HEADER = "idempotency_principal"
 #: Set once a scoped body ran in this thread: only then does an enqueue look its parent up (µs).
@@ -44,6 +36,15 @@ SCOPED_BODY: ContextVar[bool] = ContextVar("celery_idem_scoped_body", default=Fa
 UNBOUND_ARGS = "*args"
 UNBOUND_KWARGS = "**kwargs"
 ERRBACK_FIELD = "$errback"
+
+_BEAT = threading.local()  # marks a beat service's thread, for a beat that sets no header
+for _signal in (signals.beat_init, signals.beat_embedded_init):
+    _signal.connect(lambda **_: setattr(_BEAT, "on", True), weak=False)
+
+
+def scheduled_send(headers: Mapping[str, Any]) -> bool:
+    """Whether a publish is beat's send of the schedule (beat's header, or a beat thread's)."""
+    return bool(headers.get(BEAT_HEADER)) or getattr(_BEAT, "on", False)
 
 
 def identify(
@@ -73,8 +74,7 @@ def identify(
     else:
         bound = bind(task, args, kwargs)
         fields = dict(bound) if UNBOUND_ARGS in bound else keys.select_fields(bound, cfg.fields)
-        if failed_request(args) is not None:
-            # Handling a failure is an action of its own, apart from any ordinary call.
+        if failed_request(args) is not None:  # handling a failure is an action of its own
             fields[ERRBACK_FIELD] = True
         key = keys.key_from_fields(cfg.operation, {**fields, **slot} if slot else fields)
         # The arguments are bound once, for the key and (when validating) the fingerprint.
@@ -88,11 +88,9 @@ def identify(
 
 def fingerprint_of(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
                    per_call: bool) -> str | None:
-    """The hash stored with the record and compared on every later use of its key.
-
-    A per-call key's covers the identifying arguments; with ``idempotency_validate`` any key's
-    covers the whole call. A derived key has its fields in the key, so otherwise none.
-    """
+    """The hash stored with the record and compared on every later use of its key: a per-call
+    key's covers the identifying arguments; with ``idempotency_validate`` any key's covers the
+    whole call. A derived key has its fields in the key, so otherwise none."""
     cfg = task.idempotency_config
     if not (cfg.validate or (per_call and cfg.fingerprint)):
         return None
@@ -125,9 +123,9 @@ def bind(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
     """The call's arguments by parameter name (``as_sent``: as Celery sends them, whoever calls);
     TypeError when they do not bind and the task checks its arguments (``typing``)."""
     if as_sent:
-        # A new-style errback's request, exception and traceback become the failed task's id,
-        # None and None (the id names the failure); a pydantic=True task's models are dumped as
-        # apply_async dumps them, so apply(), delay() and a worker agree.
+        # An errback's (request, exc, traceback) become (the failed task's id, None, None); a
+        # pydantic=True task's models are dumped as apply_async does: apply(), delay() and a
+        # worker agree.
         failed = failed_request(args)
         if failed is not None:
             args = (failed.id, *(None for _ in args[1:3]), *args[3:])
@@ -139,9 +137,7 @@ def bind(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
         return keys.bind_arguments(signature, args, kwargs)
     except TypeError as exc:
         typing = task.typing if task.typing is not None else task.app.strict_typing
-        if not typing:
-            # typing=False: Celery sends a call that does not bind (the worker's signature
-            # may differ), so it is keyed by the arguments as passed.
+        if not typing:  # Celery sends it (the worker's signature may differ): keyed as passed
             return {UNBOUND_ARGS: list(args), UNBOUND_KWARGS: dict(kwargs)}
         raise TypeError(f"{task.name}{signature}: {exc}") from None
 
@@ -149,8 +145,7 @@ def bind(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
 def failed_request(args: Sequence[Any]) -> Context | None:
     """The failed task's ``Context`` when ``args`` are a new-style errback call's (a message
     never carries one), else None."""
-    first = args[0] if args else None
-    return first if isinstance(first, Context) else None
+    return args[0] if args and isinstance(args[0], Context) else None
 
 
 def _clock() -> float:

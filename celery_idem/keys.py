@@ -27,22 +27,9 @@ from typing import Any
 
 from .exceptions import InvalidKey
 
-__all__ = [
-    "KeyParts",
-    "bind_arguments",
-    "caller_key",
-    "check_scope",
-    "check_text",
-    "canonical",
-    "canonical_json",
-    "idempotency_key",
-    "key_from_fields",
-    "parse_key",
-    "payload_hash",
-    "period_slot",
-    "scoped",
-    "signature_of",
-]
+__all__ = ["KeyParts", "bind_arguments", "caller_key", "canonical", "canonical_json", "check_scope",
+           "check_text", "idempotency_key", "key_from_fields", "parse_key", "payload_hash",
+           "period_slot", "scoped", "signature_of"]
 
 #: Length of the hex digest kept in a key: 128 bits, collision-free for any realistic volume.
 DIGEST_CHARS = 32
@@ -90,16 +77,16 @@ def payload_hash(arguments: Mapping[str, Any]) -> str:
     return _digest(canonical_json(arguments))
 
 
-#: The field a key of a task with ``idempotency_period`` gains: the slot its enqueue falls in. Not
-#: an identifier, so no parameter has this name, and keys without a period are unchanged.
+#: The field a key of a task with ``idempotency_period`` gains: its enqueue's slot (no parameter
+#: has this name, and keys without a period are unchanged).
 SLOT_FIELD = "$slot"
 
 
 def period_slot(at: float, period: float, *, nearest: bool = True) -> int | float:
-    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds): a send of
-    the schedule a moment early and one a moment late share it; with ``nearest=False`` (any other
-    call, which must never take the next scheduled run) the last one at or before ``at``. An
-    ``int`` when whole, so ``60`` and ``60.0`` agree.
+    """The slot of a time: the multiple of ``period`` nearest to ``at`` (Unix seconds), shared by
+    a send of the schedule a moment early and one a moment late; with ``nearest=False`` (a call
+    that must never take the next scheduled run) the last one at or before ``at``. An ``int``
+    when whole, so ``60`` and ``60.0`` agree.
 
     Example:
         >>> period_slot(1796461199.6, 60), period_slot(1796461200.9, 60)
@@ -113,8 +100,7 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
 
 
-#: Types whose values are their own canonical form (exact types: a subclass such as an
-#: IntEnum goes through :func:`canonical`'s dispatch).
+#: Types whose values are their own canonical form (exact: an IntEnum goes through canonical()).
 _SCALARS = frozenset({str, int, bool, type(None)})
 
 #: The canonical JSON text of a canonical value (no cycle check: a canonical value is built fresh).
@@ -124,8 +110,7 @@ _ENCODE: Callable[[Any], str] = json.JSONEncoder(
 _SUPPORTED = ("str, int, float, bool, None, list, tuple, dict with str keys, set, frozenset, "
               "datetime, date, time, Decimal, UUID, Enum, dataclass, bytes, bytearray, pydantic model")
 
-#: Tag of the bytes form, and the tag that escapes a user dict that would look like a tagged
-#: form. JSON has no bytes, so bytes need a tag; the escape keeps the forms one-to-one.
+#: Tag of the bytes form (JSON has none), and the tag escaping a dict that looks tagged.
 BYTES_TAG = "$bytes"
 DICT_TAG = "$dict"
 _TAGS = frozenset({BYTES_TAG, DICT_TAG})
@@ -179,9 +164,7 @@ def canonical(value: Any, path: str = "value") -> Any:
     # Looked up, not imported: pydantic is optional, and a program that never imported it has no model.
     model = getattr(sys.modules.get("pydantic"), "BaseModel", None)
     if model is not None and isinstance(value, model):
-        try:
-            # mode="json" is Celery's own dump (pydantic=True): the worker, which gets the dict,
-            # derives the same key as the producer, which had the model.
+        try:  # Celery's own dump (pydantic=True): the worker, given the dict, derives the same key
             dumped = value.model_dump(mode="json")
         except Exception as exc:
             raise TypeError(
@@ -209,8 +192,7 @@ def _number(value: float | decimal.Decimal, path: str) -> int | float | str:
         return whole
     if isinstance(value, float) or decimal.Decimal(repr(float(value))) == value:
         return float(value)  # float(): a plain float, not a subclass the encoder would not know
-    # More digits than a float holds: fixed-point text, never rounded (to the thread's context
-    # precision, as normalize() would without a context of its own).
+    # More digits than a float holds: fixed-point text, never rounded to the context's precision.
     return format(value.normalize(decimal.Context(prec=len(value.as_tuple().digits))), "f")
 
 
@@ -249,16 +231,12 @@ def signature_of(run: Any) -> inspect.Signature | None:
 
 def select_fields(arguments: Mapping[str, Any], fields: Iterable[str] | None) -> dict[str, Any]:
     """Narrow bound arguments to ``fields`` (all of them when ``fields`` is None)."""
-    if fields is None:
-        return dict(arguments)
-    return {name: arguments[name] for name in fields}
+    return dict(arguments) if fields is None else {name: arguments[name] for name in fields}
 
 
-# -- the key's namespace --------------------------------------------------------------------------
-#
-# Every key a task stores is ``operation[@scope]:ident`` (the grammar: docs/concepts.md, "Key"),
-# so a caller's key can only name an action of the operation it is passed to, in its scope.
-# Derived idents are hex digests and per-call idents start with "key", so the two never meet.
+# -- the key's namespace: ``operation[@scope]:ident`` (docs/concepts.md, "Key") ---------------------
+# A caller's key names only an action of its operation, in its scope; derived idents are hex
+# digests and per-call idents start with "key", so the two never meet.
 
 #: Longest caller-supplied string: a per-call key, and a message's key header as a whole.
 MAX_CALLER_KEY = 200
@@ -275,12 +253,10 @@ _HEX = frozenset("0123456789abcdef")
 
 
 def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
-    """Return ``value`` when it is a usable caller-supplied key, else raise :class:`InvalidKey`.
-
-    A non-empty ``str`` of at most ``limit`` characters with no control or format characters (a
-    newline forges a log line, an ANSI escape reaches a terminal, a bidi override disguises a
-    key, a lone surrogate no store can encode). ``what`` names the value in the error.
-    """
+    """Return ``value`` if it is a non-empty ``str`` of at most ``limit`` characters with no
+    control or format characters (a newline forges a log line, an ANSI escape reaches a terminal,
+    a bidi override disguises a key, a lone surrogate no store can encode), else raise
+    :class:`InvalidKey` naming it ``what``."""
     if type(value) is not str:
         text = repr(value)
         text = text if len(text) <= 60 else text[:57] + "..."
@@ -301,11 +277,8 @@ def check_text(what: str, value: Any, limit: int = MAX_CALLER_KEY) -> str:
 
 
 def check_scope(scope: Any) -> str:
-    """Return ``scope`` when it is a valid scope name, else raise :class:`InvalidKey`.
-
-    1 to 64 characters of ``A-Z a-z 0-9 . _ ~ + = / -`` (a tenant id, a principal); hash
-    anything else into one with :func:`idempotency_key`.
-    """
+    """Return ``scope`` if it is 1 to 64 characters of ``A-Z a-z 0-9 . _ ~ + = / -`` (a tenant
+    id, a principal; hash anything else with :func:`idempotency_key`), else raise InvalidKey."""
     check_text("idempotency_scope", scope, MAX_SCOPE)
     bad = next((c for c in scope if c not in _SCOPE_CHARS), None)
     if bad is not None:
@@ -316,17 +289,14 @@ def check_scope(scope: Any) -> str:
 
 def scoped(key: str, operation: str, scope: str | None) -> str:
     """Put a derived key (``operation:<hex>``) in ``scope``; unscoped keys are unchanged."""
-    if scope is None:
-        return key
-    return f"{operation}{SCOPE_MARK}{scope}{key[len(operation):]}"
+    return key if scope is None else f"{operation}{SCOPE_MARK}{scope}{key[len(operation):]}"
 
 
 def caller_key(operation: str, key: Any, scope: str | None = None) -> str:
     """The stored key of a per-call key ``key`` passed to ``operation`` (in ``scope``).
 
     Raises:
-        InvalidKey: ``key`` is not a str, is empty, too long or has control characters, or
-            ``scope`` is not a valid scope.
+        InvalidKey: :func:`check_text` refuses ``key``, or ``scope`` is not a valid scope.
     """
     check_text("idempotency_key", key)
     if scope is not None:
@@ -341,22 +311,18 @@ def caller_key(operation: str, key: Any, scope: str | None = None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KeyParts:
-    """A stored key taken apart (:func:`parse_key`)."""
+    """A stored key taken apart (:func:`parse_key`): ``caller`` is a per-call key's caller key
+    (None: derived, or hashed), ``per_call`` whether it was passed (``idempotency_key=``)."""
 
     operation: str
     scope: str | None
-    #: The caller's key of a per-call key (None for a derived one, or a hashed caller key).
     caller: str | None
-    #: Whether the key was passed per call (``idempotency_key=``) rather than derived.
     per_call: bool
 
 
 def parse_key(key: str, operation: str) -> KeyParts | None:
-    """Take apart ``key`` as a key of ``operation``; None when it is not one.
-
-    A key of another operation, a malformed scope or ident, or anything that
-    :func:`check_text` refuses (as a whole, up to :data:`MAX_KEY_LENGTH`) gives None.
-    """
+    """Take apart ``key`` as a key of ``operation``; None for a key of another operation, a
+    malformed scope or ident (the caller checks the whole with :func:`check_text`)."""
     if type(key) is not str or not key.startswith(operation):
         return None
     rest = key[len(operation):]

@@ -1,11 +1,9 @@
 """``IdempotentTask``: the Celery seam. Thin on purpose: the decisions live in ``gate.py``.
 
-* ``apply_async`` (producer side, every retry and canvas publish): derive the key, put it in the
-  ``idempotency_key`` header, and answer at once, without publishing, when the key is done.
-* ``__call__`` (worker side, every pool and eager mode): read the key from the header (or derive
-  it, for ``send_task`` by name), and run the body through the gate.
-
-The rest of the seam: ``app.py``, ``identity.py``, ``enqueue.py``, ``delivery.py``.
+``apply_async`` (every publish, retries and canvas too) puts the key in the ``idempotency_key``
+header, or answers without publishing when the key is done; ``__call__`` (every pool, eager
+mode) reads the key from it (or derives it) and runs the body through the gate. The rest of the
+seam: ``app.py``, ``identity.py``, ``enqueue.py``, ``delivery.py``.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ from .results import ResultWriter
 
 __all__ = ["HEADER", "CachedResult", "IdempotentTask", "get_store"]
 
-
 logger = logging.getLogger("celery_idem")
+
 
 class ReceiptFound(BaseException):
     """Raised out of ``idempotent_transaction`` when an earlier attempt committed the receipt
@@ -63,10 +61,9 @@ class Replaced(Ignore):  # type: ignore[misc]
 class IdempotentTask(Task):  # type: ignore[misc]
     """A Celery task whose body runs at most once per business action.
 
-    Subclass it, or pass ``base=IdempotentTask`` to ``@app.task``. Every ``idempotency_*``
-    attribute below can be set as a class attribute or as a keyword of ``@app.task``; unknown
-    ``idempotency_*`` names are rejected when the task class is created. Each option below has
-    a one-line summary; its row in docs/configuration.md's table says the rest.
+    Subclass it, or pass ``base=IdempotentTask`` to ``@app.task``. Each ``idempotency_*``
+    option below is a class attribute or an ``@app.task`` keyword (unknown names are rejected
+    when the class is created); docs/configuration.md says the rest of each.
     """
 
     #: Names of the arguments that identify the business action (None: all arguments).
@@ -99,8 +96,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     #: if the broker loses it (docs/reliability.md, "Lost messages").
     idempotency_intent: ClassVar[bool] = False
 
-    #: At-least-once delivery: a message is acknowledged only after the body ran, and
-    #: re-delivered if the worker dies. The gate makes the repeats harmless.
+    #: At-least-once delivery (acknowledged after the body, re-delivered if the worker dies):
+    #: the gate makes the repeats harmless.
     acks_late = True
     reject_on_worker_lost = True
 
@@ -118,7 +115,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @cached_property
     def idempotency_config(self) -> IdempotencyConfig:
-        """The task's options, checked and frozen (resolved once per task instance)."""
+        """The task's options, checked and frozen (once per task instance)."""
         return resolve(self.name, self, self._signature)
 
     @cached_property
@@ -152,19 +149,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         app = self.app
         accept = app.conf.result_accept_content or app.conf.accept_content
         return Gate(
-            get_store(app),
-            self.idempotency_config,
+            get_store(app), self.idempotency_config,
             # Through the backend's prepare_value, as Celery stores results: an AsyncResult a
             # body returns is recorded as its as_tuple(), not refused by the serializer.
             KombuCodec(app.conf.result_serializer, accept,
                        prepare=lambda value: self.backend.prepare_value(value)),
             emit=functools.partial(emit_decision, self),
-            # Retry: the task re-published itself; Reject(requeue): it asked for redelivery.
-            retry_signals=(Retry, Reject),
-            # Task.replace: the replacement, frozen with this task id, now carries the action.
-            handover_signals=(Replaced,),
-            # The task's own soft limit, fired while it waits for a busy key: re-queue.
-            interrupts=(SoftTimeLimitExceeded,),
+            retry_signals=(Retry, Reject),  # it re-published itself, or asked for redelivery
+            handover_signals=(Replaced,),  # Task.replace: the replacement carries the action
+            interrupts=(SoftTimeLimitExceeded,),  # its own soft limit, while waiting: re-queue
         )
 
     # -- the key -------------------------------------------------------------------------------
@@ -176,9 +169,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ) -> str:
         """Return the key a call with these arguments gets (as stored, without the prefix).
 
-        ``<operation>:<32 hex>`` for a key derived from the arguments, ``<operation>:key=<k>``
-        for a per-call ``idempotency_key``; with a scope, ``<operation>@<scope>:...``. The
-        arguments are keyed as Celery sends them: see ``docs/compat.md``.
+        Its forms: docs/concepts.md, "Key"; the arguments are keyed as Celery sends them
+        (docs/compat.md).
 
         Args:
             args: The call's positional arguments.
@@ -219,20 +211,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def idempotency_token(self) -> int | None:
-        """The fencing token of this attempt's claim (inside the body), else None.
-
-        Strictly increasing per key across claims and takeovers: pass it to a remote that
-        rejects writes with a token lower than one it has seen.
-        """
+        """The fencing token of this attempt's claim (inside the body), else None: strictly
+        increasing per key across claims and takeovers, for a remote that rejects lower ones."""
         return getattr(self.request, "idempotency_token_", None)
 
     @property
     def idempotency_lease_lost(self) -> bool:
-        """True once a renewal found that another attempt took this claim over (inside the body).
-
-        A body about to make a write it cannot take back may check it; the write is refused
-        anyway when the outcome is recorded, but the effect would already have happened.
-        """
+        """True once a renewal found that another attempt took this claim over (inside the body):
+        check it before a write that cannot be taken back (recording it would be refused, but
+        the effect would have happened)."""
         lease = current_lease.get()
         return lease is not None and lease.lost.is_set()
 
@@ -242,15 +229,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ) -> Any:
         """Write this action's receipt in the same SQL transaction as the body's own writes.
 
-        Use it inside a bound body (``bind=True``)::
-
-            with self.idempotent_transaction(session) as tx:
-                session.add(Order(...))
-                tx.result = {"order": 7}
-            return tx.result
-
-        If an earlier attempt committed the receipt, the block does not run and the task returns
-        that attempt's ``tx.result``. See ``docs/transactions.md``.
+        Inside a bound body, ``with self.idempotent_transaction(session) as tx:`` (set
+        ``tx.result``); if an earlier attempt committed the receipt, the block does not run and
+        the task returns that attempt's ``tx.result``. See ``docs/transactions.md``.
 
         Args:
             session_or_connection: A SQLAlchemy ``Session`` or ``Connection`` to the business
@@ -271,31 +252,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if key is None or token is None:
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction must be used inside the running body of "
-                f"an IdempotentTask (bind=True, called through the worker, delay() or apply())"
-            )
+                f"an IdempotentTask (bind=True, called through the worker, delay() or apply())")
         held = current_lease.get()
         if held is not None and held.key != key:
-            # A saga step: the gate holds the step's key, and a receipt keyed by the task would
-            # answer the whole saga with this step's result.
+            # A saga step's key: a receipt keyed by the task would answer the saga with the step's.
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction cannot be used inside a saga step (the "
                 f"step runs under its own key {held.key!r}); write the step's receipt-worthy "
-                f"effect in the task body, or make the step its own IdempotentTask"
-            )
+                f"effect in the task body, or make the step its own IdempotentTask")
         earlier = getattr(req, "idempotency_receipt_", None)
         if earlier is not None and not earlier.rolled_back:
-            # A block it rolled back left no receipt (a body retrying after a deadlock, say);
-            # any other earlier block may have committed this action's one receipt.
+            # Only a block it rolled back (a retry after a deadlock) surely left no receipt.
             raise RuntimeError(
                 f"{self.name}: idempotent_transaction was already used in this run of "
-                f"{key!r}; one action has one receipt, so put all its writes in one block"
-            )
+                f"{key!r}; one action has one receipt, so put all its writes in one block")
         read = settings(self.app)
-        common: dict[str, Any] = {
-            "key": read.key_prefix + key, "token": token, "task_id": req.id or "",
-            "codec": self._gate.codec, "ttl": self.idempotency_config.ttl,
-            "lease_lost": lambda: self.idempotency_lease_lost, "on_found": ReceiptFound,
-        }
         # The receipts are add-ons (Django's connection, or a SQLAlchemy one), found by kind.
         kind = "django" if session_or_connection is None else "sqlalchemy"
         point = registered(RECEIPTS).get(kind)
@@ -303,8 +274,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise ImproperlyConfigured(
                 f"{self.name}: no {kind} receipts are installed (the {RECEIPTS!r} entry point "
                 f"group has none): pip install 'celery-idem[{'django' if kind == 'django' else 'sql'}]'")
-        tx = point.load()(session_or_connection, commit=commit, using=using or "default",
-                          table=table or read.receipts_table or "celery_idem_receipts", **common)
+        tx = point.load()(
+            session_or_connection, commit=commit, using=using or "default",
+            table=table or read.receipts_table or "celery_idem_receipts",
+            key=read.key_prefix + key, token=token, task_id=req.id or "", codec=self._gate.codec,
+            ttl=self.idempotency_config.ttl, lease_lost=lambda: self.idempotency_lease_lost,
+            on_found=ReceiptFound)
         req.idempotency_receipt_ = tx
         return tx
 
@@ -319,13 +294,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         Takes every option of :meth:`celery.Task.apply_async`, plus ``idempotency_key`` (a
         per-call key used verbatim). When the key is already done (or failed terminally), no
-        message is published and a :class:`CachedResult` is returned at once (unless the task
-        sets ``idempotency_check_on_enqueue = False``). Either way the result carries the key
-        as ``result.idempotency_key``.
-
-        A chosen task id (``task_id=``, a frozen signature, a chain's next step, a chord body)
-        is kept, and the recorded outcome is stored under it, so anyone waiting on it hears.
-        Without one, the result has the original task id.
+        message is published and a :class:`CachedResult` is returned at once (unless
+        ``idempotency_check_on_enqueue = False``), under the chosen task id if any (the outcome
+        is stored under it too), else the original's. The result carries ``.idempotency_key``.
 
         Raises:
             TypeError: The key cannot be derived from the arguments; nothing was published.
@@ -336,8 +307,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         scope = self._call_scope(options.pop("idempotency_scope", None), headers)
         header = headers.get(HEADER) if explicit is None else None
         if header is not None:
-            # A publish that carries the key already (a retry, a re-queue, a canvas step made
-            # from a request): it must be a key of this task in this call's scope.
+            # Carried already (a retry, a re-queue, a canvas step): a key of this task and scope.
             key, per_call, _ = identity.header_key(self, header, scope)
             fingerprint: Callable[[], str | None] = functools.partial(
                 identity.fingerprint_of, self, tuple(args or ()), dict(kwargs or {}), per_call)
@@ -418,19 +388,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._call_as_errback(args, kwargs)
         # Time limits count from the start of the request, and a wait for a busy key spends it.
         started = time.monotonic()
-        self._check_call(args, kwargs)
+        if (sig := self._call_signature) is not None:
+            # Not through the gate: nothing is claimed (a duplicate would wait for a body that
+            # never started) or recorded (with typing=False another worker's code may accept it).
+            try:
+                bind_arguments(sig, args, kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{self.name}(): {exc}") from None
         req = self.request
         header = (req.headers or {}).get(HEADER)
         if header is None:
-            # send_task by name, another language's producer, Task.apply(): derive it here
-            # (a period's slot from the message's time, when it has one, else from now).
+            # send_task by name, another language's producer, Task.apply(): derive it here (a
+            # period's slot from the message's time, else from now).
             key, fingerprint = identity.identify(self, args, kwargs, None, None, message_time(req),
                                                  bool((req.headers or {}).get(BEAT_HEADER)))
             digest = fingerprint()
-            # A re-queue and Celery's retry publish from the request's headers: they must carry
-            # this key, or the copy derives it again from a later clock (another period slot).
-            # Not on a direct call: its request is Celery's one default request, shared by
-            # every direct call (celery.map's items), each an action of its own.
+            # A re-queue or retry publishes from these headers: carrying the key, it cannot derive
+            # another period slot. Not on a direct call: Celery's one default request is shared
+            # by every direct call (celery.map's items), each an action of its own.
             if not req.called_directly:
                 req.headers = {**(req.headers or {}), HEADER: key}
         else:
@@ -445,41 +420,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
         call_body = super().__call__
         if not (req.is_eager or req.called_directly) and \
                 getattr(call_body, "__func__", None) is Task.__call__:
-            # In a worker Celery's tracer has pushed this task and its request already, and
-            # for a task without its own __call__ it calls run() itself: do the same.
+            # In a worker the tracer has pushed the request, and calls run() for a task without
+            # its own __call__: do the same.
             call_body = self.run
 
         def body(token: int) -> Any:
             req.idempotency_token_ = token
             try:
                 return call_body(*args, **kwargs)
-            except ReceiptFound as found:
-                # An earlier attempt committed the body's transaction and died before the
-                # record: its result is the action's, and the gate records it as usual.
+            except ReceiptFound as found:  # an earlier attempt committed, then died unrecorded
                 return found.receipt.value
 
         return deliver(self, self._gate, self._result_writer, attempt, body, started)
 
-    def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Raise TypeError, without entering the gate, when the body cannot take these arguments.
-
-        No effect happened, so nothing is claimed (a duplicate would wait for a body that never
-        started) or recorded (with ``typing=False`` another worker's code may accept the call).
-        """
-        sig = self._call_signature
-        if sig is None:
-            return
-        try:
-            bind_arguments(sig, args, kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.name}(): {exc}") from None
-
     def _call_as_errback(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run a new-style errback, ``errback(request, exc, traceback)``, that Celery called.
-
-        Celery calls it in-process, so ``self.request`` may be the failed request (whose key must
-        stay untouched): it runs under a request of its own, keyed by the failed task's id.
-        """
+        """Run a new-style errback, ``errback(request, exc, traceback)``, that Celery called
+        in-process: under a request of its own keyed by the failed task's id, as
+        ``self.request`` may be the failed request (whose key must stay untouched)."""
         key = self.idempotency_key_for(args, kwargs)
         push_fresh_request(self, args=list(args), kwargs=dict(kwargs), headers={HEADER: key},
                            idempotency_errback_=True)
@@ -489,12 +446,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.pop_request()
 
     def on_replace(self, sig: Any) -> Any:
-        """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it.
-
-        Celery's ``Ignore`` is raised as :class:`Replaced`: the gate releases the claim without
-        recording, the outcome is the replacement's (``docs/limits.md``). In eager mode the
-        replacement runs in place and its result is recorded as the body's.
-        """
+        """Publish the replacement (Celery's ``on_replace``) and hand the key's action to it:
+        Celery's ``Ignore`` is raised as :class:`Replaced`, so the gate releases the claim
+        unrecorded (``docs/limits.md``); in eager mode the replacement runs in place."""
         try:
             return super().on_replace(sig)
         except Replaced:

@@ -35,6 +35,7 @@ from .redis_format import (
     refuse_nul,
     unreadable,
 )
+from .redis_intents import SCRIPTS as INTENT_SCRIPTS
 from .redis_intents import RedisIntents
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class Scripts:
         self.client = client
         self.registered: dict[str, Any] = {
             name: client.register_script(_load(name)) for name in (*_RECORD_SCRIPTS, *_PLAIN_SCRIPTS)}
+        self.registered.update((name, client.register_script(lua)) for name, lua in INTENT_SCRIPTS.items())
 
     def run(self, name: str, keys: tuple[str, ...], args: list[Any]) -> Any:
         return self.registered[name](keys=keys, args=args)
@@ -137,8 +139,7 @@ class RedisStore(RedisIntents, Store):
         prefix: Prepended to every key.
         wait_replicas: After each write, ``WAIT`` until this many replicas have it, so a
             failover cannot lose an acknowledged write (0: no wait; docs/redis-cluster.md).
-        wait_timeout: Seconds ``WAIT`` may take; fewer replicas by then raises
-            ``StoreUnavailable``.
+        wait_timeout: Seconds ``WAIT`` may take; fewer replicas by then raises ``StoreUnavailable``.
         location: Where the store is, for messages (default: host:port/db of ``client``).
         accelerate: Send the verbs through :mod:`celery_idem.stores.redis_wire` when the client
             allows it (an app passes its acceleration switch; False: redis-py's own path).

@@ -208,10 +208,9 @@ class RedisStore(RedisIntents, Store):
         return [(self.client, self.location)]
 
     def run_script(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
-        """Run the Lua script ``name`` (``stores/lua/<name>.lua``) on the record of ``key``.
-
-        ``other`` is a second Redis key the script writes (the result backend's, the
-        reservation's). redis-py's errors are raised as they are: the verb maps them.
+        """Run the Lua script ``name`` (``stores/lua/<name>.lua``) on the record of ``key`` and
+        ``other``, a second Redis key it writes (the result backend's, the reservation's).
+        redis-py's errors are raised as they are: the verb maps them.
 
         Returns:
             The script's reply, once ``wait_replicas`` replicas confirmed what it wrote.
@@ -252,7 +251,6 @@ class RedisStore(RedisIntents, Store):
         raise StoreUnavailable(f"the Redis store at {self.location} keeps losing its scripts")
 
     def _errors(self, key: str | None = None) -> _translate_errors:
-        """Maps redis-py's errors of a verb on ``key`` to the contract's."""
         return _translate_errors(self, key)
 
     # -- verbs ---------------------------------------------------------------------------------
@@ -294,11 +292,8 @@ class RedisStore(RedisIntents, Store):
 
     def record_with(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
                     also: BackendWrite, claim_id: str | None = None) -> bool:
-        """Record, and write ``also`` (SET + PUBLISH) in the same script, only if the fence holds.
-
-        Returns whether ``also`` was written. The caller must know that ``also.key`` lives on
-        this store's server and database (the task checks the backend's connection is this).
-        """
+        """:meth:`Store.record_with` in the record's script (``also``: SET + PUBLISH). The caller
+        knows ``also.key`` is on this store's server and database (``same_server``)."""
         args = _record_args(token, state, content_type, data, ttl, claim_id)
         reply = None
         if not self._fold_refused:
@@ -445,7 +440,6 @@ class RedisStore(RedisIntents, Store):
     # -- helpers -------------------------------------------------------------------------------
 
     def _refused(self, reply: Any, key: str, token: int, verb: str) -> CorruptRecord | LeaseLost:
-        """The error for a fenced verb's refusal ``reply``."""
         if reply == REPLY_CORRUPT:
             return unreadable(self.name_of(key), key, None)
         detail = reply.decode() if isinstance(reply, bytes) else repr(reply)

@@ -497,14 +497,8 @@ def same_server(a: Any, b: Any) -> bool:
     """Whether redis-py clients ``a`` and ``b`` talk to the same server and database (their
     connection classes compared by kind: kombu's Redis transport subclasses its own)."""
     pa, pb = a.connection_pool, b.connection_pool
-    if _connection_kind(pa.connection_class) != _connection_kind(pb.connection_class):
-        return False  # TLS on one side only, say
+    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
+        if issubclass(pa.connection_class, kind) != issubclass(pb.connection_class, kind):
+            return False  # TLS on one side only, say
     ka, kb = pa.connection_kwargs, pb.connection_kwargs
     return all(ka.get(name) == kb.get(name) for name in _SAME_SERVER)
-
-
-def _connection_kind(connection_class: type) -> str:
-    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
-        if issubclass(connection_class, kind):
-            return kind.__name__
-    return "tcp"

@@ -147,12 +147,10 @@ _NOT_PROPERTIES = frozenset({"exchange", "routing_key", "serializer", "compressi
 
 
 class IntentProducer:
-    """A producer that writes the intent of ``task``'s message, then sends it with ``producer``.
-
+    """A producer that writes the intent of ``task``'s message, then sends it with ``producer``:
     Celery's ``send_task_message`` calls ``publish`` with the message as kombu is about to encode
     it; an error writing the intent propagates out of ``apply_async`` and nothing is sent (a
-    ``before_task_publish`` receiver cannot stop a publish: Celery logs its errors).
-    """
+    ``before_task_publish`` receiver cannot stop a publish: Celery logs its errors)."""
 
     def __init__(self, producer: Any, task: Any) -> None:
         self._producer, self._task = producer, task

@@ -165,9 +165,8 @@ class RedisStore(RedisIntents, Store):
         self.wait_timeout = float(wait_timeout)
         if location is None:
             kwargs = client.connection_pool.connection_kwargs
-            location = (
-                kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-            ) + f"/{kwargs.get('db', 0)}"
+            where = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+            location = f"{where}/{kwargs.get('db', 0)}"
         self.location = location
         self.accelerated = accelerate is not False
         # The seam where commands go to the server: redis-py's Script objects, or the same

@@ -95,8 +95,7 @@ class PrivateName(NamedTuple):
 
 #: Every other library's private name used in the package, by the module that uses it.
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
-    PrivateName("redis", "Connection._sock", "stores/redis_wire.py:_Lane.ready",
-                "redis-py 5.0-8.2.0",
+    PrivateName("redis", "Connection._sock", "stores/redis_wire.py:_Lane.ready", "redis-py 5.0-8.2.0",
                 "missing: the connection is reconnected before every command (correct, slower)"),
     PrivateName("redis", "Retry._retries", "stores/redis_wire.py:_retries", "redis-py 5.x (before 6)",
                 "Retry.get_retries() from redis-py 6; neither: 1 retry assumed, so no wire"),
@@ -124,9 +123,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("celery", "RedisBackend._MAX_STR_VALUE_SIZE", "results_redis.py:RedisResultWriter",
                 "celery 5.4.0-5.7.0", "getattr default None: no size check before the fold (the "
                 "backend's own limit is what is checked)"),
-    PrivateName("celery", "DatabaseBackend._update_result",
-                "results_db.py:DatabaseResultWriter.build", "celery 5.4.0-5.7.0",
-                "missing: no writer, Celery writes the row (the plain path)"),
+    PrivateName("celery", "DatabaseBackend._update_result", "results_db.py:DatabaseResultWriter.build",
+                "celery 5.4.0-5.7.0", "missing: no writer, Celery writes the row (the plain path)"),
     PrivateName("sqlalchemy", "SQLCompiler._bind_processors",
                 "stores/sql/psycopg.py:RawStatement.compile", "SQLAlchemy 2.0, 2.1.9",
                 "getattr default {}: values sent unprocessed (psycopg adapts bytes itself)"),

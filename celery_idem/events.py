@@ -75,11 +75,9 @@ Emit = Callable[[Outcome, str, int, str, dict[str, Any]], None]
 
 def log_outcome(outcome: Outcome, key: str, token: int, original_task_id: str, task_id: str,
                 extra: dict[str, Any], answers: bool = True) -> None:
-    """Log one decision as one line of ``name=value`` pairs (never the task's arguments).
-
+    """Log one decision as one line of ``name=value`` pairs (never the task's arguments):
     ``token`` is the record's (0: none), ``original_task_id`` the task that claimed, holds or
-    recorded the key; ``answers=False`` logs the :data:`ANSWERS` at DEBUG instead of INFO.
-    """
+    recorded the key; ``answers=False`` logs the :data:`ANSWERS` at DEBUG instead of INFO."""
     level = logging.DEBUG if not answers and outcome in ANSWERS else _LOUD.get(outcome, logging.DEBUG)
     if not logger.isEnabledFor(level):
         return

@@ -30,19 +30,15 @@ class IdempotencyError(Exception):
 
 
 class TerminalError(IdempotencyError):
-    """Raised by a task body for an outcome that must never be retried (card declined, ...).
-
-    Recorded as the action's outcome: every later duplicate re-raises it without running the body.
-    """
+    """Raised by a task body for an outcome that must never be retried (card declined, ...):
+    recorded as the action's outcome, every later duplicate re-raises it without running the body."""
 
 
 class IdempotencyKeyMismatch(TerminalError):
-    """Raised when a key is reused for another action.
-
-    A per-call key (``idempotency_key=``) passed again with other identifying arguments (its
-    record keeps their fingerprint), or a derived key with other arguments under
-    ``idempotency_validate=True``. Use a new key for a new action.
-    """
+    """Raised when a key is reused for another action: a per-call key (``idempotency_key=``)
+    passed again with other identifying arguments (its record keeps their fingerprint), or a
+    derived key with other arguments under ``idempotency_validate=True``. Use a new key for a new
+    action."""
 
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
@@ -50,11 +46,9 @@ class IdempotencyKeyMismatch(TerminalError):
 
 
 class InvalidKey(IdempotencyError, ValueError):
-    """Raised for a per-call key, a scope or a message's key header that cannot be used.
-
-    Not a str, empty, too long, or with control or format characters. Nothing is published,
-    claimed or stored under it.
-    """
+    """Raised for a per-call key, a scope or a message's key header that cannot be used (not a
+    str, empty, too long, or with control or format characters); nothing is published, claimed or
+    stored under it."""
 
 
 class LeaseLost(IdempotencyError):
@@ -68,10 +62,8 @@ class LeaseLost(IdempotencyError):
 
 
 class StoreUnavailable(IdempotencyError):
-    """Raised when the idempotency store cannot be reached or did not answer in time.
-
-    At claim time the body does not run and the message is re-queued (never unguarded).
-    """
+    """Raised when the idempotency store cannot be reached or did not answer in time (at claim
+    time the body does not run and the message is re-queued, never unguarded)."""
 
 
 class CorruptRecord(IdempotencyError):

@@ -140,13 +140,6 @@ def publish_envelope(app: Any, envelope: Envelope, producer: Any) -> None:
         retry=True, retry_policy=app.conf.task_publish_retry_policy, **properties)
 
 
-def _queue_name(routing_key: str, declare: Sequence[Any] | None) -> str:
-    for entity in declare or ():
-        if isinstance(entity, Queue) and entity.name:
-            return str(entity.name)
-    return routing_key
-
-
 #: Keywords of kombu's ``Producer.publish`` that are not message properties.
 _NOT_PROPERTIES = frozenset({"exchange", "routing_key", "serializer", "compression", "retry",
                              "retry_policy", "declare", "headers", "timeout", "confirm_timeout",
@@ -154,12 +147,10 @@ _NOT_PROPERTIES = frozenset({"exchange", "routing_key", "serializer", "compressi
 
 
 class IntentProducer:
-    """A producer that writes the intent of ``task``'s message, then sends it with ``producer``.
-
+    """A producer that writes the intent of ``task``'s message, then sends it with ``producer``:
     Celery's ``send_task_message`` calls ``publish`` with the message as kombu is about to encode
     it; an error writing the intent propagates out of ``apply_async`` and nothing is sent (a
-    ``before_task_publish`` receiver cannot stop a publish: Celery logs its errors).
-    """
+    ``before_task_publish`` receiver cannot stop a publish: Celery logs its errors)."""
 
     def __init__(self, producer: Any, task: Any) -> None:
         self._producer, self._task = producer, task
@@ -207,12 +198,14 @@ def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers:
             f"{type(store).__name__}, keeps none; nothing was sent")
     content_type, encoding, data = dumps(body, serializer=serializer or task.serializer)  # type: ignore[no-untyped-call]
     name = getattr(exchange, "name", exchange) or ""
+    routing = str(routing_key or "")
+    queue = next((str(q.name) for q in declare or () if isinstance(q, Queue) and q.name), routing)
     envelope = Envelope(
         body=data if isinstance(data, bytes) else str(data).encode(encoding),
         content_type=content_type, content_encoding=encoding, headers=dict(headers),
         properties=dict(properties), exchange=str(name),
         exchange_type=str(getattr(exchange, "type", None) or "direct"),
-        routing_key=str(routing_key or ""), queue=_queue_name(str(routing_key or ""), declare))
+        routing_key=routing, queue=queue)
     message = encode_envelope(envelope)
     conf = settings(task.app)
     if len(message) > conf.intent_max_bytes:

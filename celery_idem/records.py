@@ -28,8 +28,8 @@ class ClaimStatus(str, enum.Enum):
 
     #: The key was free (absent or released): the caller now holds it.
     CLAIMED = "claimed"
-    #: The previous holder's lease had expired, or it was an earlier attempt of the same task id
-    #: (a retry): the caller now holds it with token + 1.
+    #: The holder's lease had expired, or it was an earlier attempt of the same task id (a retry):
+    #: the caller now holds it with token + 1.
     TAKEOVER = "takeover"
     #: The key is done; ``record`` carries the result.
     DONE = "done"
@@ -63,8 +63,8 @@ class Record:
         content_type: MIME type of ``data`` (the result serializer's, or the error codec's).
         data: The encoded result (done) or error (failed).
         updated: Server time (epoch seconds) of the last write.
-        claim_id: The random id of the claim that wrote it (:attr:`Claim.claim_id`; empty for a
-            released tombstone, and from a store without claim ids).
+        claim_id: The random id of the claim that wrote it (:attr:`Claim.claim_id`); empty for a
+            released tombstone, and from a store without claim ids.
     """
 
     key: str
@@ -90,8 +90,7 @@ class Claim:
         token: The caller's fencing token when ``status.holds``, else the current holder's.
         record: The record found before the claim (None when the key was absent): the result for
             DONE, the error for FAILED, the live holder for BUSY, the expired holder for TAKEOVER.
-        now: The store's clock at the claim (epoch seconds), so lease arithmetic never mixes
-            clocks of different hosts.
+        now: The store's clock at the claim (epoch seconds): lease arithmetic never mixes hosts' clocks.
         claim_id: When ``status.holds``, the random id of the caller's claim, passed with the
             token to ``record``, ``release`` and ``renew`` (a stale holder is refused even if
             a token was reissued); empty otherwise, and from a store without claim ids.

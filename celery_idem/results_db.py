@@ -36,7 +36,8 @@ _SAME_DATABASE: Final = ("host", "database", "username", "password")
 
 
 class DatabaseResultWriter(ResultWriter):
-    """Builds Celery's result row for the record's statement (``folds``); never writes it."""
+    """Builds Celery's result row for the record's statement (``folds``); never writes it: a write
+    not folded (a duplicate's answer, another store) is Celery's own."""
 
     def __init__(self, task: Any, backend: Any) -> None:
         super().__init__(task)
@@ -44,16 +45,6 @@ class DatabaseResultWriter(ResultWriter):
         self.folds = True
         self._table: Any = None  # Celery's result table, once it is known to exist
         self._columns: tuple[str, ...] = ()
-
-    def _prepare(self) -> None:
-        """Let Celery create its tables (its own session does it once per engine)."""
-        if self._table is None:
-            backend = self._backend
-            backend.ResultSession().close()
-            table = backend.task_cls.__table__
-            # id comes from the table's sequence; _update_result sets the others it has.
-            self._columns = tuple(c.name for c in table.columns if c.name != "id")
-            self._table = table
 
     def build(self, request: Any, result: Any, state: str = SUCCESS) -> BackendWrite | None:
         """Celery's row of ``result`` (the value, or for ``FAILURE`` the exception) for
@@ -63,17 +54,18 @@ class DatabaseResultWriter(ResultWriter):
         if self.left_to_celery(request):
             return None
         backend = self._backend
-        self._prepare()
+        if self._table is None:  # Celery's own session creates its tables, once per engine
+            backend.ResultSession().close()
+            table = backend.task_cls.__table__
+            # id comes from the table's sequence; _update_result sets the others it has.
+            self._columns = tuple(c.name for c in table.columns if c.name != "id")
+            self._table = table
         model = backend.task_cls(request.id)
         backend._update_result(model, backend.encode_result(result, state), state,
                                traceback=None, request=request)
         model.task_id = request.id
         row = {name: getattr(model, name, None) for name in self._columns}
         return TaskMetaWrite(key=request.id, value=b"", table=self._table, row=row)
-
-    def write(self, write: BackendWrite, state: str = SUCCESS) -> bool:
-        """Not folded (a duplicate's answer, another store): Celery's own write follows."""
-        return False
 
 
 def database_result_writer(task: Any, store: Store) -> DatabaseResultWriter | None:

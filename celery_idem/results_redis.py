@@ -42,11 +42,8 @@ _PRIVATE = ("_get_result_meta", "_set_with_state")
 
 
 class RedisResultWriter(ResultWriter):
-    """Builds a task's result writes and makes the direct one.
-
-    Attributes:
-        folds: True when the store can write the meta in the record's round trip.
-    """
+    """Builds a task's result writes (``folds``: the store can write the meta in the record's
+    round trip) and makes the direct one."""
 
     def __init__(self, task: Any, backend: Any, folds: bool) -> None:
         super().__init__(task)

@@ -109,9 +109,8 @@ class Fence:
 
     Attributes:
         token: The claim's fencing token.
-        claim_id: The claim's random id (:attr:`Claim.claim_id`): a token number may be issued
-            again after the store lost data, the id is not. Empty: the token alone is checked
-            (an operator's release by token, say).
+        claim_id: The claim's random id (:attr:`Claim.claim_id`), never issued twice as a token
+            may be after a loss; empty: the token alone is checked (an operator's release).
     """
 
     token: int
@@ -234,10 +233,8 @@ class Store(abc.ABC):
 
     def record_with(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
                     also: BackendWrite, claim_id: str | None = None) -> bool:
-        """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can.
-
-        The result fold's seam (a fast path: :mod:`celery_idem.results_redis`,
-        :mod:`celery_idem.results_db`). Raises what :meth:`record` raises.
+        """:meth:`record`, and ``also`` in the same atomic step (the same fence) when the store can:
+        the result fold (:mod:`celery_idem.results_redis`, ``results_db``). Raises as :meth:`record`.
 
         Returns:
             True when ``also`` was written with the record; False when only the record was
@@ -350,13 +347,10 @@ class Store(abc.ABC):
         raise self._no_intents()
 
     def deferring(self) -> Callable[[Callable[[], None]], None] | None:
-        """When the store's writes join a transaction the caller has open (Django's
-        ``atomic``, a SQLAlchemy session the caller handed over), what runs a callback once it
-        commits, and never if it rolls back; None: no such transaction, writes commit at once.
-
-        An intent task's enqueue inside one writes its intent in it and publishes after the
-        commit (the transactional enqueue, docs/reliability.md).
-        """
+        """When the store's writes join a transaction the caller has open (Django's ``atomic``, a
+        SQLAlchemy session handed over), what runs a callback once it commits, never if it rolls
+        back (an intent's enqueue publishes then: the transactional enqueue, docs/reliability.md);
+        None: no such transaction, writes commit at once."""
         return None
 
     def intents(self, count: int = 100) -> Iterator[Intent]:

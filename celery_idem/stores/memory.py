@@ -41,12 +41,10 @@ class MemoryStore(Store):
 
     def _live(self, key: str, now: float) -> Record | None:
         entry = self._records.get(key)
-        if entry is None:
-            return None
-        if entry[1] <= now:
+        if entry is not None and entry[1] <= now:
             del self._records[key]
-            return None
-        return entry[0]
+            entry = None
+        return None if entry is None else entry[0]
 
     def claim(self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
               payload_hash: str | None = None) -> Claim:

@@ -35,6 +35,7 @@ from .redis_format import (
     refuse_nul,
     unreadable,
 )
+from .redis_intents import SCRIPTS as INTENT_SCRIPTS
 from .redis_intents import RedisIntents
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class Scripts:
         self.client = client
         self.registered: dict[str, Any] = {
             name: client.register_script(_load(name)) for name in (*_RECORD_SCRIPTS, *_PLAIN_SCRIPTS)}
+        self.registered.update((name, client.register_script(lua)) for name, lua in INTENT_SCRIPTS.items())
 
     def run(self, name: str, keys: tuple[str, ...], args: list[Any]) -> Any:
         return self.registered[name](keys=keys, args=args)
@@ -137,8 +139,7 @@ class RedisStore(RedisIntents, Store):
         prefix: Prepended to every key.
         wait_replicas: After each write, ``WAIT`` until this many replicas have it, so a
             failover cannot lose an acknowledged write (0: no wait; docs/redis-cluster.md).
-        wait_timeout: Seconds ``WAIT`` may take; fewer replicas by then raises
-            ``StoreUnavailable``.
+        wait_timeout: Seconds ``WAIT`` may take; fewer replicas by then raises ``StoreUnavailable``.
         location: Where the store is, for messages (default: host:port/db of ``client``).
         accelerate: Send the verbs through :mod:`celery_idem.stores.redis_wire` when the client
             allows it (an app passes its acceleration switch; False: redis-py's own path).
@@ -164,9 +165,8 @@ class RedisStore(RedisIntents, Store):
         self.wait_timeout = float(wait_timeout)
         if location is None:
             kwargs = client.connection_pool.connection_kwargs
-            location = (
-                kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-            ) + f"/{kwargs.get('db', 0)}"
+            where = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+            location = f"{where}/{kwargs.get('db', 0)}"
         self.location = location
         self.accelerated = accelerate is not False
         # The seam where commands go to the server: redis-py's Script objects, or the same
@@ -207,10 +207,9 @@ class RedisStore(RedisIntents, Store):
         return [(self.client, self.location)]
 
     def run_script(self, name: str, key: str, args: list[Any], other: str | None = None) -> Any:
-        """Run the Lua script ``name`` (``stores/lua/<name>.lua``) on the record of ``key``.
-
-        ``other`` is a second Redis key the script writes (the result backend's, the
-        reservation's). redis-py's errors are raised as they are: the verb maps them.
+        """Run the Lua script ``name`` (``stores/lua/<name>.lua``) on the record of ``key`` and
+        ``other``, a second Redis key it writes (the result backend's, the reservation's).
+        redis-py's errors are raised as they are: the verb maps them.
 
         Returns:
             The script's reply, once ``wait_replicas`` replicas confirmed what it wrote.
@@ -251,7 +250,6 @@ class RedisStore(RedisIntents, Store):
         raise StoreUnavailable(f"the Redis store at {self.location} keeps losing its scripts")
 
     def _errors(self, key: str | None = None) -> _translate_errors:
-        """Maps redis-py's errors of a verb on ``key`` to the contract's."""
         return _translate_errors(self, key)
 
     # -- verbs ---------------------------------------------------------------------------------
@@ -293,11 +291,8 @@ class RedisStore(RedisIntents, Store):
 
     def record_with(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
                     also: BackendWrite, claim_id: str | None = None) -> bool:
-        """Record, and write ``also`` (SET + PUBLISH) in the same script, only if the fence holds.
-
-        Returns whether ``also`` was written. The caller must know that ``also.key`` lives on
-        this store's server and database (the task checks the backend's connection is this).
-        """
+        """:meth:`Store.record_with` in the record's script (``also``: SET + PUBLISH). The caller
+        knows ``also.key`` is on this store's server and database (``same_server``)."""
         args = _record_args(token, state, content_type, data, ttl, claim_id)
         reply = None
         if not self._fold_refused:
@@ -444,7 +439,6 @@ class RedisStore(RedisIntents, Store):
     # -- helpers -------------------------------------------------------------------------------
 
     def _refused(self, reply: Any, key: str, token: int, verb: str) -> CorruptRecord | LeaseLost:
-        """The error for a fenced verb's refusal ``reply``."""
         if reply == REPLY_CORRUPT:
             return unreadable(self.name_of(key), key, None)
         detail = reply.decode() if isinstance(reply, bytes) else repr(reply)
@@ -502,14 +496,8 @@ def same_server(a: Any, b: Any) -> bool:
     """Whether redis-py clients ``a`` and ``b`` talk to the same server and database (their
     connection classes compared by kind: kombu's Redis transport subclasses its own)."""
     pa, pb = a.connection_pool, b.connection_pool
-    if _connection_kind(pa.connection_class) != _connection_kind(pb.connection_class):
-        return False  # TLS on one side only, say
+    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
+        if issubclass(pa.connection_class, kind) != issubclass(pb.connection_class, kind):
+            return False  # TLS on one side only, say
     ka, kb = pa.connection_kwargs, pb.connection_kwargs
     return all(ka.get(name) == kb.get(name) for name in _SAME_SERVER)
-
-
-def _connection_kind(connection_class: type) -> str:
-    for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
-        if issubclass(connection_class, kind):
-            return kind.__name__
-    return "tcp"

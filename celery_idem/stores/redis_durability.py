@@ -39,15 +39,13 @@ def durability_findings(settings: dict[str, str], where: str) -> list[Durability
             f"{where}: appendonly is no, so a restart of redis-server (a crash, an upgrade, a "
             f"reboot) loses every record written since the last RDB snapshot: finished actions "
             f"run again on their next duplicate, and claims held at the time are issued again",
-            fix=_FIX,
-        ))
+            fix=_FIX))
     elif settings.get("appendfsync", "").lower() == "no":
         findings.append(DurabilityFinding(
             "appendfsync", "no",
             f"{where}: appendfsync is no, so the kernel decides when the AOF reaches the disk and "
             f"a host crash or power loss can lose the last ~30 s of records (everysec: ~1 s)",
-            fix=_FIX,
-        ))
+            fix=_FIX))
     policy = settings.get("maxmemory-policy", "").lower()
     if policy and policy != "noeviction":
         unlimited = settings.get("maxmemory", "") == "0"
@@ -57,6 +55,5 @@ def durability_findings(settings: dict[str, str], where: str) -> list[Durability
             f"records included (every record has a TTL, so volatile-* policies evict them "
             f"too); an evicted record runs its action again"
             + (" (maxmemory is 0 now: nothing is evicted until a limit is set)" if unlimited else ""),
-            fix=_FIX,
-        ))
+            fix=_FIX))
     return findings

@@ -107,10 +107,8 @@ def content_code(content_type: str) -> str | bytes:
 
 
 def unreadable(name: str, key: str, value: bytes | None, why: str = "") -> CorruptRecord:
-    """The error for a value at ``name`` (``key``'s) that is not a readable record (left as it is).
-
-    The value itself stays out of the message: it may be another program's data.
-    """
+    """The error for a value at ``name`` (``key``'s) that is not a readable record (left as it
+    is); the value itself stays out of the message: it may be another program's data."""
     foreign = "another program wrote it, the prefix is shared, or an older celery_idem wrote it"
     if value is None:  # a script's verdict: not a record, or a damaged one
         what = f"is not a celery_idem record, or a damaged one ({foreign})"

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Protocol
 from ..records import Intent, Record
 from .redis_durability import text
 
-__all__ = ["INTENT", "RedisIntents"]
+__all__ = ["INTENT", "SCRIPTS", "RedisIntents"]
 
 #: After a record's name, names its intent (never a record's name: a key is printable).
 INTENT = "\x1fintent"
@@ -78,6 +78,10 @@ end
 return 1
 """
 
+#: The scripts, by name, that ``stores.redis.Scripts`` registers beside the record verbs'.
+SCRIPTS = {"intend": _INTEND, "due": _DUE, "reschedule": _RESCHEDULE, "close": _CLOSE,
+           "raise": _RAISE}
+
 
 def _ms(seconds: float) -> int:
     return round(seconds * 1000)
@@ -88,12 +92,11 @@ class _Host(Protocol):
 
     client: Any
     prefix: str
-    __dict__: dict[str, Any]
+    _scripts: Any
 
     def name_of(self, key: str) -> str: ...
     def _decode(self, key: str, value: bytes) -> Record: ...
     def _errors(self, key: str | None = None) -> AbstractContextManager[None]: ...
-    def _intent_script(self, name: str, source: str) -> Any: ...
     def intent_index(self) -> str: ...
 
 
@@ -102,12 +105,6 @@ class RedisIntents:
     store's client, prefix and error mapping)."""
 
     keeps_intents: ClassVar[bool] = True
-
-    def _intent_script(self: _Host, name: str, source: str) -> Any:
-        scripts: dict[str, Any] = self.__dict__.setdefault("_intent_scripts", {})
-        if name not in scripts:
-            scripts[name] = self.client.register_script(source)
-        return scripts[name]
 
     def intent_index(self: _Host) -> str:
         """The Redis key of the intents' index (sorted by deadline)."""
@@ -118,14 +115,14 @@ class RedisIntents:
         args = [task_id, queue, message, _ms(relay_after), max(1, _ms(ttl)),
                 _ms(eta) if eta else 0, key]
         with self._errors(key):
-            now, deadline, expires = self._intent_script("intend", _INTEND)(
+            now, deadline, expires = self._scripts.registered["intend"](
                 keys=(self.name_of(key) + INTENT, self.intent_index()), args=args)
         return Intent(key, task_id, queue, bytes(message), now / 1000, deadline / 1000,
                       expires / 1000)
 
     def due_intents(self: _Host, limit: int = 500) -> list[tuple[Intent, Record | None]]:
         with self._errors():
-            reply = self._intent_script("due", _DUE)(
+            reply = self._scripts.registered["due"](
                 keys=(self.intent_index(),), args=[self.prefix, limit, INTENT])
         found: list[tuple[Intent, Record | None]] = []
         for n in range(1, len(reply), 8):
@@ -139,7 +136,7 @@ class RedisIntents:
     def reschedule_intent(self: _Host, intent: Intent, deadline: float, *,
                           resent: bool = False) -> bool:
         with self._errors(intent.key):
-            done = self._intent_script("reschedule", _RESCHEDULE)(
+            done = self._scripts.registered["reschedule"](
                 keys=(self.name_of(intent.key) + INTENT, self.intent_index()),
                 args=[intent.task_id, _ms(intent.deadline), _ms(deadline), "1" if resent else "0",
                       intent.key])
@@ -147,7 +144,7 @@ class RedisIntents:
 
     def close_intent(self: _Host, key: str, task_id: str) -> None:
         with self._errors(key):
-            self._intent_script("close", _CLOSE)(
+            self._scripts.registered["close"](
                 keys=(self.name_of(key) + INTENT, self.intent_index()), args=[task_id, key])
 
     def intents(self: _Host, count: int = 100) -> Iterator[Intent]:
@@ -175,8 +172,6 @@ class RedisIntents:
     def raise_watermarks(self: _Host, marks: Mapping[str, float]) -> None:
         if not marks:
             return
-        args: list[Any] = []
-        for queue, mark in marks.items():
-            args += [queue, _ms(mark)]
+        args = [arg for queue, mark in marks.items() for arg in (queue, _ms(mark))]
         with self._errors():
-            self._intent_script("raise", _RAISE)(keys=(self.prefix + "\x1fwatermarks",), args=args)
+            self._scripts.registered["raise"](keys=(self.prefix + "\x1fwatermarks",), args=args)

@@ -71,7 +71,6 @@ class _Lane:
         self.poller: Any = None
 
     def ready(self) -> None:
-        """Reconnect first if the server closed the connection or left data unread."""
         sock = getattr(self.conn, "_sock", _NO_SOCK)
         if sock is None:
             return  # disconnected: sending connects
@@ -83,7 +82,8 @@ class _Lane:
             self.poller.register(sock, select.POLLIN)
             self.sock = sock
         if self.poller.poll(0):
-            # Readable while idle: EOF or a stray reply. Nothing was sent yet: reconnect safely.
+            # Readable while idle: the server closed it (EOF) or left a stray reply. Nothing was
+            # sent yet: reconnect safely.
             self.conn.disconnect()
 
 
@@ -200,11 +200,9 @@ class WireScripts:
             return self.wire.call(packed)
 
     def get(self, name: str) -> bytes | None:
-        """``GET name``."""
         return self.wire.call(pack(("GET", name)))  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        """Give the wire's connections back to the client's pool."""
         self.wire.close()
 
 

@@ -1,0 +1,403 @@
+"""What intents cost (``idempotency_intent=True``) and what the relay sustains: ``python -m bench.intents``.
+
+* **enqueue**: ``delay()`` of a unique key through a real Redis broker, the same no-op task with
+  intents off and on, in alternating blocks of ``n`` calls (the order swapped every repetition),
+  on two paths: the store on the broker's server and database (the intent rides in the
+  publish's script) and on another database (the enqueue check reads first and the intent is
+  its own round trip). Per block the median µs per call; the ratio on / off is the median of
+  the per-repetition ratios. Nothing consumes the queue.
+* **worker**: store commands per task of a real ``celery worker -P solo`` with intents off and
+  on, from ``INFO commandstats`` deltas of a private ``redis-server`` holding the store alone
+  (broker and backend on the shared Redis under the run's prefix). The messages are enqueued
+  before the worker starts, so the producer's commands and the worker's are counted apart.
+* **relay throughput**: ``Relay.run_once`` in a loop until every lost intent is re-sent, on the
+  Redis store (shared server, the run's prefix) and the SQL store on PostgreSQL (a private
+  table), the broker a private ``redis-server``. The intents are written with
+  ``relay_after=0`` and their queue's watermark above them (a later message of the queue was
+  seen claimed): each is lost and re-sent with reason ``overtaken``.
+* **relay at rest**: ``Relay.run_forever`` with the default 1 s interval and nothing due, for
+  10 s: store round trips per second.
+
+Every Redis key of the run is under one random prefix and deleted at the end; the SQL tables are
+dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import logging
+import pstats
+import secrets
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu.serialization import dumps
+
+from bench.app import Settings, build_app
+from bench.e2e import Worker, sql_table, wait_for
+from bench.growth import PrivateRedis
+from bench.report import table
+
+DEFAULT_PG = "db+postgresql+psycopg://root@127.0.0.1:5432/test"
+
+#: The targets (``bench.cli``'s style: the goal, then what was measured).
+ENQUEUE_TARGET = 1.10
+REDIS_RELAY_TARGET = 2000.0
+PG_RELAY_TARGET = 500.0
+AT_REST_TARGET = 1.0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- enqueue ------------------------------------------------------------------------------------
+
+
+def _block(task: Any, tag: str, n: int) -> tuple[float, float]:
+    """Median wall and CPU µs of ``n`` ``delay()`` calls of unique keys."""
+    wall, cpu = [0] * n, [0] * n
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    for i in range(n):
+        c, t = cpu_clock(), clock()
+        task.delay(f"{tag}:{i}")
+        wall[i], cpu[i] = clock() - t, cpu_clock() - c
+    return statistics.median(wall) / 1000, statistics.median(cpu) / 1000
+
+
+def enqueue_cost(redis_url: str, other_db_url: str, prefix: str, n: int, reps: int) -> dict[str, Any]:
+    """``delay()`` with intents off and on, fused (store on the broker's db) and read first."""
+    out: dict[str, Any] = {}
+    paths = {"fused (store on the broker's server and db)": None,
+             "read first (store on another db)": other_db_url}
+    for label, store_url in paths.items():
+        t = secrets.token_hex(2)
+        s = Settings(prefix, f"{prefix}q-enq-{t}", redis_url, store_url=store_url)
+        app = build_app(s)
+        try:
+            tasks = {"off": app.tasks["bench.idem"], "on": app.tasks["bench.idem_intent"]}
+            for name, task in tasks.items():  # connections, scripts, imports
+                _block(task, f"{prefix}enq:{t}:{name}:warm", 100)
+            fused = not store_url
+            check = tasks["on"]._enqueue_check
+            if fused != bool(getattr(check, "possible", False)):
+                raise RuntimeError(f"{label}: the enqueue check is not on the expected path ({check!r})")
+            rows: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+            for rep in range(reps):
+                order = ["off", "on"] if rep % 2 == 0 else ["on", "off"]
+                for name in order:
+                    rows[name].append(_block(tasks[name], f"{prefix}enq:{t}:{name}:{rep}", n))
+                log(f"  enqueue {label}: rep {rep + 1}: off {rows['off'][-1][0]:.0f} µs, "
+                    f"on {rows['on'][-1][0]:.0f} µs")
+            ratios = [on[0] / off[0] for on, off in zip(rows["on"], rows["off"], strict=True)]
+            out[label] = {
+                "off": statistics.median(w for w, _ in rows["off"]),
+                "on": statistics.median(w for w, _ in rows["on"]),
+                "off_cpu": statistics.median(c for _, c in rows["off"]),
+                "on_cpu": statistics.median(c for _, c in rows["on"]),
+                "ratio": statistics.median(ratios), "ratios": ratios}
+        finally:
+            app.close()
+    return out
+
+
+# -- the worker's store commands ----------------------------------------------------------------
+
+
+def _commands(client: redis.Redis) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()
+            if name.removeprefix("cmdstat_") not in ("info", "config|resetstat", "config")}
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def worker_commands(redis_url: str, prefix: str, n: int) -> dict[str, Any]:
+    """Store commands of the producer and of a real worker, per task, intents off and on."""
+    server = PrivateRedis()
+    client = redis.Redis(port=server.port)
+    shared = redis.Redis.from_url(redis_url)
+    log_dir = Path(tempfile.mkdtemp(prefix="celery-idem-bench-intents-"))
+    out: dict[str, Any] = {}
+    try:
+        for name, task_name in (("off", "bench.idem"), ("on", "bench.idem_intent")):
+            s = Settings(prefix, f"{prefix}q-wk-{name}", redis_url, store_url=server.url)
+            app = build_app(s)
+            worker = None
+            try:
+                task = app.tasks[task_name]
+                c0 = _commands(client)
+                handles = [task.delay(f"{prefix}wk:{name}:{i}") for i in range(n)]
+                c1 = _commands(client)
+                t0 = time.monotonic()
+                worker = Worker(s, "solo", log_dir)
+                worker.wait_ready(shared)
+                for h in handles:
+                    h.get(timeout=120)
+                elapsed = time.monotonic() - t0
+                c2 = _commands(client)
+                worker.stop()
+                worker = None
+                out[name] = {"producer": _delta(c1, c0), "worker": _delta(c2, c1), "seconds": elapsed}
+                log(f"  worker, intents {name}: producer {_delta(c1, c0)}, worker {_delta(c2, c1)} "
+                    f"for {n} tasks in {elapsed:.1f} s")
+            finally:
+                if worker is not None:
+                    worker.stop()
+                app.close()
+    finally:
+        client.close()
+        shared.close()
+        server.stop()
+        for p in log_dir.iterdir():
+            p.unlink()
+        log_dir.rmdir()
+    return out
+
+
+# -- the relay ----------------------------------------------------------------------------------
+
+
+def _envelope(task_id: str, key: str, queue: str) -> bytes:
+    from celery_idem.intents import Envelope, encode_envelope
+
+    _, _, body = dumps([[f"{key}"], {}, {"callbacks": None, "errbacks": None, "chain": None,
+                                         "chord": None}], serializer="json")
+    headers = {"lang": "py", "task": "bench.idem_intent", "id": task_id, "root_id": task_id,
+               "parent_id": None, "group": None, "retries": 0, "eta": None, "expires": None,
+               "argsrepr": f"('{key}',)", "kwargsrepr": "{}", "idempotency_key": key}
+    return encode_envelope(Envelope(
+        body=body.encode(), content_type="application/json", content_encoding="utf-8",
+        headers=headers, properties={"correlation_id": task_id, "reply_to": "", "priority": 0},
+        exchange="", exchange_type="direct", routing_key=queue, queue=queue))
+
+
+def _seed(store: Any, n: int, queue: str, tag: str) -> None:
+    """``n`` intents due at once, their queue's watermark above them (each one is lost)."""
+    for i in range(n):
+        key, task_id = f"bench.idem_intent:{tag}:{i}", str(uuid.uuid4())
+        store.intend(key, task_id, queue, _envelope(task_id, key, queue), relay_after=0.0, ttl=3600.0)
+    store.raise_watermarks({queue: store.now() + 3600})
+
+
+def _drain(relay: Any) -> tuple[int, int]:
+    relayed = passes = 0
+    while True:
+        report = relay.run_once()
+        passes += 1
+        relayed += report.relayed
+        if not report.full and not report.relayed:
+            return relayed, passes
+
+
+def relay_throughput(store: Any, broker_url: str, n: int, tag: str,
+                     profile: bool) -> dict[str, Any]:
+    """Intents/s ``Relay.run_once`` re-sends, looping until none is due; a cProfile of a second
+    round when ``profile``."""
+    from celery_idem.contrib.relay import Relay
+
+    queue = f"bench-relay-{tag}"
+    app = Celery(f"bench-relay-{tag}", broker=broker_url, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = True
+    broker = redis.Redis.from_url(broker_url)
+    try:
+        relay = Relay(app, store, relay_after=3600.0)
+        _seed(store, n, queue, f"{tag}:a")
+        t0 = time.perf_counter()
+        relayed, passes = _drain(relay)
+        seconds = time.perf_counter() - t0
+        sent = int(broker.llen(queue))
+        out: dict[str, Any] = {"n": n, "relayed": relayed, "sent": sent, "passes": passes,
+                               "seconds": seconds, "rate": relayed / seconds}
+        if profile:
+            _seed(store, n, queue, f"{tag}:b")
+            prof = cProfile.Profile()
+            prof.enable()
+            _drain(relay)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+            out["profile"] = text.getvalue()
+        return out
+    finally:
+        broker.delete(queue)
+        broker.close()
+        app.close()
+
+
+class _CountingStore:
+    """The store, counting the relay's calls of its verbs (each is one round trip)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def at_rest(store: Any, broker_url: str, seconds: float = 10.0) -> dict[str, Any]:
+    """Store round trips per second of a relay with nothing due (its default interval)."""
+    from celery_idem.contrib.relay import Relay
+
+    app = Celery("bench-relay-rest", broker=broker_url, set_as_current=False)
+    counted = _CountingStore(store)
+    relay = Relay(app, counted, relay_after=60.0)  # type: ignore[arg-type]
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run_forever, args=(stop,), daemon=True)
+    try:
+        t0 = time.monotonic()
+        thread.start()
+        time.sleep(seconds)  # the measurement window itself, not a synchronisation
+        stop.set()
+        thread.join(10)
+        elapsed = time.monotonic() - t0
+    finally:
+        app.close()
+    return {"calls": counted.calls, "seconds": elapsed, "rate": counted.calls / elapsed}
+
+
+@contextlib.contextmanager
+def _stores(redis_url: str, pg_url: str | None, prefix: str) -> Iterator[dict[str, Any]]:
+    from celery_idem.stores.redis import RedisStore
+
+    stores: dict[str, Any] = {"redis": RedisStore.from_url(redis_url, prefix=prefix + "relay:")}
+    table_name = sql_table(prefix) + "_relay"
+    if pg_url:
+        from celery_idem.stores.sql import SQLStore
+
+        stores["postgres"] = SQLStore.from_url(pg_url, prefix=prefix, table_name=table_name)
+    try:
+        yield stores
+    finally:
+        for store in stores.values():
+            store.close()
+        if pg_url:
+            import sqlalchemy as sa
+
+            engine = sa.create_engine(pg_url.removeprefix("db+"))
+            with engine.begin() as conn:
+                for t in (f"{table_name}_intents", f"{table_name}_watermarks", table_name):
+                    conn.execute(sa.text(f'DROP TABLE IF EXISTS "{t}"'))
+            engine.dispose()
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def cleanup(redis_url: str, prefix: str) -> None:
+    for url in (redis_url, _other_db(redis_url)):
+        client = redis.Redis.from_url(url)
+        names = list(client.scan_iter(match=prefix + "*", count=1000))
+        for i in range(0, len(names), 500):
+            client.unlink(*names[i:i + 500])
+        client.close()
+
+
+def _other_db(redis_url: str) -> str:
+    base, _, db = redis_url.rpartition("/")
+    return f"{base}/{(int(db or 0) + 1) % 16}"
+
+
+def run(args: argparse.Namespace, emit: Callable[[str, str], None]) -> dict[str, Any]:
+    prefix = f"bench{secrets.token_hex(3)}:"
+    logging.getLogger("celery_idem").addHandler(logging.NullHandler())
+    logging.getLogger("celery_idem").propagate = False  # a WARNING per re-sent message
+    results: dict[str, Any] = {}
+    try:
+        if "enqueue" in args.only:
+            log("enqueue ...")
+            enq = results["enqueue"] = enqueue_cost(args.redis_url, _other_db(args.redis_url), prefix,
+                                                    args.n, args.reps)
+            emit("enqueue", table(
+                ["path", "off µs", "on µs", "off CPU µs", "on CPU µs", "on / off", "per rep"],
+                [[k, v["off"], v["on"], v["off_cpu"], v["on_cpu"], f"{v['ratio']:.3f}",
+                  " / ".join(f"{r:.2f}" for r in v["ratios"])] for k, v in enq.items()]))
+        if "worker" in args.only:
+            log("worker ...")
+            wk = results["worker"] = worker_commands(args.redis_url, prefix, args.tasks)
+            rows = []
+            for name, v in wk.items():
+                for side in ("producer", "worker"):
+                    rows.append([name, side, sum(v[side].values()) / args.tasks,
+                                 ", ".join(f"{k} {c}" for k, c in sorted(v[side].items()))])
+            emit("worker", table(["intents", "side", "store commands / task", "commands (all tasks)"],
+                                 rows))
+        server = PrivateRedis()
+        try:
+            with _stores(args.redis_url, args.pg_url if args.pg else None, prefix) as stores:
+                if "relay" in args.only:
+                    rows = []
+                    for name, store in stores.items():
+                        n = args.relay_redis if name == "redis" else args.relay_pg
+                        log(f"relay throughput, {name}: {n} lost intents ...")
+                        r = relay_throughput(store, server.url, n, f"{prefix}{name}", args.profile)
+                        results[f"relay/{name}"] = r
+                        log(f"  {r['relayed']} re-sent in {r['seconds']:.2f} s ({r['rate']:.0f}/s), "
+                            f"{r['passes']} passes, {r['sent']} in the queue")
+                        if r.get("profile"):
+                            log(r["profile"])
+                        rows.append([name, n, r["relayed"], r["sent"], r["passes"], r["seconds"],
+                                     r["rate"]])
+                    emit("relay", table(["store", "lost intents", "re-sent", "in the queue", "passes",
+                                         "seconds", "intents/s"], rows))
+                if "rest" in args.only:
+                    rows = []
+                    for name, store in stores.items():
+                        log(f"relay at rest, {name}: {args.rest:.0f} s ...")
+                        r = results[f"rest/{name}"] = at_rest(store, server.url, args.rest)
+                        rows.append([name, r["seconds"], r["calls"], f"{r['rate']:.2f}"])
+                    emit("rest", table(["store", "seconds", "store round trips", "per second"], rows))
+        finally:
+            server.stop()
+    finally:
+        cleanup(args.redis_url, prefix)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.intents", description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=2000, help="delay() calls per block (default 2000)")
+    p.add_argument("--reps", type=int, default=5, help="blocks per system and path (default 5)")
+    p.add_argument("--tasks", type=int, default=1000, help="tasks of the worker count (default 1000)")
+    p.add_argument("--relay-redis", type=int, default=5000)
+    p.add_argument("--relay-pg", type=int, default=2000)
+    p.add_argument("--rest", type=float, default=10.0, help="seconds of the at-rest count")
+    p.add_argument("--only", default="enqueue,worker,relay,rest")
+    p.add_argument("--profile", action="store_true", help="cProfile a second relay round")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--pg-url", default=DEFAULT_PG)
+    p.add_argument("--no-pg", dest="pg", action="store_false")
+    args = p.parse_args(argv)
+    args.only = {x.strip() for x in args.only.split(",")}
+
+    def emit(name: str, text: str) -> None:
+        print(f"\n[{name}]\n{text}", flush=True)
+
+    run(args, emit)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

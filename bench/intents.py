@@ -7,9 +7,10 @@
   its own round trip). Per block the median µs per call; the ratio on / off is the median of
   the per-repetition ratios. Nothing consumes the queue.
 * **worker**: store commands per task of a real ``celery worker -P solo`` with intents off and
-  on, from ``INFO commandstats`` deltas of a private ``redis-server`` holding the store alone
-  (broker and backend on the shared Redis under the run's prefix). The messages are enqueued
-  before the worker starts, so the producer's commands and the worker's are counted apart.
+  on, read with ``MONITOR`` on a private ``redis-server`` holding the store alone (broker and
+  backend on the shared Redis under the run's prefix; the commands a script runs inside the
+  server are left out: one script is one round trip). The messages are enqueued before the
+  worker starts, so the producer's commands and the worker's are counted apart.
 * **relay throughput**: ``Relay.run_once`` in a loop until every lost intent is re-sent, on the
   Redis store (shared server, the run's prefix) and the SQL store on PostgreSQL (a private
   table), the broker a private ``redis-server``. The intents are written with
@@ -46,10 +47,11 @@ from celery import Celery
 from kombu.serialization import dumps
 
 from bench.app import Settings, build_app
-from bench.e2e import Worker, sql_table, wait_for
+from bench.e2e import Worker, sql_table
 from bench.growth import PrivateRedis
 from bench.report import table
 
+SORT = "cumulative"
 DEFAULT_PG = "db+postgresql+psycopg://root@127.0.0.1:5432/test"
 
 #: The targets (``bench.cli``'s style: the goal, then what was measured).
@@ -116,22 +118,76 @@ def enqueue_cost(redis_url: str, other_db_url: str, prefix: str, n: int, reps: i
 # -- the worker's store commands ----------------------------------------------------------------
 
 
-def _commands(client: redis.Redis) -> dict[str, int]:
-    stats = client.info("commandstats")
-    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()
-            if name.removeprefix("cmdstat_") not in ("info", "config|resetstat", "config")}
+def _script_names() -> dict[str, str]:
+    """The intent scripts' SHA1s -> their names (the relay's poll is ``due``)."""
+    import hashlib
+
+    from celery_idem.stores import redis as rs
+    from celery_idem.stores import redis_intents as ri
+
+    sources = [("intend", ri._INTEND), ("due", ri._DUE), ("reschedule", ri._RESCHEDULE),
+               ("close", ri._CLOSE), ("raise", ri._RAISE)]
+    for name in ("claim", "record", "reserve", "release", "renew", "forget", "unreserve", "publish"):
+        with contextlib.suppress(OSError):
+            sources.append((name, rs._load(name)))
+    return {hashlib.sha1(src.encode()).hexdigest(): name for name, src in sources}
 
 
-def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+_SCRIPTS = _script_names()
+
+
+class _Monitor:
+    """The commands clients send to a private ``redis-server`` (``MONITOR``; the commands a
+    script runs are left out), counted per phase; :meth:`phase` starts the next one."""
+
+    def __init__(self, port: int) -> None:
+        self._client = redis.Redis(port=port)
+        self._marker = redis.Redis(port=port)
+        self._token = secrets.token_hex(4)
+        self.counts: dict[str, dict[str, int]] = {}
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("MONITOR did not start")
+        self.phase("setup")
+
+    def _listen(self) -> None:
+        current: dict[str, int] = {}
+        with self._client.monitor() as monitor:
+            self._ready.set()
+            for cmd in monitor.listen():
+                words = str(cmd.get("command", "")).split()
+                if cmd.get("client_type") == "lua" or not words:
+                    continue
+                if words[0].upper() == "ECHO" and len(words) > 1 and words[1].startswith(self._token):
+                    name = words[1][len(self._token) + 1:]
+                    if name == "stop":
+                        return
+                    current = self.counts.setdefault(name, {})
+                    continue
+                verb = words[0].upper()
+                if verb == "EVALSHA" and len(words) > 1:
+                    sha = words[1].strip('"')
+                    verb = f"EVALSHA {_SCRIPTS.get(sha, sha[:8])}"
+                current[verb] = current.get(verb, 0) + 1
+
+    def phase(self, name: str) -> None:
+        self._marker.echo(f"{self._token}:{name}")
+
+    def close(self) -> None:
+        self.phase("stop")
+        self._thread.join(10)
+        self._marker.close()
+        self._client.close()
 
 
 def worker_commands(redis_url: str, prefix: str, n: int) -> dict[str, Any]:
     """Store commands of the producer and of a real worker, per task, intents off and on."""
     server = PrivateRedis()
-    client = redis.Redis(port=server.port)
     shared = redis.Redis.from_url(redis_url)
     log_dir = Path(tempfile.mkdtemp(prefix="celery-idem-bench-intents-"))
+    monitor = _Monitor(server.port)
     out: dict[str, Any] = {}
     try:
         for name, task_name in (("off", "bench.idem"), ("on", "bench.idem_intent")):
@@ -140,27 +196,30 @@ def worker_commands(redis_url: str, prefix: str, n: int) -> dict[str, Any]:
             worker = None
             try:
                 task = app.tasks[task_name]
-                c0 = _commands(client)
+                monitor.phase(f"{name}/producer")
                 handles = [task.delay(f"{prefix}wk:{name}:{i}") for i in range(n)]
-                c1 = _commands(client)
-                t0 = time.monotonic()
+                monitor.phase(f"{name}/start")  # the worker's start: connections, scripts
                 worker = Worker(s, "solo", log_dir)
                 worker.wait_ready(shared)
+                monitor.phase(f"{name}/worker")
+                t0 = time.monotonic()
                 for h in handles:
                     h.get(timeout=120)
                 elapsed = time.monotonic() - t0
-                c2 = _commands(client)
+                monitor.phase(f"{name}/stop")
                 worker.stop()
                 worker = None
-                out[name] = {"producer": _delta(c1, c0), "worker": _delta(c2, c1), "seconds": elapsed}
-                log(f"  worker, intents {name}: producer {_delta(c1, c0)}, worker {_delta(c2, c1)} "
-                    f"for {n} tasks in {elapsed:.1f} s")
+                out[name] = {"seconds": elapsed}
             finally:
                 if worker is not None:
                     worker.stop()
                 app.close()
+        monitor.close()
+        for name in ("off", "on"):
+            for side in ("producer", "start", "worker"):
+                out[name][side] = dict(sorted(monitor.counts.get(f"{name}/{side}", {}).items()))
+            log(f"  worker, intents {name}: {out[name]}")
     finally:
-        client.close()
         shared.close()
         server.stop()
         for p in log_dir.iterdir():
@@ -230,7 +289,7 @@ def relay_throughput(store: Any, broker_url: str, n: int, tag: str,
             _drain(relay)
             prof.disable()
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+            pstats.Stats(prof, stream=text).sort_stats(SORT).print_stats(30)
             out["profile"] = text.getvalue()
         return out
     finally:
@@ -339,8 +398,9 @@ def run(args: argparse.Namespace, emit: Callable[[str, str], None]) -> dict[str,
             wk = results["worker"] = worker_commands(args.redis_url, prefix, args.tasks)
             rows = []
             for name, v in wk.items():
-                for side in ("producer", "worker"):
-                    rows.append([name, side, sum(v[side].values()) / args.tasks,
+                for side in ("producer", "start", "worker"):
+                    per_task = None if side == "start" else sum(v[side].values()) / args.tasks
+                    rows.append([name, {"start": "worker start"}.get(side, side), per_task,
                                  ", ".join(f"{k} {c}" for k, c in sorted(v[side].items()))])
             emit("worker", table(["intents", "side", "store commands / task", "commands (all tasks)"],
                                  rows))

@@ -8,7 +8,7 @@ hash ``<prefix>\\x1fwatermarks``. The index spans every key, so a Redis Cluster 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol
 
@@ -144,6 +144,21 @@ class RedisIntents:
                 args=[intent.task_id, _ms(intent.deadline), _ms(deadline), "1" if resent else "0",
                       intent.key])
         return bool(done)
+
+    def reschedule_intents(self: _Host, moves: Sequence[tuple[Intent, float]], *,
+                           resent: bool = False) -> list[bool]:
+        if not moves:
+            return []
+        script = self._intent_script("reschedule", _RESCHEDULE)
+        with self._errors():
+            # One round trip for the batch (the pipeline loads the script first if the
+            # server lacks it); each compare-and-set is still atomic on its own.
+            pipe = self.client.pipeline(transaction=False)
+            for intent, deadline in moves:
+                script(keys=(self.name_of(intent.key) + INTENT, self.intent_index()),
+                       args=[intent.task_id, _ms(intent.deadline), _ms(deadline),
+                             "1" if resent else "0", intent.key], client=pipe)
+            return [bool(done) for done in pipe.execute()]
 
     def close_intent(self: _Host, key: str, task_id: str) -> None:
         with self._errors(key):

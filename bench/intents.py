@@ -263,27 +263,50 @@ def _drain(relay: Any) -> tuple[int, int]:
             return relayed, passes
 
 
-def relay_throughput(store: Any, broker_url: str, n: int, tag: str,
+#: The relay's variants: the batch's compare-and-sets in one call (``Store.reschedule_intents``,
+#: a pipeline on Redis), and one call per intent (the store's default loop), side by side.
+BATCHED, PER_INTENT = "batched CAS", "one CAS per intent"
+
+
+def relay_throughput(store: Any, broker_url: str, n: int, tag: str, reps: int,
                      profile: bool) -> dict[str, Any]:
-    """Intents/s ``Relay.run_once`` re-sends, looping until none is due; a cProfile of a second
-    round when ``profile``."""
+    """Intents/s ``Relay.run_once`` re-sends, looping until none is due, ``reps`` times per
+    variant (alternating); a cProfile of one more batched round when ``profile``."""
     from celery_idem.contrib.relay import Relay
+    from celery_idem.stores.base import Store
 
     queue = f"bench-relay-{tag}"
     app = Celery(f"bench-relay-{tag}", broker=broker_url, set_as_current=False)
     app.conf.broker_connection_retry_on_startup = True
     broker = redis.Redis.from_url(broker_url)
+    relay = Relay(app, store, relay_after=3600.0)
+    variants = [BATCHED, PER_INTENT] if type(store).reschedule_intents is not Store.reschedule_intents \
+        else [BATCHED]
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
-        relay = Relay(app, store, relay_after=3600.0)
-        _seed(store, n, queue, f"{tag}:a")
-        t0 = time.perf_counter()
-        relayed, passes = _drain(relay)
-        seconds = time.perf_counter() - t0
-        sent = int(broker.llen(queue))
-        out: dict[str, Any] = {"n": n, "relayed": relayed, "sent": sent, "passes": passes,
-                               "seconds": seconds, "rate": relayed / seconds}
+        for rep in range(reps):
+            for variant in variants if rep % 2 == 0 else variants[::-1]:
+                _seed(store, n, queue, f"{tag}:{rep}:{variant[:3]}")
+                if variant == PER_INTENT:  # the default verb: one round trip per intent
+                    store.reschedule_intents = Store.reschedule_intents.__get__(store)
+                try:
+                    before = int(broker.llen(queue))
+                    t0 = time.perf_counter()
+                    relayed, passes = _drain(relay)
+                    seconds = time.perf_counter() - t0
+                finally:
+                    store.__dict__.pop("reschedule_intents", None)
+                sent = int(broker.llen(queue)) - before
+                runs[variant].append({"relayed": relayed, "sent": sent, "passes": passes,
+                                      "seconds": seconds, "rate": relayed / seconds})
+                log(f"  {variant}, rep {rep + 1}: {relayed} re-sent in {seconds:.2f} s "
+                    f"({relayed / seconds:.0f}/s), {passes} passes, {sent} in the queue")
+        out: dict[str, Any] = {"n": n, "variants": {
+            v: {"rate": statistics.median(r["rate"] for r in rs), "rates": [r["rate"] for r in rs],
+                "relayed": min(r["relayed"] for r in rs), "sent": min(r["sent"] for r in rs),
+                "passes": rs[0]["passes"]} for v, rs in runs.items()}}
         if profile:
-            _seed(store, n, queue, f"{tag}:b")
+            _seed(store, n, queue, f"{tag}:profile")
             prof = cProfile.Profile()
             prof.enable()
             _drain(relay)
@@ -411,17 +434,18 @@ def run(args: argparse.Namespace, emit: Callable[[str, str], None]) -> dict[str,
                     rows = []
                     for name, store in stores.items():
                         n = args.relay_redis if name == "redis" else args.relay_pg
-                        log(f"relay throughput, {name}: {n} lost intents ...")
-                        r = relay_throughput(store, server.url, n, f"{prefix}{name}", args.profile)
+                        log(f"relay throughput, {name}: {n} lost intents, {args.relay_reps} reps ...")
+                        r = relay_throughput(store, server.url, n, f"{prefix}{name}", args.relay_reps,
+                                             args.profile)
                         results[f"relay/{name}"] = r
-                        log(f"  {r['relayed']} re-sent in {r['seconds']:.2f} s ({r['rate']:.0f}/s), "
-                            f"{r['passes']} passes, {r['sent']} in the queue")
                         if r.get("profile"):
                             log(r["profile"])
-                        rows.append([name, n, r["relayed"], r["sent"], r["passes"], r["seconds"],
-                                     r["rate"]])
-                    emit("relay", table(["store", "lost intents", "re-sent", "in the queue", "passes",
-                                         "seconds", "intents/s"], rows))
+                        for variant, v in r["variants"].items():
+                            rows.append([name, variant, n, v["relayed"], v["sent"], v["passes"],
+                                         v["rate"], " / ".join(f"{x:.0f}" for x in v["rates"])])
+                    emit("relay", table(["store", "relay", "lost intents", "re-sent (min)",
+                                         "in the queue (min)", "passes", "intents/s (median)",
+                                         "per rep"], rows))
                 if "rest" in args.only:
                     rows = []
                     for name, store in stores.items():
@@ -443,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", type=int, default=1000, help="tasks of the worker count (default 1000)")
     p.add_argument("--relay-redis", type=int, default=5000)
     p.add_argument("--relay-pg", type=int, default=2000)
+    p.add_argument("--relay-reps", type=int, default=3)
     p.add_argument("--rest", type=float, default=10.0, help="seconds of the at-rest count")
     p.add_argument("--only", default="enqueue,worker,relay,rest")
     p.add_argument("--profile", action="store_true", help="cProfile a second relay round")

@@ -125,6 +125,24 @@ def test_reschedule_is_a_compare_and_set_on_the_deadline_and_task_id(store: Stor
     assert not store.reschedule_intent(resent, resent.deadline + 1)
 
 
+def test_reschedule_intents_is_each_compare_and_set_in_order(store: Store) -> None:
+    for key in ("a", "b", "c"):
+        intend(store, key, task_id=f"t-{key}", relay_after=0)
+    reads = {key: poll_due(store, key)[0] for key in ("a", "b", "c")}
+    assert store.reschedule_intent(reads["b"], reads["b"].deadline + LONG)  # another relay moved b
+    before = store.now()
+    moves = [(reads[key], before + LONG) for key in ("a", "b", "c")]
+    assert store.reschedule_intents(moves, resent=True) == [True, False, True]
+    assert store.reschedule_intents([]) == []
+    moved = {i.key: i for i in store.intents()}
+    for key in ("a", "c"):
+        assert moved[key].deadline == pytest.approx(before + LONG, abs=1e-3)
+        assert moved[key].enqueued >= before - 1e-3  # resent
+    assert moved["b"].deadline == pytest.approx(reads["b"].deadline + LONG, abs=1e-3)
+    assert moved["b"].enqueued == reads["b"].enqueued
+    assert due(store, "a") is None and due(store, "c") is None
+
+
 def test_a_stale_intent_is_due_with_its_expiry_passed(store: Store) -> None:
     intent = intend(store, relay_after=0.3, ttl=0.1)
     assert intent.expires < intent.deadline
@@ -220,6 +238,7 @@ def test_a_store_without_intents_refuses_every_intent_verb() -> None:
     intent = Intent("k", "t", "q", b"", 0.0, 0.0, 0.0)
     assert NoIntents.keeps_intents is False
     calls = [lambda: intend(bare), bare.due_intents, lambda: bare.reschedule_intent(intent, 1.0),
+             lambda: bare.reschedule_intents([(intent, 1.0)]),
              lambda: bare.close_intent("k", "t"), lambda: list(bare.intents()), bare.watermarks,
              lambda: bare.raise_watermarks({"q": 1.0})]
     for call in calls:

@@ -30,6 +30,7 @@ import contextlib
 import cProfile
 import io
 import logging
+import os
 import pstats
 import secrets
 import statistics
@@ -103,13 +104,19 @@ def enqueue_cost(redis_url: str, other_db_url: str, prefix: str, n: int, reps: i
                     rows[name].append(_block(tasks[name], f"{prefix}enq:{t}:{name}:{rep}", n))
                 log(f"  enqueue {label}: rep {rep + 1}: off {rows['off'][-1][0]:.0f} µs, "
                     f"on {rows['on'][-1][0]:.0f} µs")
+            prof = cProfile.Profile()
+            prof.enable()
+            _block(tasks["on"], f"{prefix}enq:{t}:on:profile", 500)
+            prof.disable()
+            parts = shares(prof, ENQUEUE_PARTS, "delay")
             ratios = [on[0] / off[0] for on, off in zip(rows["on"], rows["off"], strict=True)]
             out[label] = {
                 "off": statistics.median(w for w, _ in rows["off"]),
                 "on": statistics.median(w for w, _ in rows["on"]),
                 "off_cpu": statistics.median(c for _, c in rows["off"]),
                 "on_cpu": statistics.median(c for _, c in rows["on"]),
-                "ratio": statistics.median(ratios), "ratios": ratios}
+                "ratio": statistics.median(ratios), "ratios": ratios,
+                "parts_us": {k: v / 500 * 1e6 for k, v in parts.items()}}
         finally:
             app.close()
     return out
@@ -253,6 +260,39 @@ def _seed(store: Any, n: int, queue: str, tag: str) -> None:
     store.raise_watermarks({queue: store.now() + 3600})
 
 
+def shares(prof: cProfile.Profile, names: dict[str, tuple[str, ...]], root: str) -> dict[str, float]:
+    """Per label, the cumulative seconds of the functions named (their first frame on the
+    stack), and ``root``'s own under the key "total"."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    out = dict.fromkeys(names, 0.0)
+    out["total"] = 0.0
+    for (_file, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.items():
+        if func == root:
+            out["total"] += ct
+        for label, funcs in names.items():
+            if func in funcs:
+                out[label] += ct
+    return out
+
+
+#: Where a relay pass spends its time (cProfile, cumulative, by function name).
+RELAY_PARTS = {
+    "publishing (kombu, the broker's LPUSH)": ("publish_envelope",),
+    "the compare-and-sets": ("reschedule_intents",),
+    "reading the due intents": ("due_intents",),
+    "the WARNING line per re-send": ("warning",),
+    "observers and events": ("_notify",),
+    "decoding the envelopes": ("decode_envelope",),
+}
+
+#: Where an intent enqueue's extra time goes (cProfile, cumulative, by function name).
+ENQUEUE_PARTS = {
+    "write_intent (all of it)": ("write_intent",),
+    "the body serialized again (kombu dumps)": ("dumps",),
+    "encode_envelope (JSON, base64)": ("encode_envelope",),
+}
+
+
 def _drain(relay: Any) -> tuple[int, int]:
     relayed = passes = 0
     while True:
@@ -314,6 +354,7 @@ def relay_throughput(store: Any, broker_url: str, n: int, tag: str, reps: int,
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats(SORT).print_stats(30)
             out["profile"] = text.getvalue()
+            out["parts"] = shares(prof, RELAY_PARTS, "run_once")
         return out
     finally:
         broker.delete(queue)
@@ -385,6 +426,18 @@ def _stores(redis_url: str, pg_url: str | None, prefix: str) -> Iterator[dict[st
             engine.dispose()
 
 
+# -- end to end ---------------------------------------------------------------------------------
+
+
+def end_to_end(redis_url: str, prefix: str, tasks: int, reps: int) -> list[Any]:
+    """``bench.e2e`` (prefork -c 2, Redis store, no peers, no realistic row): the unique and
+    duplicate workloads, ``idem/redis (intents)`` among the systems, interleaved."""
+    from bench.e2e import Plan, measure, summarize
+
+    plan = Plan(tasks, reps, ["prefork"], ["redis"], warmup=50, peers=False, io_tasks=0)
+    return summarize(measure(plan, redis_url, None, prefix + "e2e:", log))
+
+
 # -- the command --------------------------------------------------------------------------------
 
 
@@ -427,6 +480,20 @@ def run(args: argparse.Namespace, emit: Callable[[str, str], None]) -> dict[str,
                                  ", ".join(f"{k} {c}" for k, c in sorted(v[side].items()))])
             emit("worker", table(["intents", "side", "store commands / task", "commands (all tasks)"],
                                  rows))
+        if "e2e" in args.only:
+            log(f"end to end: {args.e2e_tasks} messages per batch, {args.e2e_reps} reps ...")
+            from bench.e2e import INTENTS
+
+            summ = results["e2e"] = end_to_end(args.redis_url, prefix, args.e2e_tasks, args.e2e_reps)
+            shown = ("plain", "idem/redis", INTENTS)
+            emit("e2e", table(
+                ["workload", "system", "tasks/s (median)", "per rep", "ratio vs plain", "per-rep ratio",
+                 "published", "bodies", "worker CPU µs/task", "delay() CPU µs/task"],
+                [[x.workload, x.system, x.rate, " / ".join(f"{r:.0f}" for r in x.rates),
+                  f"{x.ratio:.2f}" if x.ratio is not None else None,
+                  " / ".join(f"{r:.2f}" for r in x.ratios) or None, x.published, x.bodies,
+                  x.worker_cpu_us, x.producer_cpu_us]
+                 for x in summ if x.system in shown]))
         server = PrivateRedis()
         try:
             with _stores(args.redis_url, args.pg_url if args.pg else None, prefix) as stores:
@@ -469,7 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--relay-pg", type=int, default=2000)
     p.add_argument("--relay-reps", type=int, default=3)
     p.add_argument("--rest", type=float, default=10.0, help="seconds of the at-rest count")
-    p.add_argument("--only", default="enqueue,worker,relay,rest")
+    p.add_argument("--e2e-tasks", type=int, default=1000, help="messages per end-to-end batch")
+    p.add_argument("--e2e-reps", type=int, default=3)
+    p.add_argument("--only", default="enqueue,worker,relay,rest,e2e",
+                   help="the parts to run (default: all of enqueue,worker,relay,rest,e2e)")
+    p.add_argument("--write-docs", action="store_true",
+                   help="write the section 'Intents (measured <date>)' of docs/benchmarks.md")
     p.add_argument("--profile", action="store_true", help="cProfile a second relay round")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--pg-url", default=DEFAULT_PG)
@@ -477,10 +549,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.only = {x.strip() for x in args.only.split(",")}
 
+    tables: dict[str, str] = {}
+
     def emit(name: str, text: str) -> None:
+        tables[name] = text
         print(f"\n[{name}]\n{text}", flush=True)
 
-    run(args, emit)
+    from bench.intents_doc import section, write_docs
+
+    load0, started = os.getloadavg()[0], time.monotonic()
+    results = run(args, emit)
+    text = section(results, tables, args, (load0, os.getloadavg()[0]), time.monotonic() - started)
+    print("\n" + text)
+    if args.write_docs:
+        log(f"wrote {write_docs(text)}")
     return 0
 
 

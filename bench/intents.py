@@ -260,36 +260,41 @@ def _seed(store: Any, n: int, queue: str, tag: str) -> None:
     store.raise_watermarks({queue: store.now() + 3600})
 
 
-def shares(prof: cProfile.Profile, names: dict[str, tuple[str, ...]], root: str) -> dict[str, float]:
-    """Per label, the cumulative seconds of the functions named (their first frame on the
-    stack), and ``root``'s own under the key "total"."""
+def shares(prof: cProfile.Profile, names: dict[str, tuple[str, str | None]],
+           root: str) -> dict[str, float]:
+    """Per label ``(function, caller)``, the cumulative seconds of that function (called from
+    ``caller`` only, when given), and ``root``'s own under the key "total"."""
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     out = dict.fromkeys(names, 0.0)
     out["total"] = 0.0
-    for (_file, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.items():
+    for (_file, _line, func), (_cc, _nc, _tt, ct, callers) in stats.items():
         if func == root:
             out["total"] += ct
-        for label, funcs in names.items():
-            if func in funcs:
+        for label, (name, caller) in names.items():
+            if func != name:
+                continue
+            if caller is None:
                 out[label] += ct
+            else:
+                out[label] += sum(v[3] for k, v in callers.items() if k[2] == caller)
     return out
 
 
-#: Where a relay pass spends its time (cProfile, cumulative, by function name).
-RELAY_PARTS = {
-    "publishing (kombu, the broker's LPUSH)": ("publish_envelope",),
-    "the compare-and-sets": ("reschedule_intents",),
-    "reading the due intents": ("due_intents",),
-    "the WARNING line per re-send": ("warning",),
-    "observers and events": ("_notify",),
-    "decoding the envelopes": ("decode_envelope",),
+#: Where a relay pass spends its time (cProfile, cumulative): label -> (function, caller).
+RELAY_PARTS: dict[str, tuple[str, str | None]] = {
+    "publishing (kombu, the broker's LPUSH)": ("publish_envelope", None),
+    "the compare-and-sets": ("reschedule_intents", "_won"),
+    "reading the due intents": ("due_intents", "run_once"),
+    "the WARNING line per re-send": ("warning", "_resend"),
+    "observers and events": ("_notify", None),
+    "decoding the envelopes": ("decode_envelope", None),
 }
 
-#: Where an intent enqueue's extra time goes (cProfile, cumulative, by function name).
-ENQUEUE_PARTS = {
-    "write_intent (all of it)": ("write_intent",),
-    "the body serialized again (kombu dumps)": ("dumps",),
-    "encode_envelope (JSON, base64)": ("encode_envelope",),
+#: Where an intent enqueue's extra time goes (cProfile, cumulative): label -> (function, caller).
+ENQUEUE_PARTS: dict[str, tuple[str, str | None]] = {
+    "write_intent (all of it)": ("write_intent", None),
+    "the body serialized again (kombu dumps)": ("dumps", "write_intent"),
+    "encode_envelope (JSON, base64)": ("encode_envelope", "write_intent"),
 }
 
 

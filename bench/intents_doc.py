@@ -29,9 +29,12 @@ def section(results: dict[str, Any], tables: dict[str, str], args: argparse.Name
         git = machine(client, None)["celery-idem (git)"]
     finally:
         client.close()
+    defaults = {"n": 2000, "reps": 5, "tasks": 1000, "relay_redis": 5000, "relay_pg": 2000,
+                "relay_reps": 3, "rest": 10.0, "e2e_tasks": 1000, "e2e_reps": 3}
     cmd = "python -m bench.intents" + "".join(
-        f" --{k} {v}" for k, v in (("n", args.n), ("reps", args.reps), ("tasks", args.tasks))
-        if v != {"n": 2000, "reps": 5, "tasks": 1000}[k])
+        f" --{k.replace('_', '-')} {getattr(args, k):g}" for k, v in defaults.items()
+        if getattr(args, k) != v) + (" --profile" if args.profile else "") + (
+        "" if args.pg else " --no-pg")
     parts = [f"## {HEADING}measured {when:%Y-%m-%d})\n",
              f"`{cmd} --write-docs` (bench/intents.py), git {git}, {when:%H:%M} UTC, "
              f"{elapsed:.0f} s; 1-minute load average {load[0]:.1f} before, {load[1]:.1f} after, "
@@ -69,7 +72,8 @@ def section(results: dict[str, Any], tables: dict[str, str], args: argparse.Name
             f"is one command, what it runs inside the server is left out); the messages are "
             f"enqueued before the worker starts, so the sides count apart; *worker start* is "
             f"the worker's connections, script loads and its relay's first poll (`due`). "
-            f"Store on another server: the producer's check reads first (`reserve`).\n\n"
+            f"Store on another server: the producer's check reads first (`reserve`); `due` in "
+            f"the worker's rows is its relay's poll (about one a second).\n\n"
             f"{tables['worker']}\n\n"
             f"The worker's side: {per.get('off', 0):.2f} commands per task off, "
             f"{per.get('on', 0):.2f} on (claim and record): intents add no round trip "
@@ -82,7 +86,8 @@ def section(results: dict[str, Any], tables: dict[str, str], args: argparse.Name
             rate = v["variants"][BATCHED]["rate"]
             goal = REDIS_RELAY_TARGET if name == "redis" else PG_RELAY_TARGET
             lines.append(f"{name} {rate:,.0f}/s against at least {goal:,.0f}/s, {verdict(rate >= goal)}")
-        text = (f"**Relay throughput.** `Relay.run_once` in a loop until none is due, "
+        text = (f"**Relay throughput.** `Relay.run_once` in a loop until none is due (a WARNING "
+                f"line per re-send, to a `NullHandler`), "
                 f"{args.relay_redis} lost intents on the Redis store (the shared server, the run's "
                 f"prefix) and {args.relay_pg} on the SQL store on PostgreSQL (a private table), the "
                 f"broker a private `redis-server`; {args.relay_reps} repetitions. Each intent is "

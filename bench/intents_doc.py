@@ -40,7 +40,7 @@ def section(results: dict[str, Any], tables: dict[str, str], args: argparse.Name
              f"{elapsed:.0f} s; 1-minute load average {load[0]:.1f} before, {load[1]:.1f} after, "
              f"on {os.cpu_count()} CPUs shared with other test runs: read the side-by-side ratios, "
              f"not the absolute µs. What `idempotency_intent=True` costs and what the relay "
-             f"sustains (docs/reliability.md).\n"]
+             f"sustains.\n"]
     verdict = lambda ok: "met" if ok else "**MISSED**"  # noqa: E731
     enq = results.get("enqueue")
     if enq:

@@ -336,20 +336,23 @@ def relay_throughput(store: Any, broker_url: str, n: int, tag: str, reps: int,
                     store.reschedule_intents = Store.reschedule_intents.__get__(store)
                 try:
                     before = int(broker.llen(queue))
-                    t0 = time.perf_counter()
+                    c0, t0 = time.thread_time(), time.perf_counter()
                     relayed, passes = _drain(relay)
                     seconds = time.perf_counter() - t0
+                    cpu = time.thread_time() - c0
                 finally:
                     store.__dict__.pop("reschedule_intents", None)
                 sent = int(broker.llen(queue)) - before
                 runs[variant].append({"relayed": relayed, "sent": sent, "passes": passes,
-                                      "seconds": seconds, "rate": relayed / seconds})
+                                      "seconds": seconds, "rate": relayed / seconds,
+                                      "cpu_us": cpu / max(1, relayed) * 1e6})
                 log(f"  {variant}, rep {rep + 1}: {relayed} re-sent in {seconds:.2f} s "
                     f"({relayed / seconds:.0f}/s), {passes} passes, {sent} in the queue")
         out: dict[str, Any] = {"n": n, "variants": {
             v: {"rate": statistics.median(r["rate"] for r in rs), "rates": [r["rate"] for r in rs],
                 "relayed": min(r["relayed"] for r in rs), "sent": min(r["sent"] for r in rs),
-                "passes": rs[0]["passes"]} for v, rs in runs.items()}}
+                "passes": rs[0]["passes"],
+                "cpu_us": statistics.median(r["cpu_us"] for r in rs)} for v, rs in runs.items()}}
         if profile:
             _seed(store, n, queue, f"{tag}:profile")
             prof = cProfile.Profile()
@@ -514,10 +517,12 @@ def run(args: argparse.Namespace, emit: Callable[[str, str], None]) -> dict[str,
                             log(r["profile"])
                         for variant, v in r["variants"].items():
                             rows.append([name, variant, n, v["relayed"], v["sent"], v["passes"],
-                                         v["rate"], " / ".join(f"{x:.0f}" for x in v["rates"])])
+                                         v["rate"], " / ".join(f"{x:.0f}" for x in v["rates"]),
+                                         v["cpu_us"], 1e6 / v["cpu_us"]])
                     emit("relay", table(["store", "relay", "lost intents", "re-sent (min)",
                                          "in the queue (min)", "passes", "intents/s (median)",
-                                         "per rep"], rows))
+                                         "per rep", "relay CPU µs/intent", "intents per CPU s"],
+                                        rows))
                 if "rest" in args.only:
                     rows = []
                     for name, store in stores.items():

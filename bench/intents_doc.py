@@ -95,7 +95,10 @@ def section(results: dict[str, Any], tables: dict[str, str], args: argparse.Name
                 f"its queue was claimed): lost, re-sent with reason `overtaken`. *batched CAS*: "
                 f"the pass's compare-and-sets in one call (`Store.reschedule_intents`, one "
                 f"pipeline on Redis, a loop on SQL); *one CAS per intent*: the store's default "
-                f"loop, beside it. Every re-sent message is counted in the broker's queue.\n\n"
+                f"loop, beside it. Every re-sent message is counted in the broker's queue. "
+                f"*relay CPU µs/intent* is the relay thread's CPU time per re-send (less "
+                f"sensitive to other load than the wall rate); *intents per CPU s* its inverse: "
+                f"the client side's ceiling, the servers' time and the waits aside.\n\n"
                 f"{tables['relay']}\n\nTargets: {'; '.join(lines)}.")
         for name, v in relay_rows:
             pp = v.get("parts")

@@ -226,6 +226,29 @@ def test_a_relay_that_loses_the_race_sends_nothing(app: Celery) -> None:
     assert report.relayed == 0 and _queued(app, queue) == []
 
 
+def test_a_pass_wins_its_re_sends_in_one_store_call_and_sends_only_those_it_won(app: Celery) -> None:
+    clock, queue = Clock(), f"q-{uuid.uuid4().hex[:8]}"
+    store = MemoryStore(prefix="unit:", clock=clock)
+    lost = [_intend(store, f"op:lost-{n}", queue) for n in range(4)]
+    clock.now += AFTER + 1
+    due = store.due_intents()
+    assert store.reschedule_intent(lost[1], clock.now + AFTER, resent=True)  # another relay's
+    store.due_intents = lambda limit=500: due  # type: ignore[method-assign]  # read before it won
+    batches: list[int] = []
+    single = store.reschedule_intents
+
+    def counted(moves: Any, *, resent: bool = False) -> list[bool]:
+        batches.append(len(moves))
+        return single(moves, resent=resent)
+
+    store.reschedule_intents = counted  # type: ignore[method-assign]
+    report = Relay(app, store, relay_after=AFTER, interval=0.01).run_once()
+    assert batches == [4]
+    assert report.relayed == 3
+    assert sorted(_queued(app, queue)) == sorted(i.task_id for n, i in enumerate(lost) if n != 1)
+    assert set(report.unclaimed) == {queue}
+
+
 def test_stale_and_closed_intents_go(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
     clock, queue = Clock(), f"q-{uuid.uuid4().hex[:8]}"
     store = MemoryStore(prefix="unit:", clock=clock)

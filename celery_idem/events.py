@@ -107,24 +107,3 @@ def notify_observers(task: str, outcome: Outcome, key: str, token: int, original
     """Pass one decision to every observer (none registered: one empty loop)."""
     for observer in OBSERVERS:
         observer(task, outcome.value, key, token, original_task_id, task_span=task_span)
-
-
-#: Observers of the relay's passes (:mod:`celery_idem.contrib.relay`): each gets every pass's
-#: ``RelayReport``, the empty ones included (OpenTelemetry's relay metrics, for one).
-RELAY_OBSERVERS: list[Callable[[Any], None]] = []
-
-
-def add_relay_observer(observer: Callable[[Any], None]) -> None:
-    """Register ``observer`` for every relay pass of this process (once; a repeat is ignored)."""
-    if observer not in RELAY_OBSERVERS:
-        RELAY_OBSERVERS.append(observer)
-
-
-def notify_relay_observers(report: Any) -> None:
-    """Pass one relay pass's report to every relay observer; an observer's error is logged,
-    never raised (monitoring must not change what the relay did)."""
-    for observer in RELAY_OBSERVERS:
-        try:
-            observer(report)
-        except Exception as exc:
-            logger.debug("celery_idem relay observer %r failed: %s", observer, exc)

@@ -12,7 +12,7 @@ is importable, every decision
   configured (a Prometheus exporter scrapes it as ``celery_idem_decisions_total``).
 
 The relay (:mod:`celery_idem.contrib.relay`) reports each pass here too
-(``celery_idem.events.add_relay_observer``):
+(``celery_idem.contrib.relay_observers``):
 
 * the counter ``celery_idem.relay.resent`` counts each message it re-sent (attributes
   ``reason``: ``queue_empty``, ``overtaken``, ``released`` or ``lease_expired``; and ``queue``);
@@ -32,7 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..events import add_observer, add_relay_observer
+from ..events import add_observer
+from .relay_observers import add_relay_observer
 
 __all__ = ["ATTRIBUTES", "COUNTER", "ENABLED", "OLDEST_UNCLAIMED", "RESENT", "RelayMetrics", "observe",
            "observe_relay"]

@@ -27,10 +27,11 @@ from kombu.exceptions import ChannelError
 
 from ..app import events_enabled
 from ..config import settings
-from ..events import EVENT_TYPE, Outcome, notify_observers, notify_relay_observers
+from ..events import EVENT_TYPE, Outcome, notify_observers
 from ..intents import Envelope, decode_envelope, publish_envelope
 from ..records import Intent, Record, State
 from ..stores.base import Store
+from .relay_observers import notify_relay_observers
 
 __all__ = ["BATCH", "Action", "Kind", "Relay", "RelayReport", "Resend", "decide"]
 

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_idem import events
-from celery_idem.contrib import otel
+from celery_idem.contrib import otel, relay_observers
 from celery_idem.contrib.relay import Relay
 from celery_idem.intents import Envelope, encode_envelope
 from celery_idem.records import Intent
@@ -89,7 +88,7 @@ def _intend(store: MemoryStore, key: str, queue: str) -> Intent:
 
 def test_the_relay_is_observed_once_opentelemetry_is_importable() -> None:
     assert otel.ENABLED
-    assert events.RELAY_OBSERVERS.count(otel.observe_relay) == 1
+    assert relay_observers.RELAY_OBSERVERS.count(otel.observe_relay) == 1
 
 
 def test_re_sends_count_by_reason_and_queue_and_the_gauge_ages_unclaimed_intents(
@@ -135,7 +134,7 @@ def test_a_failing_observer_leaves_the_pass_alone(app: Celery, monkeypatch: pyte
     def broken(report: Any) -> None:
         raise RuntimeError("exporter down")
 
-    monkeypatch.setattr(events, "RELAY_OBSERVERS", [broken])
+    monkeypatch.setattr(relay_observers, "RELAY_OBSERVERS", [broken])
     clock, queue = Clock(), f"q-{uuid.uuid4().hex[:8]}"
     store = MemoryStore(prefix="otel:", clock=clock)
     _intend(store, "op:lost", queue)

@@ -10,6 +10,7 @@ bench.plain_late    the same with ``acks_late=True, reject_on_worker_lost=True``
 bench.idem          the same no-op with ``base=IdempotentTask``, keyed by ``action``
 bench.plain_count   plain task whose body does ``INCR counter`` (counts bodies run)
 bench.idem_count    ``IdempotentTask`` version of it, keyed by ``action`` only
+bench.idem_intent   ``bench.idem`` with ``idempotency_intent=True`` (and ``_count``)
 bench.<name>_io     every unique task above and below again, its body sleeping ``IO_SECONDS``
                     first (a stand-in for an HTTP call: the realistic row)
 bench.once[_count]  the peers (``bench/requirements.txt``; each only when it imports):
@@ -142,6 +143,19 @@ def build_app(s: Settings) -> Celery:
     @app.task(shared=False, name="bench.idem_nocheck_count", base=IdempotentTask,
               idempotency_fields=("action",), idempotency_check_on_enqueue=False)
     def idem_nocheck_count(action: str, counter: str) -> str:
+        _counter_client(redis_url).incr(counter)
+        return action
+
+    # The same with ``idempotency_intent=True``: the message is kept in the store until its
+    # outcome (bench/intents.py, and the "(intents)" systems of the end-to-end run).
+    @app.task(shared=False, name="bench.idem_intent", base=IdempotentTask, idempotency_fields=("action",),
+              idempotency_intent=True)
+    def idem_intent(action: str) -> str:
+        return action
+
+    @app.task(shared=False, name="bench.idem_intent_count", base=IdempotentTask,
+              idempotency_fields=("action",), idempotency_intent=True)
+    def idem_intent_count(action: str, counter: str) -> str:
         _counter_client(redis_url).incr(counter)
         return action
 

@@ -573,7 +573,8 @@ def _growth(out: Out, results: dict[str, Any], args: argparse.Namespace, table_n
 
 
 #: Sections of docs/benchmarks.md that another command writes (``python -m bench.dbbackend e2e``
-#: takes its own half hour; ``python -m bench.revisions`` compares git revisions) or that record
+#: takes its own half hour; ``python -m bench.revisions`` compares git revisions, ``python -m
+#: bench.accel`` and ``python -m bench.intents --write-docs`` measure on their own) or that record
 #: a feature's measured runs: ``--write-docs`` carries them over from the page as they are. Each
 #: entry is the start of a heading (a dated heading keeps its date).
 KEPT_SECTIONS = (
@@ -581,6 +582,8 @@ KEPT_SECTIONS = (
     "In-flight copies (",
     "Accelerations on and off (",
     "Trust at the edge (",
+    "Each fast path alone against its plain twin",
+    "Intents (",
 )
 
 

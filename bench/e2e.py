@@ -166,6 +166,9 @@ NOCHECK = "idem/redis-nocheck"
 #: IdempotentTask on the Redis store whose copies always ask the store (no memory of this
 #: process's own recent messages, ``WithinPublish.RECENT = 0``): the path before it, beside it.
 ASKSTORE = "idem/redis (copies ask the store)"
+#: IdempotentTask on the Redis store with ``idempotency_intent=True`` (its message kept in the
+#: store until its outcome; the worker runs a relay).
+INTENTS = "idem/redis (intents)"
 #: Suffix of the systems whose apps set ``idempotency_accelerate = False``: the plain paths
 #: measured beside the accelerated ones, interleaved in the same run.
 ACCEL_OFF = " (accel off)"
@@ -305,6 +308,9 @@ def _measure_pool(plan: Plan, pool: str, redis_url: str, pg_url: str | None, pre
                 if store == "redis":
                     unique.append(System(NOCHECK, apps[store], "bench.idem_nocheck", workers[store]))
                     dup.append(System(NOCHECK, apps[store], "bench.idem_nocheck_count", workers[store],
+                                      counted=True))
+                    unique.append(System(INTENTS, apps[store], "bench.idem_intent", workers[store]))
+                    dup.append(System(INTENTS, apps[store], "bench.idem_intent_count", workers[store],
                                       counted=True))
                     dup.append(System(ASKSTORE, apps[store], "bench.idem_askstore_count", workers[store],
                                       counted=True))

@@ -121,12 +121,12 @@ def decode_envelope(data: bytes) -> Envelope:
         raise ValueError(f"not a celery_idem intent envelope: {exc}") from exc
 
 
-def publish_envelope(app: Any, envelope: Envelope, producer: Any) -> None:
+def publish_envelope(app: Any, envelope: Envelope, producer: Any, *, declare: bool = True) -> None:
     """Send ``envelope`` again with ``producer``, declaring its queue (a broker that restarted
     empty, or was flushed, has lost it and its binding: kombu's Redis transport would drop the
-    message)."""
-    queue = app.amqp.queues.get(envelope.queue) if envelope.queue else None
-    if queue is None and envelope.queue:
+    message); ``declare=False`` when the caller declared it on this channel already."""
+    queue = app.amqp.queues.get(envelope.queue) if envelope.queue and declare else None
+    if queue is None and envelope.queue and declare:
         exchange = Exchange(envelope.exchange, type=envelope.exchange_type)  # type: ignore[no-untyped-call]
         queue = Queue(envelope.queue, exchange=exchange,  # type: ignore[no-untyped-call]
                       routing_key=envelope.routing_key)

@@ -143,9 +143,12 @@ class Intent:
         task_id: The message's task id (a re-sent message keeps it, so its caller's handle answers).
         queue: The queue the message went to (the relay asks the broker for its length).
         message: The encoded message (:func:`celery_idem.intents.encode_envelope`), opaque to stores.
-        enqueued: Store clock (epoch seconds) when it was written or last re-sent.
+        enqueued: Store clock (epoch seconds) when it was written: its place in its queue, which
+            a claim seen of it tells the relay every earlier message there was delivered.
         deadline: Store clock after which the relay looks at it.
         expires: Store clock after which it is stale: its record may be gone, it is never re-sent.
+        sent: Store clock of its latest send (``enqueued``, or a relay's re-send): its copy waits
+            behind what the queue held then.
     """
 
     key: str
@@ -155,3 +158,4 @@ class Intent:
     enqueued: float
     deadline: float
     expires: float
+    sent: float = 0.0

@@ -31,6 +31,7 @@ from ..events import EVENT_TYPE, Outcome, notify_observers
 from ..intents import Envelope, decode_envelope, publish_envelope
 from ..records import Intent, Record, State
 from ..stores.base import Store
+from .relay_observers import notify_relay_observers
 
 __all__ = ["BATCH", "ENDED", "Action", "Kind", "Relay", "RelayReport", "Resend", "celery_ended", "decide"]
 
@@ -84,7 +85,10 @@ def decide(intent: Intent, record: Record | None, now: float, queue_length: int,
     3. an attempt holds a live lease: look again when the lease ends plus ``relay_after``;
     4. otherwise (never claimed, released, lease expired) re-send it, unless it was never
        claimed and may still wait in its queue: the queue is not empty and no message enqueued
-       after it on that queue was seen claimed (``enqueued`` above the queue's watermark).
+       after its latest send on that queue was seen claimed (``sent`` above the queue's
+       watermark). The watermark rises with ``enqueued``, the first send, never a re-send: a
+       claim of an intent that was re-sent may be its first copy's, which says nothing of the
+       messages queued after it.
 
     Args:
         intent: The intent, as :meth:`Store.due_intents` returned it.
@@ -103,7 +107,7 @@ def decide(intent: Intent, record: Record | None, now: float, queue_length: int,
     if lease_end is not None:
         return Action(Kind.POSTPONE, deadline=lease_end + relay_after, watermark=intent.enqueued)
     if record is None:
-        if queue_length > 0 and intent.enqueued > watermark:
+        if queue_length > 0 and max(intent.sent, intent.enqueued) > watermark:
             return Action(Kind.WAIT, deadline=now + relay_after)
         reason = "queue_empty" if queue_length <= 0 else "overtaken"
     else:
@@ -132,8 +136,11 @@ class RelayReport:
         stale: Intents closed unsent: their record's ttl had passed.
         postponed: Intents an attempt holds a live lease on.
         oldest: Per queue, the age (seconds) of the oldest due intent left open.
+        unclaimed: Per queue, the age (seconds) of the oldest due intent no live attempt holds
+            (left waiting, or re-sent): the age of a message not yet taken.
         resends: The re-sends themselves.
         full: The batch was full: more may be due.
+        dry_run: The pass decided only (a dry run): nothing was sent, closed or moved.
     """
 
     relayed: int = 0
@@ -142,8 +149,10 @@ class RelayReport:
     stale: int = 0
     postponed: int = 0
     oldest: Mapping[str, float] = field(default_factory=dict)
+    unclaimed: Mapping[str, float] = field(default_factory=dict)
     resends: tuple[Resend, ...] = ()
     full: bool = False
+    dry_run: bool = False
 
 
 class Relay:
@@ -174,7 +183,7 @@ class Relay:
         store = self.store
         due = store.due_intents(self.batch)
         if not due:
-            return RelayReport()
+            return self._reported(RelayReport(dry_run=self.dry_run))
         now = store.now()
         marks = dict(store.watermarks())
         # Claims anywhere in the batch show what their queue has delivered: learn them first.
@@ -188,12 +197,16 @@ class Relay:
             store.raise_watermarks(raised)
         counts = dict.fromkeys(Kind, 0)
         oldest: dict[str, float] = {}
+        unclaimed: dict[str, float] = {}
         resends: list[Resend] = []
+        moves: list[tuple[Intent, float]] = []
+        lost: list[tuple[Intent, Action]] = []
         with contextlib.closing(_Broker(self.app)) as broker:
             decided = []
             for intent, record in due:
                 mark = marks.get(intent.queue, 0.0)
-                may_wait = record is None and intent.expires > now and intent.enqueued > mark
+                may_wait = record is None and intent.expires > now \
+                    and max(intent.sent, intent.enqueued) > mark
                 length = broker.length(intent.queue) if may_wait else 0
                 decided.append((intent, decide(intent, record, now, length, mark, self.relay_after)))
             ended = celery_ended(self.app, [i.task_id for i, a in decided if a.kind is Kind.RESEND])
@@ -203,21 +216,44 @@ class Relay:
                     logger.info("celery_idem intent closed key=%s task_id=%s: the task ended %s "
                                 "in Celery's result backend", intent.key, intent.task_id,
                                 action.reason)
-                if action.kind is Kind.RESEND and not self._resend(intent, action, broker):
-                    continue  # another relay moved it first
+                if action.kind is Kind.RESEND:
+                    lost.append((intent, action))
+                    continue
                 counts[action.kind] += 1
                 if action.kind in (Kind.STALE, Kind.CLOSE):
                     self._close(intent, action)
                     continue
-                if action.kind is Kind.RESEND:
-                    resends.append(Resend(intent.key, intent.task_id, intent.queue, action.reason))
-                elif not self.dry_run:
-                    store.reschedule_intent(intent, action.deadline or now)
-                oldest[intent.queue] = max(oldest.get(intent.queue, 0.0), now - intent.enqueued)
-        return RelayReport(
+                moves.append((intent, action.deadline or now))
+                _oldest(oldest, intent, now)
+                if action.kind is Kind.WAIT:
+                    _oldest(unclaimed, intent, now)
+            if moves and not self.dry_run:
+                store.reschedule_intents(moves)
+            for intent, action in self._won(lost):
+                if not self._resend(intent, action, broker):
+                    continue
+                counts[Kind.RESEND] += 1
+                resends.append(Resend(intent.key, intent.task_id, intent.queue, action.reason))
+                _oldest(oldest, intent, now)
+                _oldest(unclaimed, intent, now)
+        return self._reported(RelayReport(
             relayed=counts[Kind.RESEND], waiting=counts[Kind.WAIT], closed=counts[Kind.CLOSE],
             stale=counts[Kind.STALE], postponed=counts[Kind.POSTPONE], oldest=oldest,
-            resends=tuple(resends), full=len(due) >= self.batch)
+            unclaimed=unclaimed, resends=tuple(resends), full=len(due) >= self.batch,
+            dry_run=self.dry_run))
+
+    def _reported(self, report: RelayReport) -> RelayReport:
+        notify_relay_observers(report)
+        return report
+
+    def _won(self, lost: list[tuple[Intent, Action]]) -> list[tuple[Intent, Action]]:
+        """The lost intents this relay re-sends: those whose compare-and-set it wins (one store
+        round trip for the batch where the store pipelines it); all of them in a dry run."""
+        if self.dry_run or not lost:
+            return lost
+        won = self.store.reschedule_intents(
+            [(intent, action.deadline or 0.0) for intent, action in lost], resent=True)
+        return [pair for pair, ok in zip(lost, won, strict=True) if ok]
 
     def run_forever(self, stop: threading.Event,
                     on_report: Callable[[RelayReport], None] | None = None) -> None:
@@ -248,9 +284,8 @@ class Relay:
             self.store.close_intent(intent.key, intent.task_id)
 
     def _resend(self, intent: Intent, action: Action, broker: _Broker) -> bool:
+        """Publish a lost intent whose compare-and-set this relay won; False if unreadable."""
         if not self.dry_run:
-            if not self.store.reschedule_intent(intent, action.deadline or 0.0, resent=True):
-                return False
             try:
                 task_name = broker.publish(intent)
             except ValueError as exc:  # not an envelope this version reads: a later one may
@@ -275,6 +310,10 @@ class Relay:
                                 at="relay")
         except Exception as exc:  # monitoring must never change what the relay did
             logger.debug("celery_idem event not sent key=%s: %s", intent.key, exc)
+
+
+def _oldest(ages: dict[str, float], intent: Intent, now: float) -> None:
+    ages[intent.queue] = max(ages.get(intent.queue, 0.0), now - intent.enqueued)
 
 
 #: Celery's final states that end an action without an outcome: not lost, never re-sent.
@@ -347,7 +386,8 @@ class _Broker:
         if intent.queue not in self.declared:
             self._queue(intent, envelope)(producer.channel).declare()
             self.declared.add(intent.queue)
-        publish_envelope(self.app, envelope, producer)
+        # Declared above, once per pass: kombu's per-publish declaration would cost a check each.
+        publish_envelope(self.app, envelope, producer, declare=False)
         return str(envelope.headers.get("task", ""))
 
     def _queue(self, intent: Intent, envelope: Envelope) -> Any:

@@ -24,7 +24,7 @@ import base64
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -323,7 +323,7 @@ class Store(abc.ABC):
 
     def intend(self, key: str, task_id: str, queue: str, message: bytes, *, relay_after: float,
                ttl: float, eta: float | None = None) -> Intent:
-        """Write (or replace) ``key``'s intent: ``enqueued`` is the store's now, ``deadline``
+        """Write (or replace) ``key``'s intent: ``enqueued`` and ``sent`` are the store's now, ``deadline``
         ``max(now, eta) + relay_after``, ``expires`` ``now + ttl``. One round trip.
 
         Raises:
@@ -338,9 +338,16 @@ class Store(abc.ABC):
 
     def reschedule_intent(self, intent: Intent, deadline: float, *, resent: bool = False) -> bool:
         """Move ``intent``'s deadline if the store still holds it as read (same task id and
-        deadline): how relays agree which of them re-sends. ``resent`` also sets ``enqueued`` to
+        deadline): how relays agree which of them re-sends. ``resent`` also sets ``sent`` to
         the store's now. False: another relay moved it first, or it is closed."""
         raise self._no_intents()
+
+    def reschedule_intents(self, moves: Sequence[tuple[Intent, float]], *,
+                           resent: bool = False) -> list[bool]:
+        """:meth:`reschedule_intent` for each ``(intent, deadline)`` of ``moves``, in order; each
+        answer as that verb's. A store that can send them together (a Redis pipeline) makes
+        them one round trip; the default calls the verb once per move."""
+        return [self.reschedule_intent(intent, deadline, resent=resent) for intent, deadline in moves]
 
     def close_intent(self, key: str, task_id: str) -> None:
         """Drop ``key``'s intent if it is still ``task_id``'s (its outcome is recorded, or it is stale)."""

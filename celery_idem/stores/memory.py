@@ -144,7 +144,7 @@ class MemoryStore(Store):
         with self._lock:
             now = self._clock()
             intent = Intent(key, task_id, queue, bytes(message), now,
-                            max(now, eta or 0.0) + relay_after, now + ttl)
+                            max(now, eta or 0.0) + relay_after, now + ttl, now)
             self._intents[key] = intent
             return intent
 
@@ -160,8 +160,8 @@ class MemoryStore(Store):
             held = self._intents.get(intent.key)
             if held is None or held.task_id != intent.task_id or held.deadline != intent.deadline:
                 return False
-            enqueued = self._clock() if resent else held.enqueued
-            self._intents[intent.key] = dataclasses.replace(held, deadline=deadline, enqueued=enqueued)
+            sent = self._clock() if resent else held.sent
+            self._intents[intent.key] = dataclasses.replace(held, deadline=deadline, sent=sent)
             return True
 
     def close_intent(self, key: str, task_id: str) -> None:

@@ -8,7 +8,7 @@ hash ``<prefix>\\x1fwatermarks``. The index spans every key, so a Redis Cluster 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol
 
@@ -31,7 +31,8 @@ if tonumber(ARGV[6]) > d then d = tonumber(ARGV[6]) end
 d = d + tonumber(ARGV[4])
 local x = now + tonumber(ARGV[5])
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 't', ARGV[1], 'q', ARGV[2], 'm', ARGV[3], 'e', now, 'd', d, 'x', x)
+redis.call('HSET', KEYS[1], 't', ARGV[1], 'q', ARGV[2], 'm', ARGV[3], 'e', now, 'd', d, 'x', x,
+           's', now)
 redis.call('PEXPIRE', KEYS[1], x - now + KEPT)
 redis.call('ZADD', KEYS[2], d, ARGV[7])
 return {now, d, x}
@@ -42,7 +43,7 @@ local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, to
 local out = {now}
 for _, m in ipairs(members) do
   local name = ARGV[1] .. m
-  local i = redis.call('HMGET', name .. ARGV[3], 't', 'q', 'm', 'e', 'd', 'x')
+  local i = redis.call('HMGET', name .. ARGV[3], 't', 'q', 'm', 'e', 'd', 'x', 's')
   if not i[1] then
     redis.call('ZREM', KEYS[1], m)  -- gone with its hash, long after it went stale
   else
@@ -58,7 +59,7 @@ _RESCHEDULE = _NOW + """
 local i = redis.call('HMGET', KEYS[1], 't', 'd')
 if i[1] ~= ARGV[1] or i[2] ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'd', ARGV[3])
-if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'e', now) end
+if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 's', now) end
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[5])
 return 1
 """
@@ -118,18 +119,18 @@ class RedisIntents:
             now, deadline, expires = self._scripts.registered["intend"](
                 keys=(self.name_of(key) + INTENT, self.intent_index()), args=args)
         return Intent(key, task_id, queue, bytes(message), now / 1000, deadline / 1000,
-                      expires / 1000)
+                      expires / 1000, now / 1000)
 
     def due_intents(self: _Host, limit: int = 500) -> list[tuple[Intent, Record | None]]:
         with self._errors():
             reply = self._scripts.registered["due"](
                 keys=(self.intent_index(),), args=[self.prefix, limit, INTENT])
         found: list[tuple[Intent, Record | None]] = []
-        for n in range(1, len(reply), 8):
-            member, task_id, queue, message, enqueued, deadline, expires, value = reply[n:n + 8]
+        for n in range(1, len(reply), 9):
+            member, task_id, queue, message, enqueued, deadline, expires, sent, value = reply[n:n + 9]
             key = text(member)
             intent = Intent(key, text(task_id), text(queue), bytes(message), int(enqueued) / 1000,
-                            int(deadline) / 1000, int(expires) / 1000)
+                            int(deadline) / 1000, int(expires) / 1000, int(sent) / 1000)
             found.append((intent, self._decode(key, value) if value else None))
         return found
 
@@ -141,6 +142,21 @@ class RedisIntents:
                 args=[intent.task_id, _ms(intent.deadline), _ms(deadline), "1" if resent else "0",
                       intent.key])
         return bool(done)
+
+    def reschedule_intents(self: _Host, moves: Sequence[tuple[Intent, float]], *,
+                           resent: bool = False) -> list[bool]:
+        if not moves:
+            return []
+        script = self._scripts.registered["reschedule"]
+        with self._errors():
+            # One round trip for the batch (the pipeline loads the script first if the
+            # server lacks it); each compare-and-set is still atomic on its own.
+            pipe = self.client.pipeline(transaction=False)
+            for intent, deadline in moves:
+                script(keys=(self.name_of(intent.key) + INTENT, self.intent_index()),
+                       args=[intent.task_id, _ms(intent.deadline), _ms(deadline),
+                             "1" if resent else "0", intent.key], client=pipe)
+            return [bool(done) for done in pipe.execute()]
 
     def close_intent(self: _Host, key: str, task_id: str) -> None:
         with self._errors(key):
@@ -156,12 +172,12 @@ class RedisIntents:
                     return
                 pipe = self.client.pipeline(transaction=False)
                 for member in members:
-                    pipe.hmget(self.name_of(text(member)) + INTENT, "t", "q", "m", "e", "d", "x")
+                    pipe.hmget(self.name_of(text(member)) + INTENT, "t", "q", "m", "e", "d", "x", "s")
                 rows = pipe.execute()
             for member, row in zip(members, rows, strict=True):
                 if row[0] is not None:
                     yield Intent(text(member), text(row[0]), text(row[1]), bytes(row[2]),
-                                 int(row[3]) / 1000, int(row[4]) / 1000, int(row[5]) / 1000)
+                                 *(int(t or 0) / 1000 for t in row[3:7]))
             start += count
 
     def watermarks(self: _Host) -> dict[str, float]:

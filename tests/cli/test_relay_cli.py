@@ -81,7 +81,7 @@ def test_relay_once_re_sends_a_lost_message_with_its_task_id(idem_redis: Idem,
     assert (doc["relayed"], doc["resends"]) == (0, [])
     assert _queued_ids(broker, queue) == [lost.task_id]
     (moved,) = idem_redis.store.intents()
-    assert moved.deadline > lost.deadline + 50 and moved.enqueued > lost.enqueued
+    assert moved.deadline > lost.deadline + 50 and moved.sent > lost.sent
 
 
 def test_relay_dry_run_sends_and_moves_nothing(idem_redis: Idem, broker: redis.Redis) -> None:

@@ -117,9 +117,6 @@ def test_a_backlog_waiting_in_its_queue_is_not_re_sent(
           f"while the queue drained (each ran once)")
 
 
-@pytest.mark.xfail(reason="a claimed re-sent intent raises its queue's watermark to its re-send "
-                   "time, past every never-claimed message still in the queue: the relay then "
-                   "re-sends them as overtaken, and their claims raise it again", strict=False)
 def test_a_draining_backlog_is_not_re_sent(cluster: Cluster, broker: RedisServer,
                                            relay: Callable[[str], Relay]) -> None:
     n = 1000

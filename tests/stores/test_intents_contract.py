@@ -59,6 +59,7 @@ def test_an_intent_is_written_on_the_store_clock_and_is_due_only_after_its_deadl
     assert before - 1e-3 <= intent.enqueued <= store.now() + 1e-3
     assert intent.deadline == pytest.approx(intent.enqueued + 0.5, abs=1e-3)
     assert intent.expires == pytest.approx(intent.enqueued + LONG, abs=1e-3)
+    assert intent.sent == intent.enqueued
     early = due(store)
     if store.now() < intent.deadline:  # read after the due_intents call: it was not due then
         assert early is None
@@ -109,7 +110,7 @@ def test_reschedule_is_a_compare_and_set_on_the_deadline_and_task_id(store: Stor
     assert not store.reschedule_intent(read, read.deadline + 2 * LONG)
     current = only(store.intents())
     assert current.deadline == pytest.approx(read.deadline + LONG, abs=1e-3)
-    assert current.enqueued == read.enqueued  # not resent
+    assert (current.enqueued, current.sent) == (read.enqueued, read.sent)  # not resent
     assert due(store) is None
     wrong_task = Intent(current.key, "t-other", current.queue, current.message, current.enqueued,
                         current.deadline, current.expires)
@@ -117,12 +118,31 @@ def test_reschedule_is_a_compare_and_set_on_the_deadline_and_task_id(store: Stor
     before = store.now()
     assert store.reschedule_intent(current, before + LONG, resent=True)
     resent = only(store.intents())
-    assert resent.enqueued >= before - 1e-3
-    assert resent.enqueued > read.enqueued
+    assert resent.sent >= before - 1e-3 and resent.sent > read.sent
+    assert resent.enqueued == read.enqueued  # its place in the queue: the first send
     assert resent.deadline == pytest.approx(before + LONG, abs=1e-3)
     assert (resent.task_id, resent.message, resent.expires) == (read.task_id, read.message, read.expires)
     store.close_intent("k", "t1")
     assert not store.reschedule_intent(resent, resent.deadline + 1)
+
+
+def test_reschedule_intents_is_each_compare_and_set_in_order(store: Store) -> None:
+    for key in ("a", "b", "c"):
+        intend(store, key, task_id=f"t-{key}", relay_after=0)
+    reads = {key: poll_due(store, key)[0] for key in ("a", "b", "c")}
+    assert store.reschedule_intent(reads["b"], reads["b"].deadline + LONG)  # another relay moved b
+    before = store.now()
+    moves = [(reads[key], before + LONG) for key in ("a", "b", "c")]
+    assert store.reschedule_intents(moves, resent=True) == [True, False, True]
+    assert store.reschedule_intents([]) == []
+    moved = {i.key: i for i in store.intents()}
+    for key in ("a", "c"):
+        assert moved[key].deadline == pytest.approx(before + LONG, abs=1e-3)
+        assert moved[key].sent >= before - 1e-3  # resent
+        assert moved[key].enqueued == reads[key].enqueued
+    assert moved["b"].deadline == pytest.approx(reads["b"].deadline + LONG, abs=1e-3)
+    assert moved["b"].sent == reads["b"].sent
+    assert due(store, "a") is None and due(store, "c") is None
 
 
 def test_a_stale_intent_is_due_with_its_expiry_passed(store: Store) -> None:
@@ -220,6 +240,7 @@ def test_a_store_without_intents_refuses_every_intent_verb() -> None:
     intent = Intent("k", "t", "q", b"", 0.0, 0.0, 0.0)
     assert NoIntents.keeps_intents is False
     calls = [lambda: intend(bare), bare.due_intents, lambda: bare.reschedule_intent(intent, 1.0),
+             lambda: bare.reschedule_intents([(intent, 1.0)]),
              lambda: bare.close_intent("k", "t"), lambda: list(bare.intents()), bare.watermarks,
              lambda: bare.raise_watermarks({"q": 1.0})]
     for call in calls:

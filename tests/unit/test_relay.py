@@ -16,7 +16,7 @@ from celery import Celery
 from celery_idem import IdempotentTask, events
 from celery_idem.contrib import relay_worker
 from celery_idem.contrib.relay import Action, Kind, Relay, decide
-from celery_idem.intents import Envelope, encode_envelope
+from celery_idem.intents import Envelope, decode_envelope, encode_envelope, publish_envelope
 from celery_idem.records import Intent, Record, State
 from celery_idem.stores.memory import MemoryStore
 
@@ -160,7 +160,7 @@ def test_a_pass_re_sends_a_lost_message_once_with_its_task_id(
     # The CAS moved it a relay_after on: the next pass has nothing due, nothing is sent twice.
     assert relay.run_once().relayed == 0 and _queued(app, queue) == []
     (moved,) = store.intents()
-    assert (moved.enqueued, moved.deadline) == (clock.now, clock.now + AFTER)
+    assert (moved.enqueued, moved.sent, moved.deadline) == (lost.enqueued, clock.now, clock.now + AFTER)
 
 
 def test_a_dry_run_decides_and_changes_nothing(app: Celery) -> None:
@@ -224,6 +224,29 @@ def test_a_relay_that_loses_the_race_sends_nothing(app: Celery) -> None:
     store.due_intents = lambda limit=500: due  # type: ignore[method-assign]  # read before it won
     report = Relay(app, store, relay_after=AFTER, interval=0.01).run_once()
     assert report.relayed == 0 and _queued(app, queue) == []
+
+
+def test_a_pass_wins_its_re_sends_in_one_store_call_and_sends_only_those_it_won(app: Celery) -> None:
+    clock, queue = Clock(), f"q-{uuid.uuid4().hex[:8]}"
+    store = MemoryStore(prefix="unit:", clock=clock)
+    lost = [_intend(store, f"op:lost-{n}", queue) for n in range(4)]
+    clock.now += AFTER + 1
+    due = store.due_intents()
+    assert store.reschedule_intent(lost[1], clock.now + AFTER, resent=True)  # another relay's
+    store.due_intents = lambda limit=500: due  # type: ignore[method-assign]  # read before it won
+    batches: list[int] = []
+    single = store.reschedule_intents
+
+    def counted(moves: Any, *, resent: bool = False) -> list[bool]:
+        batches.append(len(moves))
+        return single(moves, resent=resent)
+
+    store.reschedule_intents = counted  # type: ignore[method-assign]
+    report = Relay(app, store, relay_after=AFTER, interval=0.01).run_once()
+    assert batches == [4]
+    assert report.relayed == 3
+    assert sorted(_queued(app, queue)) == sorted(i.task_id for n, i in enumerate(lost) if n != 1)
+    assert set(report.unclaimed) == {queue}
 
 
 def test_stale_and_closed_intents_go(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
@@ -341,3 +364,36 @@ def test_an_intent_whose_task_celery_holds_as_revoked_or_failed_is_closed_not_re
     assert _queued(app, queue) == [lost.task_id]
     assert [i.key for i in store.intents()] == ["op:lost"]
     app.close()
+
+
+def test_a_re_sent_intent_raises_the_watermark_to_its_first_send_only(app: Celery) -> None:
+    clock, queue = Clock(), f"q-{uuid.uuid4().hex[:8]}"
+    store = MemoryStore(prefix="unit:", clock=clock)
+    relay = Relay(app, store, relay_after=AFTER, interval=0.01)
+
+    def done(intent: Intent) -> None:
+        claim = store.claim(intent.key, owner="w", task_id=intent.task_id, attempt=0, lease=30,
+                            ttl=600)
+        store.record(intent.key, claim.token, state=State.DONE, content_type="application/json",
+                     data=b"1", ttl=600, claim_id=claim.claim_id)
+
+    # Given a message taken by a worker and not yet claimed, when a later one is claimed and done
+    first = _intend(store, "op:first", queue)
+    clock.now += 1
+    done(_intend(store, "op:later", queue))
+    clock.now += 1
+    backlog = [_intend(store, f"op:b{n}", queue) for n in range(3)]  # waiting in the queue
+    with app.producer_or_acquire() as producer:
+        for intent in backlog:
+            publish_envelope(app, decode_envelope(intent.message), producer)
+    clock.now += AFTER + 1
+    report = relay.run_once()
+    assert (report.relayed, report.waiting) == (1, 3)  # the first looks overtaken: re-sent
+    # When the first message's own copy is claimed and done after all
+    done(first)
+    clock.now += AFTER + 1
+    report = relay.run_once()
+    # Then the watermark rises to its first send, not its re-send: the backlog still waits
+    assert (report.closed, report.relayed, report.waiting) == (1, 0, 3)
+    assert store.watermarks() == {queue: first.enqueued + 1}  # op:later's
+    assert sorted(_queued(app, queue)) == sorted([first.task_id, *(b.task_id for b in backlog)])

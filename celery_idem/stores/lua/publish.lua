@@ -49,7 +49,8 @@ if KEYS[4] then
   d = d + tonumber(ARGV[9])
   local x = now + tonumber(ARGV[10])
   redis.call('DEL', KEYS[4])
-  redis.call('HSET', KEYS[4], 't', ARGV[6], 'q', ARGV[7], 'm', ARGV[8], 'e', now, 'd', d, 'x', x)
+  redis.call('HSET', KEYS[4], 't', ARGV[6], 'q', ARGV[7], 'm', ARGV[8], 'e', now, 'd', d, 'x', x,
+             's', now)
   redis.call('PEXPIRE', KEYS[4], x - now + 3600000)
   redis.call('ZADD', KEYS[5], d, ARGV[12])
 end

@@ -325,11 +325,16 @@ class SQLRecords(Store):
             StoreUnavailable: The database could not be reached (retrying is safe).
             ValueError: ``state`` is not DONE or FAILED.
         """
-        if state not in (State.DONE, State.FAILED):
-            raise ValueError(f"record() takes DONE or FAILED, not {state}")
-        params = [state.value, content_type, bytes(data), float(ttl), *self._fence(key, token, claim_id)]
+        params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
         if self._run_record_sql(self._record_sql.record, params)[0] != 1:
             self._unmatched_record(key, token, state, claim_id)
+
+    def _record_params(self, key: str, token: int, state: State, content_type: str, data: bytes,
+                       ttl: float, claim_id: str | None) -> list[Any]:
+        """The parameters of :attr:`RecordSQL.record`."""
+        if state not in (State.DONE, State.FAILED):
+            raise ValueError(f"record() takes DONE or FAILED, not {state}")
+        return [state.value, content_type, bytes(data), float(ttl), *self._fence(key, token, claim_id)]
 
     def _unmatched_record(self, key: str, token: int, state: State, claim_id: str | None) -> None:
         """A record whose fenced UPDATE matched no row: a retry of ours, or LeaseLost."""

@@ -35,12 +35,22 @@ class PsycopgPath:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._statements: dict[Statement, RawStatement] = {}
+        self._numbered: dict[str, bytes] = {}
 
     def statement(self, statement: Statement) -> RawStatement:
         """``statement`` compiled for this path (once; two threads compiling it get equal ones)."""
         raw = self._statements.get(statement)
         if raw is None:
             raw = self._statements[statement] = RawStatement.compile(statement, self.engine.dialect)
+        return raw
+
+    def numbered(self, sql: str) -> bytes:
+        """``sql``'s ``%s`` placeholders as ``$1 .. $n``, for psycopg's RawCursor (once per text)."""
+        raw = self._numbered.get(sql)
+        if raw is None:
+            count = iter(range(1, sql.count("%s") + 1))
+            raw = self._numbered[sql] = re.sub(
+                r"%s|%%", lambda m: "%" if m[0] == "%%" else f"${next(count)}", sql).encode()
         return raw
 
     @contextlib.contextmanager
@@ -184,28 +194,37 @@ class RawSession:
         return cursor
 
     def execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
+        """Run a SQLAlchemy statement, compiled once: its row count and first row by column name."""
         raw = self._path.statement(statement)
         query: bytes | str
         values: Sequence[Any] | Mapping[str, Any]
-        keep = self._raw_cursor is not None
-        if keep:
-            cursor = self._kept_cursor()
+        if self._raw_cursor is not None:
             query, values = raw.numbered, raw.positional(params)
         else:
-            cursor = self._driver.cursor(row_factory=self._tuple_row)
             query, values = raw.sql, raw.values(params)
+        count, rows = self._run(query, values, lambda: (raw.sql, raw.values(params)))
+        if not raw.columns or not rows:
+            return count, None
+        return count, dict(zip(raw.columns, rows[0], strict=True))
+
+    def run(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+        """Run a statement's text with ``%s`` placeholders: its row count and its rows."""
+        query = self._path.numbered(sql) if self._raw_cursor is not None else sql
+        return self._run(query, list(params), lambda: (sql, params))
+
+    def _run(self, query: bytes | str, values: Sequence[Any] | Mapping[str, Any],
+             shown: Callable[[], tuple[str, Any]]) -> tuple[int, list[Sequence[Any]]]:
+        """Run ``query`` prepared (on the kept RawCursor, or a cursor of the connection's class);
+        ``shown``: the SQL and values an error reports."""
+        keep = self._raw_cursor is not None
+        cursor = self._kept_cursor() if keep else self._driver.cursor(row_factory=self._tuple_row)
         try:
             cursor.execute(query, values, prepare=self._prepare)
-            if not raw.columns:
-                return cursor.rowcount, None
-            row = cursor.fetchone()
-            if row is None:
-                return cursor.rowcount, None
-            out = dict(zip(raw.columns, row, strict=True))
-            data = out.get("data")
+            rows = cursor.fetchall() if cursor.description else []
             # A kept cursor holds its last result until the next verb: not a large one.
-            keep = keep and (data is None or len(data) <= KEPT_RESULT_BYTES)
-            return cursor.rowcount, out
+            size = sum(len(v) for row in rows for v in row if isinstance(v, bytes | memoryview))
+            keep = keep and size <= KEPT_RESULT_BYTES
+            return cursor.rowcount, rows
         except self._path.engine.dialect.loaded_dbapi.Error as exc:
             keep = False  # the next verb starts on a fresh cursor (errors are rare)
             engine = self._path.engine
@@ -221,9 +240,8 @@ class RawSession:
                 else:  # pragma: no cover - SQLAlchemy 2.0-2.1 have it
                     self._fairy.invalidate(exc)
             raise sa_exc.DBAPIError.instance(
-                raw.sql, raw.values(params), exc, dialect.loaded_dbapi.Error,
-                hide_parameters=engine.hide_parameters, connection_invalidated=disconnect,
-                dialect=dialect) from exc
+                *shown(), exc, dialect.loaded_dbapi.Error, hide_parameters=engine.hide_parameters,
+                connection_invalidated=disconnect, dialect=dialect) from exc
         except BaseException:
             # Interrupted mid-protocol (a soft time limit, KeyboardInterrupt): the connection's
             # state is unknown, so it must not go back to the pool.

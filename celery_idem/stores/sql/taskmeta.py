@@ -53,13 +53,12 @@ class TaskMetaWrite(BackendWrite):
     row: Mapping[str, Any] = field(default_factory=dict)
 
 
-def build_fold(record: sa.Update, records: sa.Table, meta: sa.Table,
-               columns: tuple[str, ...]) -> sa.Select[Any]:
-    """The store's fenced ``record`` UPDATE on ``records`` and Celery's upsert of ``columns``
+def build_fold(record: sa.TextualSelect, meta: sa.Table, columns: tuple[str, ...]) -> sa.Select[Any]:
+    """The store's fenced ``record`` UPDATE (``RETURNING`` the key) and Celery's upsert of ``columns``
     (``idem_meta_<name>`` parameters; ``id`` from the table's sequence) of ``meta`` as one
     SELECT of ``recorded`` (1: the record was written) and ``written`` (1: the row was
     inserted or updated; 0 beside a SUCCESS row already there)."""
-    rec = record.returning(records.c.key).cte("rec")
+    rec = record.cte("rec")
     values: dict[str, Any] = {
         name: sa.bindparam(_META + name, type_=meta.c[name].type) for name in columns
     }

@@ -37,7 +37,6 @@ from celery_idem.exceptions import LeaseLost, StoreUnavailable
 from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores.sql import SQLStore
-from celery_idem.stores.sql.claims import ClaimArgs
 from celery_idem.stores.sql.psycopg import KEPT_CURSOR, KEPT_RESULT_BYTES, RawSession
 from celery_idem.stores.sql.store import SASession
 
@@ -366,15 +365,19 @@ def _claim_in_a_transaction(store: SQLStore, key: str, payload_hash: str | None)
     transaction id at its first write (a row lock included), so None means nothing was
     written, and the commit would have had no WAL to flush. The transaction is rolled back.
     """
-    args = ClaimArgs(store._stored(key), "host:b", "task-b", 0, LONG, LONG, payload_hash,
-                      "claim-b")
     with store._engine.connect() as conn:
         fairy = conn.connection
         driver = fairy.driver_connection
         assert driver is not None
         with driver.transaction(force_rollback=True):  # BEGIN on the store's autocommit connection
             session = RawSession(store._psycopg, fairy) if store._psycopg else SASession(conn)
-            result = store._claim_postgresql(args, session.execute)
+            # The store's statements on this session (an instance attribute over the method).
+            store._run_record_sql = session.run  # type: ignore[method-assign]
+            try:
+                result = store.claim(key, owner="host:b", task_id="task-b", attempt=0, lease=LONG,
+                                     ttl=LONG, payload_hash=payload_hash)
+            finally:
+                del store._run_record_sql
             xid = driver.execute("SELECT txid_current_if_assigned()").fetchone()
     assert xid is not None
     return result.status, xid[0]

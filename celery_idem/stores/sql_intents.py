@@ -103,13 +103,13 @@ class IntentSQL:
 class SQLIntents(Store):
     """The intent verbs of :class:`~celery_idem.stores.base.Store` on :class:`IntentSQL`'s
     statements; a store gives its statements (``_intent_sql``) and a way to run them
-    (:meth:`_run_intent_sql`)."""
+    (:meth:`_run_sql`)."""
 
     keeps_intents: ClassVar[bool] = True
     _intent_sql: IntentSQL
 
     @abc.abstractmethod
-    def _run_intent_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+    def _run_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
         """Run one statement: its row count and its rows (none for a statement without)."""
 
     def _intent(self, row: Sequence[Any]) -> Intent:
@@ -126,9 +126,9 @@ class SQLIntents(Store):
         if s.vendor == "mysql":
             now = self.now()
             times = (now, max(now, eta or 0.0) + relay_after, now + ttl)
-            self._run_intent_sql(s.intend, [stored, task_id, queued, data, *times])
+            self._run_sql(s.intend, [stored, task_id, queued, data, *times])
         else:
-            _, rows = self._run_intent_sql(
+            _, rows = self._run_sql(
                 s.intend, [stored, task_id, queued, data, float(eta or 0.0), float(relay_after), float(ttl)])
             times = (float(rows[0][0]), float(rows[0][1]), float(rows[0][2]))
         return Intent(key, task_id, queue, data, *times)
@@ -137,7 +137,7 @@ class SQLIntents(Store):
         """Up to ``limit`` due intents, earliest deadline first, each with its key's live record:
         one SELECT joining the records table."""
         s = self._intent_sql
-        _, rows = self._run_intent_sql(s.due, [*s.own_params, max(0, int(limit))])
+        _, rows = self._run_sql(s.due, [*s.own_params, max(0, int(limit))])
         width = len(INTENT_COLUMNS)
         return [(self._intent(row), None if row[width] is None else record_from_row(
                     dict(zip(RECORD_COLUMNS, row[width:], strict=True)), self.prefix, s.records))
@@ -146,13 +146,13 @@ class SQLIntents(Store):
     def reschedule_intent(self, intent: Intent, deadline: float, *, resent: bool = False) -> bool:
         """One compare-and-set UPDATE on the key, task id and deadline as read."""
         s = self._intent_sql
-        count, _ = self._run_intent_sql(s.resend if resent else s.reschedule, [
+        count, _ = self._run_sql(s.resend if resent else s.reschedule, [
             float(deadline), self.prefix + intent.key, intent.task_id, float(intent.deadline)])
         return count == 1
 
     def close_intent(self, key: str, task_id: str) -> None:
         """One DELETE of ``key``'s intent, if it is still ``task_id``'s."""
-        self._run_intent_sql(self._intent_sql.close, [self.prefix + key, task_id])
+        self._run_sql(self._intent_sql.close, [self.prefix + key, task_id])
 
     def intents(self, count: int = 100) -> Iterator[Intent]:
         """This prefix's intents in key order, ``count`` per query (keyset pagination)."""
@@ -161,9 +161,9 @@ class SQLIntents(Store):
         last: str | None = None
         while True:
             if last is None:
-                _, rows = self._run_intent_sql(s.first_page, [*s.own_params, size])
+                _, rows = self._run_sql(s.first_page, [*s.own_params, size])
             else:
-                _, rows = self._run_intent_sql(s.next_page, [*s.own_params, last, size])
+                _, rows = self._run_sql(s.next_page, [*s.own_params, last, size])
             for row in rows:
                 yield self._intent(row)
             if len(rows) < size:
@@ -173,7 +173,7 @@ class SQLIntents(Store):
     def watermarks(self) -> dict[str, float]:
         """This prefix's watermarks: one SELECT."""
         s = self._intent_sql
-        _, rows = self._run_intent_sql(s.watermarks, s.own_params)
+        _, rows = self._run_sql(s.watermarks, s.own_params)
         return {str(queue)[len(self.prefix):]: float(enqueued) for queue, enqueued in rows}
 
     def raise_watermarks(self, marks: Mapping[str, float]) -> None:
@@ -182,4 +182,4 @@ class SQLIntents(Store):
         if not marks:
             return
         params = [v for queue in sorted(marks) for v in (self.prefix + queue, float(marks[queue]))]
-        self._run_intent_sql(self._intent_sql.raise_watermarks(len(marks)), params)
+        self._run_sql(self._intent_sql.raise_watermarks(len(marks)), params)

@@ -23,8 +23,8 @@ from typing import Any, Final, TypeAlias
 
 from ..exceptions import StoreUnavailable
 from ..records import Claim, ClaimStatus, Record, State
-from .base import TOKEN_CLOCK_SCALE, ClaimRaced, Store, lease_lost, new_claim_id, next_token, record_from_row
-from .sql_intents import RECORD_COLUMNS
+from .base import TOKEN_CLOCK_SCALE, ClaimRaced, lease_lost, new_claim_id, next_token, record_from_row
+from .sql_intents import RECORD_COLUMNS, SQLIntents
 
 __all__ = ["HOLDS", "RecordSQL", "Run", "SQLRecords", "status_sql"]
 
@@ -200,19 +200,15 @@ class RecordSQL:
             + ", decide.status, up.token FROM decide LEFT JOIN up ON true")
 
 
-class SQLRecords(Store):
+class SQLRecords(SQLIntents):
     """The record verbs of :class:`~celery_idem.stores.base.Store` on :class:`RecordSQL`'s
-    statements; a store gives its statements (``_record_sql``), a way to run one
-    (:meth:`_run_record_sql`) and the unit a claim's decision and write run in
-    (:meth:`_claim_unit`)."""
+    statements, beside the intent verbs; a store gives its statements (``_record_sql``,
+    ``_intent_sql``), a way to run one (:meth:`_run_sql`, the intents' seam) and the unit a
+    claim's decision and write run in (:meth:`_claim_unit`)."""
 
     _record_sql: RecordSQL
     #: Where the claim ran out of races, for its StoreUnavailable ("the SQL store at ...").
     _where: str = "the SQL store"
-
-    @abc.abstractmethod
-    def _run_record_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
-        """Run one statement: its row count and its rows (none for a statement without)."""
 
     @abc.abstractmethod
     def _claim_unit(self) -> AbstractContextManager[Run]:
@@ -225,7 +221,7 @@ class SQLRecords(Store):
 
     def _one(self, sql: str, params: Sequence[Any]) -> Sequence[Any] | None:
         """Run one statement: its first row, or None."""
-        _, rows = self._run_record_sql(sql, params)
+        _, rows = self._run_sql(sql, params)
         return rows[0] if rows else None
 
     def _record(self, row: Sequence[Any]) -> Record:
@@ -326,7 +322,7 @@ class SQLRecords(Store):
             ValueError: ``state`` is not DONE or FAILED.
         """
         params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
-        if self._run_record_sql(self._record_sql.record, params)[0] != 1:
+        if self._run_sql(self._record_sql.record, params)[0] != 1:
             self._unmatched_record(key, token, state, claim_id)
 
     def _record_params(self, key: str, token: int, state: State, content_type: str, data: bytes,
@@ -351,7 +347,7 @@ class SQLRecords(Store):
             LeaseLost: The row has another token or claim id, is not in progress, or is gone.
             StoreUnavailable: The database could not be reached.
         """
-        if self._run_record_sql(self._record_sql.release, self._fence(key, token, claim_id))[0] != 1:
+        if self._run_sql(self._record_sql.release, self._fence(key, token, claim_id))[0] != 1:
             raise lease_lost("release", key, token, self.get(key), claim_id)
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
@@ -367,7 +363,7 @@ class SQLRecords(Store):
         row: Sequence[Any] | None = None
         if s.renew_returning is not None:
             row = self._one(s.renew_returning, params)
-        elif self._run_record_sql(s.renew, params)[0] == 1:
+        elif self._run_sql(s.renew, params)[0] == 1:
             row = self._one(s.renew_read, self._fence(key, token, claim_id))
         if row is None:
             raise lease_lost("renew", key, token, self.get(key), claim_id)
@@ -380,7 +376,7 @@ class SQLRecords(Store):
             LeaseLost: The row has another token, is not done or failed, or is gone.
             StoreUnavailable: The database could not be reached.
         """
-        if self._run_record_sql(self._record_sql.forget, [self._stored(key), token])[0] != 1:
+        if self._run_sql(self._record_sql.forget, [self._stored(key), token])[0] != 1:
             raise lease_lost("forget", key, token, self.get(key))
 
     # -- reads --------------------------------------------------------------------------------
@@ -414,7 +410,7 @@ class SQLRecords(Store):
         last: str | None = None
         while True:
             after = [] if last is None else [last]
-            _, rows = self._run_record_sql(s.page(state is not None, last is not None),
+            _, rows = self._run_sql(s.page(state is not None, last is not None),
                                            [*s.own_params, *chosen, *after, size])
             for row in rows:
                 yield self._record(row)
@@ -445,7 +441,7 @@ class SQLRecords(Store):
         s = self._record_sql
         expired = [*s.own_params, self.now()]
         params = [*expired, int(limit), *expired] if s.purge_twice else [*expired, int(limit)]
-        return int(self._run_record_sql(s.purge, params)[0] or 0)
+        return int(self._run_sql(s.purge, params)[0] or 0)
 
 
 @contextlib.contextmanager

@@ -372,12 +372,12 @@ def _claim_in_a_transaction(store: SQLStore, key: str, payload_hash: str | None)
         with driver.transaction(force_rollback=True):  # BEGIN on the store's autocommit connection
             session = RawSession(store._psycopg, fairy) if store._psycopg else SASession(conn)
             # The store's statements on this session (an instance attribute over the method).
-            store._run_record_sql = session.run  # type: ignore[method-assign]
+            store._run_sql = session.run  # type: ignore[method-assign]
             try:
                 result = store.claim(key, owner="host:b", task_id="task-b", attempt=0, lease=LONG,
                                      ttl=LONG, payload_hash=payload_hash)
             finally:
-                del store._run_record_sql
+                del store._run_sql
             xid = driver.execute("SELECT txid_current_if_assigned()").fetchone()
     assert xid is not None
     return result.status, xid[0]

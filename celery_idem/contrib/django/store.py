@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 from ...config import DEFAULT_PREFIX
 from ...exceptions import ImproperlyConfigured, StoreUnavailable
 from ...stores.base import ClaimRaced
-from ...stores.sql_intents import IntentSQL, SQLIntents
+from ...stores.sql_intents import IntentSQL
 from ...stores.sql_records import RecordSQL, Run, SQLRecords, immediate
 from .lifecycle import close_at_thread_exit, in_task, is_psycopg3, refresh_connection
 from .sql import Dialect
@@ -36,7 +36,7 @@ DEFAULT_TABLE: Final = "celery_idem_records"
 _VENDORS: Final = ("postgresql", "sqlite", "mysql")
 
 
-class DjangoStore(SQLRecords, SQLIntents):
+class DjangoStore(SQLRecords):
     """The idempotency store in a Django database, on ``django.db.connections[using]``.
 
     Records and intents are the SQL store's statements on Django's connection; intents live
@@ -80,7 +80,7 @@ class DjangoStore(SQLRecords, SQLIntents):
                 f"the django:// store supports PostgreSQL, MySQL/MariaDB and SQLite; the database "
                 f"{using!r} is {vendor!r}")
         self._d = Dialect(vendor, connections[using].ops.quote_name)
-        # PostgreSQL through psycopg 3: the record verbs run as prepared statements (_run_prepared).
+        # PostgreSQL through psycopg 3: the verbs run as prepared statements (_run_prepared).
         self._prepared = vendor == "postgresql" and is_psycopg3(connections[using])
         self._record_sql = RecordSQL(vendor, self._d.q, self._d.now, table_name, prefix)
         self._intent_sql = IntentSQL(vendor, self._d.q, self._d.now, table_name, prefix)
@@ -136,12 +136,8 @@ class DjangoStore(SQLRecords, SQLIntents):
             raise StoreUnavailable(
                 f"celery_idem could not reach the Django database {self.using!r}: {first}") from exc
 
-    def _run_intent_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
-        with self._cursor() as cursor:
-            cursor.execute(sql, params)
-            return cursor.rowcount, cursor.fetchall() if cursor.description else []
-
-    def _run_record_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+    def _run_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+        """Run one statement on this thread's connection (prepared, on psycopg 3)."""
         with self._cursor() as cursor:
             if self._prepared and self.connection.connection is not None:
                 return self._run_prepared(sql, params)

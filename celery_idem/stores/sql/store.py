@@ -18,7 +18,7 @@ from ...config import DEFAULT_PREFIX
 from ...exceptions import StoreUnavailable
 from ...records import State
 from ..base import BackendWrite, ClaimRaced
-from ..sql_intents import IntentSQL, SQLIntents
+from ..sql_intents import IntentSQL
 from ..sql_records import RecordSQL, Run, SQLRecords, immediate
 from .engine import build_engine, sqlalchemy_url
 from .schema import DEFAULT_TABLE_NAME, add_missing_columns, db_now, intent_tables, records_table
@@ -65,7 +65,7 @@ class SASession:
         return result.rowcount, list(result.all()) if result.returns_rows else []
 
 
-class SQLStore(SQLRecords, SQLIntents):
+class SQLStore(SQLRecords):
     """The idempotency store in a SQL database, through SQLAlchemy Core: the shared statements of
     :mod:`celery_idem.stores.sql_records` (records) and :mod:`celery_idem.stores.sql_intents`
     (intents, in tables beside the records table) on its engine.
@@ -193,7 +193,7 @@ class SQLStore(SQLRecords, SQLIntents):
             add_missing_columns(self._engine, self._table)
             self._table_ready = True
 
-    def _run_record_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+    def _run_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
         """Run one statement on a pooled session (psycopg's, or SQLAlchemy's), errors translated."""
         with self._session() as session:
             return session.run(sql, params)
@@ -210,11 +210,6 @@ class SQLStore(SQLRecords, SQLIntents):
 
             with immediate(run) if self.dialect == "sqlite" else contextlib.nullcontext():
                 yield run
-
-    def _run_intent_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
-        with self._connect() as conn:
-            result = conn.exec_driver_sql(sql, tuple(params))
-            return result.rowcount, list(result.all()) if result.returns_rows else []
 
     # -- fenced writes ------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -30,12 +30,6 @@ __all__ = ["SASession", "SQLStore"]
 
 logger = logging.getLogger("celery_idem")
 
-# A row by column name (a SQLAlchemy RowMapping, or a dict on the psycopg path).
-Row: TypeAlias = Mapping[Any, Any]
-# What a session's execute gives back: the row count, and the first row when there are rows.
-Outcome: TypeAlias = "tuple[int, Row | None]"
-Statement: TypeAlias = "sa.Select[Any] | sa.Update"
-
 # The errors that mean "the store cannot be reached" (and any SQLAlchemy saw as a disconnect);
 # every other one is a bug or bad data and propagates (tests/stores/test_sql_errors.py).
 _OUTAGES: Final = (
@@ -48,16 +42,10 @@ _OUTAGES: Final = (
 
 class SASession:
     """The plain path of ``SQLStore._session``: statements through a SQLAlchemy ``Connection``
-    (the fast twin: :class:`celery_idem.stores.sql.psycopg.RawSession`, the same ``execute``)."""
+    (the fast twin: :class:`celery_idem.stores.sql.psycopg.RawSession`, the same ``run``)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
-        result = self.conn.execute(statement, params)
-        if not result.returns_rows:
-            return result.rowcount, None
-        return result.rowcount, result.mappings().first()
 
     def run(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
         """Run a statement's text with the driver's placeholders: its row count and its rows."""
@@ -114,7 +102,7 @@ class SQLStore(SQLRecords):
             self._psycopg = PsycopgPath(self._engine)
         # record_with's statements, per Celery result table and column set (.taskmeta): the
         # record UPDATE's text as a SQLAlchemy statement, and Celery's upsert.
-        self._folds: dict[tuple[sa.Table, tuple[str, ...]], sa.Select[Any]] = {}
+        self._folds: dict[tuple[sa.Table, tuple[str, ...]], tuple[str, Callable[..., list[Any]]]] = {}
         self._fold_refused = False
 
     @classmethod
@@ -166,11 +154,6 @@ class SQLStore(SQLRecords):
             self._ensure_table()
             with self._psycopg.session() as session:
                 yield session
-
-    def _execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
-        """Run one statement on a pooled connection, with errors translated: a verb's hot path."""
-        with self._session() as session:
-            return session.execute(statement, params)
 
     def _ensure_table(self) -> None:
         if self._table_ready:
@@ -227,17 +210,17 @@ class SQLStore(SQLRecords):
         # Only the database result writer builds a write with a table (and imports .taskmeta).
         table = getattr(also, "table", None)
         if table is not None and self.dialect == "postgresql" and not self._fold_refused:
-            from .taskmeta import TaskMetaWrite, build_fold, fold_params
+            from .taskmeta import TaskMetaWrite, build_fold
 
             assert isinstance(also, TaskMetaWrite)
-            record = self._record_params(key, token, state, content_type, data, ttl, claim_id)
-            params = {f"idem_r{n}": value for n, value in enumerate(record)}
+            params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
             columns = tuple(also.row)
             fold = self._folds.get((table, columns))
             if fold is None:
-                fold = self._folds[(table, columns)] = build_fold(self._fold_record(), table, columns)
+                fold = self._folds[(table, columns)] = build_fold(
+                    self._record_sql.record, self._record_sql.q("key"), table, columns, self._engine.dialect)
             try:
-                _, row = self._execute(fold, {**params, **fold_params(also)})
+                _, rows = self._run_sql(fold[0], [*params, *fold[1](also)])
             except sa_exc.DBAPIError as exc:
                 # Not an outage (StoreUnavailable by now): Celery's table is not what the fold
                 # expects. Nothing was written; record alone from now on.
@@ -246,22 +229,13 @@ class SQLStore(SQLRecords):
                                "statement, leaving it to Celery from now on: %s",
                                table.fullname, getattr(exc, "orig", exc))
             else:
-                assert row is not None  # the statement always returns its one row
-                if row["recorded"] != 1:
+                if rows[0][0] != 1:  # recorded: the statement always returns its one row
                     # A retry whose first reply was lost committed the row with the record: written.
                     self._unmatched_record(key, token, state, claim_id)
                 return True
         self.record(key, token, state=state, content_type=content_type, data=data, ttl=ttl,
                     claim_id=claim_id)
         return False
-
-    def _fold_record(self) -> sa.TextualSelect:
-        """The record's fenced UPDATE (:attr:`RecordSQL.record`) as a SQLAlchemy statement
-        ``RETURNING`` the key, its parameters named ``idem_r<n>`` in order."""
-        parts = self._record_sql.record.split(self._record_sql.param)
-        named = "".join(f"{part}:idem_r{n}" for n, part in enumerate(parts[:-1])) + parts[-1]
-        key = self._engine.dialect.identifier_preparer.quote_identifier("key")
-        return sa.text(f"{named} RETURNING {key}").columns(sa.column("key", self._table.c.key.type))
 
     def close(self) -> None:
         """Close the pooled connections. The store must not be used afterwards."""

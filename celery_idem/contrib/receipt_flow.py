@@ -28,15 +28,8 @@ VENDORS = ("postgresql", "mysql", "mariadb", "sqlite")
 
 
 class ReceiptSQL:
-    """The receipt statements of one receipts table on one database.
-
-    Args:
-        vendor: ``postgresql``, ``mysql`` (MariaDB too) or ``sqlite``.
-        quote: Quotes an identifier for the database.
-        now: The database clock in epoch seconds as a SQL expression.
-        table: The receipts table's name.
-        param: The driver's positional placeholder (``%s``, or ``?`` for a qmark driver).
-    """
+    """The receipt statements of the receipts table ``table`` on one database (``vendor``,
+    ``quote``, ``now`` and ``param`` as :class:`celery_idem.stores.sql_records.RecordSQL`'s)."""
 
     def __init__(self, vendor: str, quote: Callable[[str], str], now: str, table: str,
                  param: str = "%s") -> None:

@@ -125,10 +125,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "backend's own limit is what is checked)"),
     PrivateName("celery", "DatabaseBackend._update_result", "results_db.py:DatabaseResultWriter.build",
                 "celery 5.4.0-5.7.0", "missing: no writer, Celery writes the row (the plain path)"),
-    PrivateName("sqlalchemy", "SQLCompiler._bind_processors",
-                "stores/sql/psycopg.py:RawStatement.compile", "SQLAlchemy 2.0, 2.1.9",
-                "getattr default {}: values sent unprocessed (psycopg adapts bytes itself)"),
-    PrivateName("sqlalchemy", "Pool._invalidate", "stores/sql/psycopg.py:RawSession.execute",
+    PrivateName("sqlalchemy", "Pool._invalidate", "stores/sql/psycopg.py:RawSession.run",
                 "SQLAlchemy 2.0, 2.1.9", "missing: only the failed connection is invalidated "
                 "(the pool's older connections are found dead at their next use)"),
     PrivateName("celery", "Task._dump_pydantic_arguments", "compat.py:dump_pydantic_arguments",

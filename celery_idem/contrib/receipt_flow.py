@@ -4,13 +4,14 @@
 the transaction and inserts the receipt first (or finds an earlier attempt's), on exit it writes
 the result into the receipt and ends the transaction. A connection kind supplies the SQL and the
 transaction's ends: SQLAlchemy's (:mod:`celery_idem.contrib.receipts`) or Django's
-(:mod:`celery_idem.contrib.django.receipts`). Neither library is imported here.
+(:mod:`celery_idem.contrib.django.receipts`). The statements are one set, plain SQL text
+(:class:`ReceiptSQL`), run through a connection kind's ``_run``: neither library is imported here.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -18,12 +19,50 @@ from ..codec import Codec
 from ..exceptions import LeaseLost
 from ..records import Receipt
 
-__all__ = ["EarlierReceipt", "ReceiptFlow"]
+__all__ = ["EarlierReceipt", "ReceiptFlow", "ReceiptSQL"]
 
 logger = logging.getLogger("celery_idem")
 
 #: The databases a receipt supports (SQLAlchemy dialect or Django vendor names).
 VENDORS = ("postgresql", "mysql", "mariadb", "sqlite")
+
+
+class ReceiptSQL:
+    """The receipt statements of the receipts table ``table`` on one database (``vendor``,
+    ``quote``, ``now`` and ``param`` as :class:`celery_idem.stores.sql_records.RecordSQL`'s)."""
+
+    def __init__(self, vendor: str, quote: Callable[[str], str], now: str, table: str,
+                 param: str = "%s") -> None:
+        q, p, t = quote, param, quote(table)
+        self.returning = vendor != "mysql"
+        cols = ", ".join(q(c) for c in ("key", "token", "task_id", "content_type", "data", "created",
+                                        "expires"))
+        values = f"{p}, {p}, {p}, NULL, NULL, {now}, {now} + {p}"
+        # Every database waits for a concurrent uncommitted insert of the same key here (the
+        # second holder blocks on the first one's row), so no savepoint is needed.
+        self.insert = (f"INSERT IGNORE INTO {t} ({cols}) VALUES ({values})" if vendor == "mysql" else
+                       f"INSERT INTO {t} ({cols}) VALUES ({values}) ON CONFLICT ({q('key')}) "
+                       f"DO NOTHING RETURNING {q('key')}")
+        # A locking read sees the latest committed row whatever the isolation level (a plain
+        # SELECT under MySQL's REPEATABLE READ could read an older snapshot). A shared lock:
+        # MySQL's INSERT IGNORE took one already, and two upgrading to exclusive deadlock.
+        lock = {"postgresql": " FOR SHARE", "mysql": " LOCK IN SHARE MODE"}.get(vendor, "")
+        self.read = (f"SELECT {q('token')}, {q('task_id')}, {q('content_type')}, {q('data')}, "
+                     f"{q('expires')} <= {now} FROM {t} WHERE {q('key')} = {p}{lock}")
+        self.revive = (f"UPDATE {t} SET {q('token')} = {p}, {q('task_id')} = {p}, "
+                       f"{q('content_type')} = NULL, {q('data')} = NULL, {q('created')} = {now}, "
+                       f"{q('expires')} = {now} + {p} WHERE {q('key')} = {p}")
+        self.write = (f"UPDATE {t} SET {q('content_type')} = {p}, {q('data')} = {p} "
+                      f"WHERE {q('key')} = {p} AND {q('token')} = {p}")
+        self.clock = f"SELECT {now}"
+        # A bounded batch of expired receipts (the clock bound as a value, so PostgreSQL can use
+        # the expires index); the keys come through a derived table because MySQL refuses a
+        # LIMIT directly inside IN (...). The outer condition is checked again on the row being
+        # deleted: a takeover may have renewed the receipt (committed while this DELETE waited
+        # for its row lock) after the subquery read it as expired.
+        self.purge = (f"DELETE FROM {t} WHERE {q('key')} IN (SELECT d.{q('key')} FROM (SELECT "
+                      f"{q('key')} FROM {t} WHERE {q('expires')} <= {p} LIMIT {p}) d) "
+                      f"AND {q('expires')} <= {p}")
 
 
 class EarlierReceipt(Exception):
@@ -76,17 +115,40 @@ class ReceiptFlow:
     def _begin(self) -> None:
         """Open the block's transaction (or join the caller's)."""
 
-    def _acquire(self) -> Receipt | None:
-        """Insert (or take over an expired) receipt; return the live one found instead."""
+    def _sql(self) -> ReceiptSQL:
+        """The receipt statements for this connection's database."""
         raise NotImplementedError
 
-    def _write_result(self, content_type: str, data: bytes) -> None:
-        """Write the encoded result into this attempt's receipt."""
+    def _run(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+        """Run one statement in the block's transaction: its row count and its rows."""
         raise NotImplementedError
 
     def _end(self, error: BaseException | None) -> None:
         """End the block's transaction: commit when ``error`` is None, else roll back."""
         raise NotImplementedError
+
+    def _acquire(self) -> Receipt | None:
+        """Insert (or take over an expired) receipt; return the live one found instead."""
+        s = self._sql()
+        for _ in range(3):
+            count, rows = self._run(s.insert, [self.key, self.token, self.task_id, self.ttl])
+            # RETURNING, not rowcount: psycopg reports -1 for INSERT ... ON CONFLICT.
+            if (rows if s.returning else count == 1):
+                return None
+            _, rows = self._run(s.read, [self.key])
+            if not rows:
+                continue  # purged between the two statements: insert again
+            token, task_id, content_type, data, expired = rows[0]
+            if expired:
+                # Expired like its record: the action may run again, as on a fresh key.
+                self._run(s.revive, [self.token, self.task_id, self.ttl, self.key])
+                return None
+            return Receipt(self.key, int(token), str(task_id), self.decoded(content_type, data))
+        raise RuntimeError(f"the receipt of {self.key!r} keeps disappearing (purged in a loop?)")
+
+    def _write_result(self, content_type: str, data: bytes) -> None:
+        """Write the encoded result into this attempt's receipt."""
+        self._run(self._sql().write, [content_type, data, self.key, self.token])
 
     # -- the flow ---------------------------------------------------------------------------------
 

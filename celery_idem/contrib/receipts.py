@@ -28,19 +28,18 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql as pg
-from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from ..records import Receipt
 from ..stores.sql import data_type, db_now, new_metadata, text_type
 from ..stores.sql.schema import add_missing_columns
-from .receipt_flow import ReceiptFlow
+from .receipt_flow import ReceiptFlow, ReceiptSQL
 
 __all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "open_receipt", "purge_receipts",
            "receipts_table"]
@@ -112,17 +111,12 @@ def _ensure_table(conn: Connection, table: sa.Table) -> None:
     names.add(table.name)
 
 
-def _insert_or_nothing(dialect: str, table: sa.Table) -> Any:
-    """An INSERT that does nothing when the key exists, after waiting for a concurrent insert.
-
-    Every dialect waits for an uncommitted insert of the same key (the second holder blocks on
-    the first one's row), so a savepoint and its driver-specific traps are never needed.
-    """
-    if dialect == "postgresql":
-        return pg.insert(table).on_conflict_do_nothing(index_elements=["key"])
-    if dialect == "sqlite":
-        return sqlite.insert(table).on_conflict_do_nothing(index_elements=["key"])
-    return sa.insert(table).prefix_with("IGNORE")  # MySQL / MariaDB
+def receipt_sql(conn: Connection, table: str) -> ReceiptSQL:
+    """The receipt statements of ``table`` on ``conn``'s database."""
+    dialect = conn.dialect
+    return ReceiptSQL("mysql" if dialect.name == "mariadb" else dialect.name,
+                      dialect.identifier_preparer.quote, str(db_now().compile(dialect=dialect)), table,
+                      "?" if dialect.paramstyle == "qmark" else "%s")
 
 
 class ReceiptTransaction(ReceiptFlow):
@@ -167,44 +161,15 @@ class ReceiptTransaction(ReceiptFlow):
             self.rolled_back = True
 
     def _acquire(self) -> Receipt | None:
-        conn, t = self._connection(), self.table
-        dialect = conn.dialect.name
-        _ensure_table(conn, t)
-        values = {"key": self.key, "token": self.token, "task_id": self.task_id,
-                  "content_type": None, "data": None, "created": db_now(),
-                  "expires": db_now() + self.ttl}
-        for _ in range(3):
-            if self._inserted(conn, dialect, values):
-                return None
-            # A locking read sees the latest committed row whatever the isolation level (a
-            # plain SELECT under MySQL's REPEATABLE READ could read an older snapshot). A shared
-            # lock, not FOR UPDATE: MySQL's INSERT IGNORE already took one on the duplicate, and
-            # two readers upgrading to exclusive would deadlock each other.
-            row = conn.execute(
-                sa.select(t, db_now().label("now")).where(t.c.key == self.key)
-                .with_for_update(read=True)
-            ).mappings().first()
-            if row is None:
-                continue  # purged between the two statements: insert again
-            if row["expires"] <= row["now"]:
-                # Expired like its record: the action may run again, as on a fresh key.
-                conn.execute(sa.update(t).where(t.c.key == self.key).values(**values))
-                return None
-            value = self.decoded(row["content_type"], row["data"])
-            return Receipt(self.key, int(row["token"]), str(row["task_id"]), value)
-        raise RuntimeError(f"the receipt of {self.key!r} keeps disappearing (purged in a loop?)")
+        _ensure_table(self._connection(), self.table)
+        return super()._acquire()
 
-    def _inserted(self, conn: Connection, dialect: str, values: dict[str, Any]) -> bool:
-        stmt = _insert_or_nothing(dialect, self.table).values(**values)
-        if dialect in ("postgresql", "sqlite"):
-            # RETURNING, not rowcount: psycopg reports -1 for an INSERT ... ON CONFLICT.
-            return conn.execute(stmt.returning(self.table.c.key)).first() is not None
-        return conn.execute(stmt).rowcount == 1  # INSERT IGNORE: 0 when the key exists
+    def _sql(self) -> ReceiptSQL:
+        return receipt_sql(self._connection(), self.table.name)
 
-    def _write_result(self, content_type: str, data: bytes) -> None:
-        t = self.table
-        self._connection().execute(sa.update(t).where(t.c.key == self.key, t.c.token == self.token)
-                                   .values(content_type=content_type, data=data))
+    def _run(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+        result = self._connection().exec_driver_sql(sql, tuple(params))
+        return result.rowcount, list(result.all()) if result.returns_rows else []
 
 
 def open_receipt(target: Session | Connection, *, commit: bool, using: str,
@@ -228,15 +193,6 @@ def purge_receipts(bind: Engine | Connection, *, table: str = DEFAULT_RECEIPTS_T
     t = receipts_table(table)
     if not sa.inspect(bind).has_table(t.name):
         return 0
-    # The clock is read first and bound as a value, so PostgreSQL can use the expires index
-    # (as SQLStore.purge_expired does).
-    now = float(bind.execute(sa.select(db_now())).scalar_one())
-    expired = t.c.expires <= sa.literal(now, sa.Double)
-    # A bounded batch; the keys come through a derived table because MySQL refuses a LIMIT
-    # directly inside IN (...).
-    doomed = sa.select(t.c.key).where(expired).limit(limit).subquery()
-    # The outer condition is checked again on the row being deleted: a takeover may have
-    # renewed the receipt (committed while this DELETE waited for its row lock) after the
-    # subquery read it as expired; deleting it would let the new action run twice.
-    delete = sa.delete(t).where(t.c.key.in_(sa.select(doomed.c.key)), expired)
-    return int(bind.execute(delete).rowcount or 0)
+    sql = receipt_sql(bind, t.name)
+    now = float(bind.exec_driver_sql(sql.clock).scalar_one())
+    return int(bind.exec_driver_sql(sql.purge, (now, int(limit), now)).rowcount or 0)

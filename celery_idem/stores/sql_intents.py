@@ -21,7 +21,8 @@ from .base import Store, record_from_row
 __all__ = ["INTENT_COLUMNS", "RECORD_COLUMNS", "IntentSQL", "SQLIntents"]
 
 #: The columns of an intent row, in the order every statement here returns them.
-INTENT_COLUMNS: Final = ("key", "task_id", "queue", "message", "enqueued", "deadline", "expires")
+INTENT_COLUMNS: Final = ("key", "task_id", "queue", "message", "enqueued", "deadline", "expires",
+                         "sent")
 #: The columns of a record row (both stores' records tables), in the order ``due`` returns them.
 RECORD_COLUMNS: Final = ("key", "state", "token", "owner", "task_id", "attempt", "lease_expires",
                          "payload_hash", "content_type", "data", "updated", "expires", "claim_id")
@@ -57,14 +58,14 @@ class IntentSQL:
         replace = ", ".join(f"{q(c)} = {self._new(q, c)}" for c in INTENT_COLUMNS[1:])
         if vendor == "mysql":
             # The times are bound: the clock is read first (no RETURNING to hand them back).
-            self.intend = (f"INSERT INTO {i} ({cols}) VALUES ({', '.join([p] * 7)}) "
+            self.intend = (f"INSERT INTO {i} ({cols}) VALUES ({', '.join([p] * 8)}) "
                            f"ON DUPLICATE KEY UPDATE {replace}")
         else:
             # One clock read for the three times. "WHERE 1 = 1": SQLite's parser needs a WHERE
             # between INSERT ... SELECT and ON CONFLICT.
             self.intend = (
                 f"INSERT INTO {i} ({cols}) SELECT {p}, {p}, {p}, {p}, c.now, "
-                f"{greatest}(c.now, {p}) + {p}, c.now + {p} FROM (SELECT {now} AS now) c WHERE 1 = 1 "
+                f"{greatest}(c.now, {p}) + {p}, c.now + {p}, c.now FROM (SELECT {now} AS now) c WHERE 1 = 1 "
                 f"ON CONFLICT ({q('key')}) DO UPDATE SET {replace} "
                 f"RETURNING {q('enqueued')}, {q('deadline')}, {q('expires')}")
         # The clock is read once, in a one-row subquery the deadline index is probed with.
@@ -75,7 +76,7 @@ class IntentSQL:
             f"WHERE {own('i.' + q('key'))} ORDER BY i.{q('deadline')} LIMIT {p}")
         cas = f"WHERE {q('key')} = {p} AND {q('task_id')} = {p} AND {q('deadline')} = {p}"
         self.reschedule = f"UPDATE {i} SET {q('deadline')} = {p} {cas}"
-        self.resend = f"UPDATE {i} SET {q('deadline')} = {p}, {q('enqueued')} = {now} {cas}"
+        self.resend = f"UPDATE {i} SET {q('deadline')} = {p}, {q('sent')} = {now} {cas}"
         self.close = f"DELETE FROM {i} WHERE {q('key')} = {p} AND {q('task_id')} = {p}"
         page = f"SELECT {cols} FROM {i} WHERE {own(q('key'))}"
         order = f"ORDER BY {q('key')} LIMIT {p}"
@@ -103,19 +104,20 @@ class IntentSQL:
 class SQLIntents(Store):
     """The intent verbs of :class:`~celery_idem.stores.base.Store` on :class:`IntentSQL`'s
     statements; a store gives its statements (``_intent_sql``) and a way to run them
-    (:meth:`_run_intent_sql`)."""
+    (:meth:`_run_sql`)."""
 
     keeps_intents: ClassVar[bool] = True
     _intent_sql: IntentSQL
 
     @abc.abstractmethod
-    def _run_intent_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+    def _run_sql(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
         """Run one statement: its row count and its rows (none for a statement without)."""
 
     def _intent(self, row: Sequence[Any]) -> Intent:
         return Intent(key=str(row[0])[len(self.prefix):], task_id=str(row[1]),
                       queue=str(row[2])[len(self.prefix):], message=bytes(row[3]),
-                      enqueued=float(row[4]), deadline=float(row[5]), expires=float(row[6]))
+                      enqueued=float(row[4]), deadline=float(row[5]), expires=float(row[6]),
+                      sent=float(row[7]))
 
     def intend(self, key: str, task_id: str, queue: str, message: bytes, *, relay_after: float,
                ttl: float, eta: float | None = None) -> Intent:
@@ -126,18 +128,18 @@ class SQLIntents(Store):
         if s.vendor == "mysql":
             now = self.now()
             times = (now, max(now, eta or 0.0) + relay_after, now + ttl)
-            self._run_intent_sql(s.intend, [stored, task_id, queued, data, *times])
+            self._run_sql(s.intend, [stored, task_id, queued, data, *times, now])
         else:
-            _, rows = self._run_intent_sql(
+            _, rows = self._run_sql(
                 s.intend, [stored, task_id, queued, data, float(eta or 0.0), float(relay_after), float(ttl)])
             times = (float(rows[0][0]), float(rows[0][1]), float(rows[0][2]))
-        return Intent(key, task_id, queue, data, *times)
+        return Intent(key, task_id, queue, data, *times, times[0])
 
     def due_intents(self, limit: int = 500) -> list[tuple[Intent, Record | None]]:
         """Up to ``limit`` due intents, earliest deadline first, each with its key's live record:
         one SELECT joining the records table."""
         s = self._intent_sql
-        _, rows = self._run_intent_sql(s.due, [*s.own_params, max(0, int(limit))])
+        _, rows = self._run_sql(s.due, [*s.own_params, max(0, int(limit))])
         width = len(INTENT_COLUMNS)
         return [(self._intent(row), None if row[width] is None else record_from_row(
                     dict(zip(RECORD_COLUMNS, row[width:], strict=True)), self.prefix, s.records))
@@ -146,13 +148,13 @@ class SQLIntents(Store):
     def reschedule_intent(self, intent: Intent, deadline: float, *, resent: bool = False) -> bool:
         """One compare-and-set UPDATE on the key, task id and deadline as read."""
         s = self._intent_sql
-        count, _ = self._run_intent_sql(s.resend if resent else s.reschedule, [
+        count, _ = self._run_sql(s.resend if resent else s.reschedule, [
             float(deadline), self.prefix + intent.key, intent.task_id, float(intent.deadline)])
         return count == 1
 
     def close_intent(self, key: str, task_id: str) -> None:
         """One DELETE of ``key``'s intent, if it is still ``task_id``'s."""
-        self._run_intent_sql(self._intent_sql.close, [self.prefix + key, task_id])
+        self._run_sql(self._intent_sql.close, [self.prefix + key, task_id])
 
     def intents(self, count: int = 100) -> Iterator[Intent]:
         """This prefix's intents in key order, ``count`` per query (keyset pagination)."""
@@ -161,9 +163,9 @@ class SQLIntents(Store):
         last: str | None = None
         while True:
             if last is None:
-                _, rows = self._run_intent_sql(s.first_page, [*s.own_params, size])
+                _, rows = self._run_sql(s.first_page, [*s.own_params, size])
             else:
-                _, rows = self._run_intent_sql(s.next_page, [*s.own_params, last, size])
+                _, rows = self._run_sql(s.next_page, [*s.own_params, last, size])
             for row in rows:
                 yield self._intent(row)
             if len(rows) < size:
@@ -173,7 +175,7 @@ class SQLIntents(Store):
     def watermarks(self) -> dict[str, float]:
         """This prefix's watermarks: one SELECT."""
         s = self._intent_sql
-        _, rows = self._run_intent_sql(s.watermarks, s.own_params)
+        _, rows = self._run_sql(s.watermarks, s.own_params)
         return {str(queue)[len(self.prefix):]: float(enqueued) for queue, enqueued in rows}
 
     def raise_watermarks(self, marks: Mapping[str, float]) -> None:
@@ -182,4 +184,4 @@ class SQLIntents(Store):
         if not marks:
             return
         params = [v for queue in sorted(marks) for v in (self.prefix + queue, float(marks[queue]))]
-        self._run_intent_sql(self._intent_sql.raise_watermarks(len(marks)), params)
+        self._run_sql(self._intent_sql.raise_watermarks(len(marks)), params)

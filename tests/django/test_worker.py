@@ -180,7 +180,9 @@ def test_migrate_creates_the_tables_from_an_empty_database(db: str, tmp_path: Pa
         out = subprocess.run([sys.executable, "-c", "import django; django.setup()\n" + check], cwd=ROOT,
                              env=environ, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split("\n")[:2] == ["['celery_idem_receipts', 'celery_idem_records']", "claimed"]
+        assert out.stdout.split("\n")[:2] == [
+            "['celery_idem_receipts', 'celery_idem_records', 'celery_idem_records_intents', "
+            "'celery_idem_records_watermarks']", "claimed"]
     finally:
         if db == "pg":
             _admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -58,7 +58,7 @@ def test_a_redis_store_switched_off_never_uses_the_wire(
 def test_a_sql_store_switched_off_never_uses_psycopg_directly(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sql_psycopg.RawSession, "execute", _forbidden)
+    monkeypatch.setattr(sql_psycopg.RawSession, "run", _forbidden)
     monkeypatch.setattr(sql_psycopg.PsycopgPath, "connection", _forbidden)
     store = SQLStore.from_url("db+" + pg_url, prefix="off:", table_name=f"t_{uuid.uuid4().hex[:12]}",
                               accelerate=False)

@@ -37,7 +37,6 @@ from celery_idem.exceptions import LeaseLost, StoreUnavailable
 from celery_idem.gate import Attempt, Gate
 from celery_idem.records import ClaimStatus, State
 from celery_idem.stores.sql import SQLStore
-from celery_idem.stores.sql.claims import ClaimArgs
 from celery_idem.stores.sql.psycopg import KEPT_CURSOR, KEPT_RESULT_BYTES, RawSession
 from celery_idem.stores.sql.store import SASession
 
@@ -366,15 +365,19 @@ def _claim_in_a_transaction(store: SQLStore, key: str, payload_hash: str | None)
     transaction id at its first write (a row lock included), so None means nothing was
     written, and the commit would have had no WAL to flush. The transaction is rolled back.
     """
-    args = ClaimArgs(store._stored(key), "host:b", "task-b", 0, LONG, LONG, payload_hash,
-                      "claim-b")
     with store._engine.connect() as conn:
         fairy = conn.connection
         driver = fairy.driver_connection
         assert driver is not None
         with driver.transaction(force_rollback=True):  # BEGIN on the store's autocommit connection
             session = RawSession(store._psycopg, fairy) if store._psycopg else SASession(conn)
-            result = store._claim_postgresql(args, session.execute)
+            # The store's statements on this session (an instance attribute over the method).
+            store._run_sql = session.run  # type: ignore[method-assign]
+            try:
+                result = store.claim(key, owner="host:b", task_id="task-b", attempt=0, lease=LONG,
+                                     ttl=LONG, payload_hash=payload_hash)
+            finally:
+                del store._run_sql
             xid = driver.execute("SELECT txid_current_if_assigned()").fetchone()
     assert xid is not None
     return result.status, xid[0]
@@ -430,12 +433,12 @@ def test_a_claim_that_finds_the_key_finished_does_not_wait_for_a_row_lock(
 # -- the statements as the fast path sends them ---------------------------------------------------
 
 
-def test_constants_are_written_into_the_sql_and_each_call_sends_only_its_values(
+def test_a_statements_text_runs_numbered_and_as_written_with_its_literals_intact(
     make_store: Callable[..., SQLStore],
 ) -> None:
-    # Given a statement with constants that need quoting and escaping (a quote, a percent sign)
-    # and a value used twice, run by a store whose cursors are psycopg's RawCursor (the default)
-    # and by one whose connections have a cursor class of their own (the %(name)s SQL)
+    # Given a statement's text with literals that need quoting and escaping (a quote, a percent
+    # sign, %% in the driver's SQL), run by a store whose cursors are psycopg's RawCursor (the
+    # default) and by one whose connections have a cursor class of their own (the %s SQL)
     import psycopg
 
     opened: list[Any] = []
@@ -447,25 +450,19 @@ def test_constants_are_written_into_the_sql_and_each_call_sends_only_its_values(
 
     numbered, named = make_store(), make_store(connect_args={"cursor_factory": OwnCursor})
     token = claim(numbered, "k").token
-    t = numbered._table
-    statement = sa.select(t.c.owner, sa.literal("it's 100%").label("note")).where(
-        t.c.key == sa.bindparam("idem_key"), t.c.task_id != "x'%",
-        t.c.token == sa.bindparam("idem_token"), t.c.key == sa.bindparam("idem_key"),
-    )
+    sql = (f"SELECT owner, 'it''s 100%%' AS note FROM {numbered._table.name} WHERE key = %s "
+           f"AND task_id <> 'x''%%' AND token = %s AND key = %s")
     assert numbered._psycopg is not None
-    raw = numbered._psycopg.statement(statement)
-    assert (raw.constants, raw.order) == ({}, ("idem_key", "idem_token"))
-    assert (b"$2" in raw.numbered, b"$3" in raw.numbered) == (True, False)
-    assert (b"'it''s 100%'" in raw.numbered, b"'x''%'" in raw.numbered) == (True, True)
-    assert ("'it''s 100%%'" in raw.sql, "'x''%%'" in raw.sql) == (True, True)  # %% for psycopg's parser
-    # When both run it, Then both get the constants back as they were written
-    params = {"idem_key": "fast:k", "idem_token": token}
-    expected = (1, {"owner": "host:a", "note": "it's 100%"})
-    assert numbered._execute(statement, params) == expected
+    raw = numbered._psycopg.numbered(sql)
+    assert (b"$3" in raw, b"%s" in raw, b"'it''s 100%'" in raw, b"'x''%'" in raw) == (True, False, True, True)
+    # When both run it, Then both get the literals back as they were written
+    params = ["fast:k", token, "fast:k"]
+    expected = (1, [("host:a", "it's 100%")])
+    assert numbered._run_sql(sql, params) == expected
     assert opened == []
     named.now()  # its connection is open (SQLAlchemy's own queries use the class too)
     opened.clear()
-    assert named._execute(statement, params) == expected
+    assert named._run_sql(sql, params) == expected
     assert len(opened) == 1
 
 

@@ -88,6 +88,7 @@ class IdempotencyIntent(models.Model):  # type: ignore[misc]
     enqueued = models.FloatField()
     deadline = models.FloatField()
     expires = models.FloatField()
+    sent = models.FloatField()
 
     class Meta:
         db_table = INTENTS_TABLE

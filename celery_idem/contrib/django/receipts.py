@@ -30,10 +30,11 @@ must happen belongs in an idempotent task of its own, enqueued from the hook.)
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from ...records import Receipt
-from ..receipt_flow import ReceiptFlow
+from ..receipt_flow import ReceiptFlow, ReceiptSQL
 from .models import RECEIPTS_TABLE
 from .sql import Dialect
 
@@ -85,58 +86,15 @@ class DjangoReceiptTransaction(ReceiptFlow):
         else:
             atomic.__exit__(None, None, None)
 
-    def _acquire(self) -> Receipt | None:
+    def _sql(self) -> ReceiptSQL:
         conn = self._connection()
-        vendor = conn.vendor
-        d = Dialect(vendor, conn.ops.quote_name)
-        q, t = d.q, d.q(self.table)
-        cols = f"{q('key')}, {q('token')}, {q('task_id')}, {q('content_type')}, {q('data')}, " \
-               f"{q('created')}, {q('expires')}"
-        values = f"%s, %s, %s, NULL, NULL, {d.now}, {d.now} + %s"
-        params = [self.key, self.token, self.task_id, self.ttl]
-        # Every database waits for a concurrent uncommitted insert of the same key here (the
-        # second holder blocks on the first one's row), so no savepoint is needed.
-        if vendor == "mysql":
-            insert = f"INSERT IGNORE INTO {t} ({cols}) VALUES ({values})"
-        else:
-            insert = (f"INSERT INTO {t} ({cols}) VALUES ({values}) ON CONFLICT ({q('key')}) "
-                      f"DO NOTHING RETURNING {q('key')}")
-        # A locking read sees the latest committed row whatever the isolation level; a shared
-        # lock (MySQL's INSERT IGNORE took one already; two upgrading to exclusive deadlock).
-        lock = {"postgresql": " FOR SHARE", "mysql": " LOCK IN SHARE MODE"}.get(vendor, "")
-        read = (f"SELECT {q('token')}, {q('task_id')}, {q('content_type')}, {q('data')}, "
-                f"{q('expires')} <= {d.now} FROM {t} WHERE {q('key')} = %s{lock}")
-        with conn.cursor() as cursor:
-            for _ in range(3):
-                cursor.execute(insert, params)
-                # RETURNING, not rowcount: psycopg reports -1 for INSERT ... ON CONFLICT.
-                inserted = cursor.rowcount == 1 if vendor == "mysql" else cursor.fetchone() is not None
-                if inserted:
-                    return None
-                cursor.execute(read, [self.key])
-                row = cursor.fetchone()
-                if row is None:
-                    continue  # purged between the two statements: insert again
-                token, task_id, content_type, data, expired = row
-                if expired:
-                    # Expired like its record: the action may run again, as on a fresh key.
-                    cursor.execute(
-                        f"UPDATE {t} SET {q('token')} = %s, {q('task_id')} = %s, "
-                        f"{q('content_type')} = NULL, {q('data')} = NULL, {q('created')} = {d.now}, "
-                        f"{q('expires')} = {d.now} + %s WHERE {q('key')} = %s",
-                        [self.token, self.task_id, self.ttl, self.key])
-                    return None
-                return Receipt(self.key, int(token), str(task_id), self.decoded(content_type, data))
-        raise RuntimeError(f"the receipt of {self.key!r} keeps disappearing (purged in a loop?)")
+        d = Dialect(conn.vendor, conn.ops.quote_name)
+        return ReceiptSQL(conn.vendor, d.q, d.now, self.table)
 
-    def _write_result(self, content_type: str, data: bytes) -> None:
-        conn = self._connection()
-        q = conn.ops.quote_name
-        with conn.cursor() as cursor:
-            cursor.execute(
-                f"UPDATE {q(self.table)} SET {q('content_type')} = %s, {q('data')} = %s "
-                f"WHERE {q('key')} = %s AND {q('token')} = %s",
-                [content_type, data, self.key, self.token])
+    def _run(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+        with self._connection().cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.rowcount, cursor.fetchall() if cursor.description else []
 
 
 def open_receipt(target: None, *, commit: bool, using: str, **attempt: Any) -> DjangoReceiptTransaction:
@@ -159,17 +117,9 @@ def purge_receipts(using: str = "default", *, table: str = RECEIPTS_TABLE, limit
 
     conn = connections[using]
     d = Dialect(conn.vendor, conn.ops.quote_name)
-    q, t = d.q, d.q(table)
+    sql = ReceiptSQL(conn.vendor, d.q, d.now, table)
     with conn.cursor() as cursor:
-        # The clock is read first and bound as a value, so PostgreSQL can use the expires index.
-        cursor.execute(f"SELECT {d.now}")
+        cursor.execute(sql.clock)
         now = float(cursor.fetchone()[0])
-        if conn.vendor == "mysql":
-            cursor.execute(f"DELETE FROM {t} WHERE {q('expires')} <= %s LIMIT {int(limit)}", [now])
-        else:
-            # The outer condition is checked again on the row deleted: a takeover may have
-            # renewed the receipt after the subquery read it as expired.
-            cursor.execute(
-                f"DELETE FROM {t} WHERE {q('key')} IN (SELECT {q('key')} FROM {t} WHERE "
-                f"{q('expires')} <= %s LIMIT {int(limit)}) AND {q('expires')} <= %s", [now, now])
+        cursor.execute(sql.purge, [now, int(limit), now])
         return int(cursor.rowcount or 0)

@@ -7,16 +7,16 @@ it. Engines run in autocommit without pre-ping; each verb is one statement but w
 docs/stores.md ("Statements") counts more.
 
 Modules, imports running down the list: ``schema`` (the table, types and clock; public),
-``engine`` (URL -> engine), ``claims`` (the claim's decision and statements), ``store``
-(:class:`SQLStore`; its intent verbs are :mod:`celery_idem.stores.sql_intents`, shared with the
-Django store); its fast twins, imported only when taken: ``psycopg`` (the statements on
+``engine`` (URL -> engine), ``store`` (:class:`SQLStore`; its statements are
+:mod:`celery_idem.stores.sql_records`' and :mod:`celery_idem.stores.sql_intents`', shared with
+the Django store); its fast twins, imported only when taken: ``psycopg`` (the statements on
 psycopg 3's own connection) and ``taskmeta`` (Celery's result row).
 """
 
 from __future__ import annotations
 
-from .schema import DEFAULT_TABLE_NAME, data_type, db_now, new_metadata, records_table, text_type, token_for
+from .schema import DEFAULT_TABLE_NAME, data_type, db_now, new_metadata, records_table, text_type
 from .store import SQLStore
 
 __all__ = ["DEFAULT_TABLE_NAME", "SQLStore", "data_type", "db_now", "new_metadata", "records_table",
-           "text_type", "token_for"]
+           "text_type"]

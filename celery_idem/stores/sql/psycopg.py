@@ -2,9 +2,10 @@
 
 The fast twin of ``SQLStore._session``, whose plain path runs the statements through a
 SQLAlchemy ``Connection`` (``SASession`` in :mod:`.store`), imported only with accelerations on. Here
-each statement is compiled once (:class:`RawStatement`) and run on the pooled psycopg
-connection as a server-side prepared statement with plain tuples (:class:`RawSession`),
-raising what SQLAlchemy would raise, so the store translates errors the same way.
+each statement's text (:mod:`celery_idem.stores.sql_records`) is numbered once (``$1 .. $n``)
+and run on the pooled psycopg connection as a server-side prepared statement with plain values
+(:class:`RawSession`), raising what SQLAlchemy would raise, so the store translates errors the
+same way.
 """
 
 from __future__ import annotations
@@ -12,35 +13,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
 
-import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 
-__all__ = ["KEPT_CURSOR", "KEPT_RESULT_BYTES", "PsycopgPath", "RawSession", "RawStatement",
-           "psycopg_classes"]
-
-# As .store's (not imported: the store imports this module, when it accelerates).
-Row: TypeAlias = Mapping[Any, Any]
-Outcome: TypeAlias = "tuple[int, Row | None]"
-Statement: TypeAlias = "sa.Select[Any] | sa.Update"
-
+__all__ = ["KEPT_CURSOR", "KEPT_RESULT_BYTES", "PsycopgPath", "RawSession", "psycopg_classes"]
 
 class PsycopgPath:
-    """Sessions on pooled psycopg 3 connections, and the statements compiled for them."""
+    """Sessions on pooled psycopg 3 connections, and the statements numbered for them."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._statements: dict[Statement, RawStatement] = {}
+        self._numbered: dict[str, bytes] = {}
 
-    def statement(self, statement: Statement) -> RawStatement:
-        """``statement`` compiled for this path (once; two threads compiling it get equal ones)."""
-        raw = self._statements.get(statement)
+    def numbered(self, sql: str) -> bytes:
+        """``sql``'s ``%s`` placeholders as ``$1 .. $n``, for psycopg's RawCursor (once per text)."""
+        raw = self._numbered.get(sql)
         if raw is None:
-            raw = self._statements[statement] = RawStatement.compile(statement, self.engine.dialect)
+            count = iter(range(1, sql.count("%s") + 1))
+            raw = self._numbered[sql] = re.sub(
+                r"%s|%%", lambda m: "%" if m[0] == "%%" else f"${next(count)}", sql).encode()
         return raw
 
     @contextlib.contextmanager
@@ -67,90 +61,6 @@ class PsycopgPath:
 # The cursor kept in each pooled connection's info dict, and the largest result it may keep.
 KEPT_CURSOR: Final = "celery_idem.cursor"
 KEPT_RESULT_BYTES: Final = 64 * 1024
-
-_PLACEHOLDER: Final = re.compile(r"%\((?P<name>[^)]+)\)s|%%")
-
-
-@dataclass(frozen=True)
-class RawStatement:
-    """One statement compiled once for the psycopg path.
-
-    SQLAlchemy's literal binds (``'done'``, 1, ``NULL``) are written into the SQL text, so
-    psycopg does not adapt and send them on every call (the claim has 35); only the ``idem_*``
-    values remain parameters.
-
-    Attributes:
-        sql: The DBAPI SQL text (``%(name)s`` placeholders, with SQLAlchemy's type casts).
-        constants: The literals that could not be written into the SQL (none in the store's).
-        columns: The result columns' names, in order; empty when no rows come back.
-        processors: SQLAlchemy's bind processors for the ``idem_*`` values, applied per call.
-        numbered: The SQL with ``$1 .. $n`` placeholders for psycopg's ``RawCursor`` (its
-            ``%(name)s`` parser caches up to 4 KiB and 50 parameters: not the claim).
-        order: The parameter names of ``$1 .. $n``.
-    """
-
-    sql: str
-    constants: Mapping[str, Any]
-    columns: tuple[str, ...]
-    processors: Mapping[str, Callable[[Any], Any]]
-    numbered: bytes
-    order: tuple[str, ...]
-
-    def values(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        values = {**self.constants, **params}
-        for name, process in self.processors.items():
-            values[name] = process(values[name])
-        return values
-
-    def positional(self, params: Mapping[str, Any]) -> list[Any]:
-        """The values of ``$1 .. $n``, from a call's ``idem_*`` values."""
-        if self.constants or self.processors:
-            params = self.values(params)
-        return [params[name] for name in self.order]
-
-    @classmethod
-    def compile(cls, statement: Statement, dialect: Any) -> RawStatement:
-        compiled = statement.compile(dialect=dialect)
-        # An expanding IN renders its values at execution time, which the fast path does not
-        # do: a statement needing it is a bug in the store, caught the first time it runs.
-        if "POSTCOMPILE" in compiled.string:
-            raise RuntimeError(f"celery_idem: statement unfit for the raw path:\n{compiled.string}")
-        processors: dict[str, Callable[[Any], Any]] = dict(getattr(compiled, "_bind_processors", {}))
-        constants = {k: processors.pop(k)(v) if k in processors else v
-                     for k, v in compiled.params.items() if not k.startswith("idem_")}
-        literals: dict[str, str] = {}
-        for k, v in constants.items():
-            literal = _sql_literal(compiled, k, v)
-            if literal is not None:
-                literals[k] = literal
-        sql = _PLACEHOLDER.sub(lambda m: literals.get(m["name"] or "", m[0]), compiled.string)
-        constants = {k: v for k, v in constants.items() if k not in literals}
-        order: dict[str, str] = {}
-
-        def number(m: re.Match[str]) -> str:
-            if not m["name"]:
-                return "%"  # SQLAlchemy's escape of a literal %
-            return order.setdefault(m["name"], f"${len(order) + 1}")
-
-        numbered = _PLACEHOLDER.sub(number, sql)
-        returns_rows = isinstance(statement, sa.Select) or bool(compiled.returning)
-        # keys(), not iteration: a ColumnCollection iterates over its columns, not their names.
-        names = statement.exported_columns.keys()
-        columns = tuple(str(name) for name in names) if returns_rows else ()
-        return cls(sql, constants, columns, processors, numbered.encode(), tuple(order))
-
-
-def _sql_literal(compiled: Any, name: str, value: Any) -> str | None:
-    """``value`` as SQLAlchemy writes it with ``literal_binds``; None: it stays a parameter."""
-    if value is None:
-        return "NULL"
-    if type(value) not in (str, int):
-        return None
-    try:
-        literal = compiled.render_literal_value(value, compiled.binds[name].type)
-    except (sa_exc.CompileError, NotImplementedError):
-        return None
-    return str(literal)
 
 
 class RawSession:
@@ -183,29 +93,22 @@ class RawSession:
             cursor = self._info[KEPT_CURSOR] = self._raw_cursor(self._driver, row_factory=self._tuple_row)
         return cursor
 
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> Outcome:
-        raw = self._path.statement(statement)
-        query: bytes | str
-        values: Sequence[Any] | Mapping[str, Any]
+    def run(self, sql: str, params: Sequence[Any]) -> tuple[int, list[Sequence[Any]]]:
+        """Run a statement's text with ``%s`` placeholders, prepared: its row count and its rows
+        (numbered on the kept RawCursor, or as written on a cursor of the connection's class)."""
         keep = self._raw_cursor is not None
+        query: bytes | str
         if keep:
-            cursor = self._kept_cursor()
-            query, values = raw.numbered, raw.positional(params)
+            cursor, query = self._kept_cursor(), self._path.numbered(sql)
         else:
-            cursor = self._driver.cursor(row_factory=self._tuple_row)
-            query, values = raw.sql, raw.values(params)
+            cursor, query = self._driver.cursor(row_factory=self._tuple_row), sql
         try:
-            cursor.execute(query, values, prepare=self._prepare)
-            if not raw.columns:
-                return cursor.rowcount, None
-            row = cursor.fetchone()
-            if row is None:
-                return cursor.rowcount, None
-            out = dict(zip(raw.columns, row, strict=True))
-            data = out.get("data")
+            cursor.execute(query, list(params), prepare=self._prepare)
+            rows = cursor.fetchall() if cursor.description else []
             # A kept cursor holds its last result until the next verb: not a large one.
-            keep = keep and (data is None or len(data) <= KEPT_RESULT_BYTES)
-            return cursor.rowcount, out
+            size = sum(len(v) for row in rows for v in row if isinstance(v, bytes | memoryview))
+            keep = keep and size <= KEPT_RESULT_BYTES
+            return cursor.rowcount, rows
         except self._path.engine.dialect.loaded_dbapi.Error as exc:
             keep = False  # the next verb starts on a fresh cursor (errors are rare)
             engine = self._path.engine
@@ -221,9 +124,8 @@ class RawSession:
                 else:  # pragma: no cover - SQLAlchemy 2.0-2.1 have it
                     self._fairy.invalidate(exc)
             raise sa_exc.DBAPIError.instance(
-                raw.sql, raw.values(params), exc, dialect.loaded_dbapi.Error,
-                hide_parameters=engine.hide_parameters, connection_invalidated=disconnect,
-                dialect=dialect) from exc
+                sql, params, exc, dialect.loaded_dbapi.Error, hide_parameters=engine.hide_parameters,
+                connection_invalidated=disconnect, dialect=dialect) from exc
         except BaseException:
             # Interrupted mid-protocol (a soft time limit, KeyboardInterrupt): the connection's
             # state is unknown, so it must not go back to the pool.

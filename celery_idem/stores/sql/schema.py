@@ -12,14 +12,13 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
 
 from ...exceptions import ImproperlyConfigured
-from ..base import TOKEN_CLOCK_SCALE, mysql_byte_collation
+from ..base import mysql_byte_collation
 
 __all__ = ["DEFAULT_TABLE_NAME", "add_missing_columns", "data_type", "db_now", "intent_tables",
-           "new_metadata", "records_table", "text_type", "token_for"]
+           "new_metadata", "records_table", "text_type"]
 
 #: The table the store uses unless ``table_name`` says otherwise.
 DEFAULT_TABLE_NAME: Final = "celery_idem_records"
@@ -50,14 +49,6 @@ def _db_now_mysql(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(db_now, "sqlite")
 def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return "((julianday('now') - 2440587.5) * 86400.0)"
-
-
-def token_for(previous: ColumnElement[Any], now: ColumnElement[float]) -> ColumnElement[int]:
-    """A taking claim's token in SQL: ``max(previous + 1, now in µs)``, ``previous`` NULL = 0
-    (:func:`celery_idem.stores.base.next_token` on the database clock ``now``)."""
-    after = sa.func.coalesce(previous, 0) + 1
-    micros = sa.cast(now * TOKEN_CLOCK_SCALE, sa.BigInteger)
-    return sa.case((after > micros, after), else_=micros)
 
 
 class KeyText(sa.String):
@@ -125,7 +116,8 @@ def intent_tables(records: sa.Table) -> tuple[sa.Table, sa.Table]:
         # Store clock (epoch seconds), as the records' times.
         sa.Column("enqueued", sa.Double, nullable=False),
         sa.Column("deadline", sa.Double, nullable=False, index=True),
-        sa.Column("expires", sa.Double, nullable=False))
+        sa.Column("expires", sa.Double, nullable=False),
+        sa.Column("sent", sa.Double, nullable=False))
     watermarks = sa.Table(
         f"{records.name}_watermarks", records.metadata,
         sa.Column("queue", text_type(255), primary_key=True),

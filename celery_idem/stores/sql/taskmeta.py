@@ -20,23 +20,19 @@ One transaction and one WAL flush instead of two. The row is written only when t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ..base import BackendWrite
 
-__all__ = ["TaskMetaWrite", "build_fold", "fold_params"]
+__all__ = ["TaskMetaWrite", "build_fold"]
 
 #: Celery's state that a later write must not replace (its backends ignore writes after it).
 _SUCCESS: Final = "SUCCESS"
 
-# Per-call values are idem_* parameters (the fast path inlines every other bind as a
-# constant): the record's own, and the row's as idem_meta_<column>.
-_META: Final = "idem_meta_"
 
 
 @dataclass(frozen=True)
@@ -53,33 +49,35 @@ class TaskMetaWrite(BackendWrite):
     row: Mapping[str, Any] = field(default_factory=dict)
 
 
-def build_fold(record: sa.Update, records: sa.Table, meta: sa.Table,
-               columns: tuple[str, ...]) -> sa.Select[Any]:
-    """The store's fenced ``record`` UPDATE on ``records`` and Celery's upsert of ``columns``
-    (``idem_meta_<name>`` parameters; ``id`` from the table's sequence) of ``meta`` as one
-    SELECT of ``recorded`` (1: the record was written) and ``written`` (1: the row was
-    inserted or updated; 0 beside a SUCCESS row already there)."""
-    rec = record.returning(records.c.key).cte("rec")
-    values: dict[str, Any] = {
-        name: sa.bindparam(_META + name, type_=meta.c[name].type) for name in columns
-    }
+def build_fold(record: str, key: str, meta: sa.Table, columns: tuple[str, ...],
+               dialect: Any) -> tuple[str, Callable[[TaskMetaWrite], list[Any]]]:
+    """The store's fenced ``record`` UPDATE (its SQL text; ``key``: the quoted key column) and
+    Celery's upsert of ``columns`` of ``meta`` (``id`` from the table's sequence) as one SELECT
+    of ``recorded`` (1: the record was written) and ``written`` (1: the row was inserted or
+    updated; 0 beside a SUCCESS row already there).
+
+    Returns the SQL (the record's parameters, then the row's) and the function giving a
+    write's values of the row, as Celery's column types bind them (a pickled result, ...).
+    """
+    p = dialect.identifier_preparer
+    q = p.quote
+    # Typed: a NULL value must still be of its column's type in INSERT ... SELECT.
+    values = {name: f"CAST(%s AS {meta.c[name].type.compile(dialect=dialect)})" for name in columns}
     id_column = meta.c.get("id")
     if id_column is not None and isinstance(id_column.default, sa.Sequence):
         # Celery's model gives ids from a sequence (the column has no server default).
-        values = {"id": id_column.default.next_value(), **values}
-    insert = pg_insert(meta).from_select(list(values), sa.select(*values.values()).select_from(rec))
-    upsert = insert.on_conflict_do_update(
-        index_elements=[meta.c.task_id],
-        set_={name: insert.excluded[name] for name in columns if name != "task_id"},
-        # Like Celery's backend: a SUCCESS stays (a late write must not replace it).
-        where=sa.or_(meta.c.status.is_(None), meta.c.status != _SUCCESS),
-    ).returning(sa.literal(1).label("one")).cte("meta")
-    count = sa.func.count
-    return sa.select(
-        sa.select(count()).select_from(rec).scalar_subquery().label("recorded"),
-        sa.select(count()).select_from(upsert).scalar_subquery().label("written"))
+        values = {"id": f"nextval('{p.format_sequence(id_column.default)}')", **values}
+    updates = ", ".join(f"{q(name)} = EXCLUDED.{q(name)}" for name in columns if name != "task_id")
+    sql = (f"WITH rec AS ({record} RETURNING {key}), "
+           f"meta AS (INSERT INTO {p.format_table(meta)} AS m ({', '.join(q(n) for n in values)}) "
+           f"SELECT {', '.join(values.values())} FROM rec ON CONFLICT ({q('task_id')}) DO UPDATE "
+           # Like Celery's backend: a SUCCESS stays (a late write must not replace it).
+           f"SET {updates} WHERE m.{q('status')} IS NULL OR m.{q('status')} <> '{_SUCCESS}' RETURNING 1) "
+           "SELECT (SELECT count(*) FROM rec) AS recorded, (SELECT count(*) FROM meta) AS written")
+    processors = [meta.c[name].type.bind_processor(dialect) for name in columns]
 
+    def row(write: TaskMetaWrite) -> list[Any]:
+        return [value if process is None else process(value)
+                for process, value in zip(processors, (write.row[name] for name in columns), strict=True)]
 
-def fold_params(write: TaskMetaWrite) -> dict[str, Any]:
-    """The per-call ``idem_meta_*`` values of ``write``."""
-    return {_META + name: value for name, value in write.row.items()}
+    return sql, row

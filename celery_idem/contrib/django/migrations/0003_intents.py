@@ -32,6 +32,7 @@ class Migration(migrations.Migration):
                 ('enqueued', models.FloatField()),
                 ('deadline', models.FloatField()),
                 ('expires', models.FloatField()),
+                ('sent', models.FloatField()),
             ],
             options={
                 'verbose_name': 'idempotency intent',

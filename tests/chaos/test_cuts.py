@@ -90,7 +90,7 @@ class PgKiller:
 
     def kill_waiting(self, verb: str) -> int:
         # pg_stat_activity keeps the first 1 kB of a statement: enough for its opening words.
-        marks = {"claim": 'WITH peek', "record": "SET state=", "renew": "SET lease_expires="}
+        marks = {"claim": 'WITH peek', "record": "SET state =", "renew": "SET lease_expires ="}
 
         def waiting() -> list[tuple[int, str]]:
             return self.admin.execute(
@@ -182,8 +182,8 @@ REDIS_VERBS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 SQL_VERBS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "claim": (("ON CONFLICT",), ()),
-    "record": (("SET state=", "content_type=$"), ("owner=$", "ON CONFLICT")),
-    "renew": (("SET lease_expires=", "RETURNING"), ("ON CONFLICT",)),
+    "record": (("SET state =", "content_type = $"), ("owner = $", "ON CONFLICT")),
+    "renew": (("SET lease_expires =", "RETURNING"), ("ON CONFLICT",)),
 }
 
 

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import celery._state
 import pytest
 from celery import Celery
 
@@ -306,7 +307,9 @@ def _worker_app(intent: bool, **conf: Any) -> Celery:
     (True, {"idempotency_relay": False}, False),
 ])
 def test_a_worker_wants_a_relay_when_a_task_keeps_intents_unless_turned_off(
-        intent: bool, conf: dict[str, Any], wanted: bool) -> None:
+        intent: bool, conf: dict[str, Any], wanted: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only this app's own task: shared tasks other test modules defined join every new app.
+    monkeypatch.setattr(celery._state, "_on_app_finalizers", set())
     app = _worker_app(intent, **conf)
     assert relay_worker.wants_relay(app) is wanted
     assert (relay_worker.start_relay(app) is not None) is wanted

@@ -9,7 +9,6 @@ envelope whose action has no outcome and no live attempt, and that is not waitin
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -92,14 +91,15 @@ def _json_default(value: Any) -> Any:
 
 
 def encode_envelope(envelope: Envelope) -> bytes:
-    """The bytes a store keeps for ``envelope`` (JSON; the body in base64)."""
+    """The bytes a store keeps for ``envelope``: its fields as one line of JSON, then the body
+    as kombu encoded it (no base64: the body is most of the bytes)."""
     return json.dumps({
-        "v": VERSION, "body": base64.b64encode(envelope.body).decode(),
-        "content_type": envelope.content_type, "content_encoding": envelope.content_encoding,
-        "headers": dict(envelope.headers), "properties": dict(envelope.properties),
-        "exchange": envelope.exchange, "exchange_type": envelope.exchange_type,
-        "routing_key": envelope.routing_key, "queue": envelope.queue,
-    }, default=_json_default, separators=(",", ":")).encode()
+        "v": VERSION, "content_type": envelope.content_type,
+        "content_encoding": envelope.content_encoding, "headers": dict(envelope.headers),
+        "properties": dict(envelope.properties), "exchange": envelope.exchange,
+        "exchange_type": envelope.exchange_type, "routing_key": envelope.routing_key,
+        "queue": envelope.queue,
+    }, default=_json_default, separators=(",", ":")).encode() + b"\n" + envelope.body
 
 
 def decode_envelope(data: bytes) -> Envelope:
@@ -108,16 +108,19 @@ def decode_envelope(data: bytes) -> Envelope:
     Raises:
         ValueError: ``data`` is not an envelope this version reads.
     """
+    head, newline, body = bytes(data).partition(b"\n")  # JSON's text has no raw newline
     try:
-        raw = json.loads(data)
+        raw = json.loads(head)
         if raw.get("v") != VERSION:
             raise ValueError(f"envelope version {raw.get('v')!r} (this celery_idem reads {VERSION})")
+        if not newline:
+            raise KeyError("body")
         return Envelope(
-            body=base64.b64decode(raw["body"]), content_type=raw["content_type"],
+            body=body, content_type=raw["content_type"],
             content_encoding=raw["content_encoding"], headers=raw["headers"],
             properties=raw["properties"], exchange=raw["exchange"],
             exchange_type=raw["exchange_type"], routing_key=raw["routing_key"], queue=raw["queue"])
-    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+    except (KeyError, TypeError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not a celery_idem intent envelope: {exc}") from exc
 
 
@@ -164,9 +167,11 @@ class IntentProducer:
             return self._producer.publish(body, **kwargs)
         defer = self._task.idempotency_gate.store.deferring()
         properties = {k: v for k, v in kwargs.items() if k not in _NOT_PROPERTIES and v is not None}
-        write_intent(self._task, body, kwargs.get("exchange"), kwargs.get("routing_key"),
-                     headers, properties, kwargs.get("declare"), kwargs.get("serializer"),
-                     fused=defer is None)
+        # Encoded once, here: the intent keeps these bytes and kombu sends them as they are.
+        encoded = dumps(body, serializer=kwargs.pop("serializer", None) or self._task.serializer)  # type: ignore[no-untyped-call]
+        kwargs["content_type"], kwargs["content_encoding"], body = encoded
+        write_intent(self._task, encoded, kwargs.get("exchange"), kwargs.get("routing_key"),
+                     headers, properties, kwargs.get("declare"), fused=defer is None)
         if defer is None:
             return self._producer.publish(body, **kwargs)
         # In the caller's transaction: sent once it commits (a rollback sends nothing; a crash
@@ -181,10 +186,11 @@ def _publish_later(app: Any, body: Any, kwargs: Mapping[str, Any]) -> None:
         producer.publish(body, **kwargs)
 
 
-def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers: Mapping[str, Any],
-                 properties: Mapping[str, Any], declare: Sequence[Any] | None,
-                 serializer: str | None = None, *, fused: bool = True) -> None:
-    """Encode the message ``task`` is about to send and write it as its key's intent.
+def write_intent(task: Any, encoded: tuple[str, str, bytes | str], exchange: Any, routing_key: Any,
+                 headers: Mapping[str, Any], properties: Mapping[str, Any],
+                 declare: Sequence[Any] | None, *, fused: bool = True) -> None:
+    """Write the message ``task`` is about to send (its body ``encoded`` by kombu's ``dumps``:
+    content type, content encoding, data) as its key's intent.
 
     Raises:
         ImproperlyConfigured: The task's store keeps no intents.
@@ -196,7 +202,7 @@ def write_intent(task: Any, body: Any, exchange: Any, routing_key: Any, headers:
         raise ImproperlyConfigured(
             f"{task.name} keeps intents (idempotency_intent=True) but its store, "
             f"{type(store).__name__}, keeps none; nothing was sent")
-    content_type, encoding, data = dumps(body, serializer=serializer or task.serializer)  # type: ignore[no-untyped-call]
+    content_type, encoding, data = encoded
     name = getattr(exchange, "name", exchange) or ""
     routing = str(routing_key or "")
     queue = next((str(q.name) for q in declare or () if isinstance(q, Queue) and q.name), routing)

@@ -19,7 +19,6 @@ from .report import REFERENCE_MS, ROOT, cpu_reference_ms, machine, table
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 CHART = ROOT / "docs" / "img" / "throughput.png"
-SQL_BUILD = "SQLStore._claim_postgresql up to execute (statement build or lookup)"
 DEFAULT_PG = "db+postgresql+psycopg://root@127.0.0.1:5432/test"
 
 
@@ -355,10 +354,6 @@ def _micro(out: Out, results: dict[str, Any], client: redis.Redis, args: argpars
 
     log("components ...")
     comp = micro.component_timings(counting, client, prefix, n_comp, "c")
-    if pg:
-        build = micro.sql_claim_build(args.pg_url, prefix, table_name, max(100, n_sql))
-        if build is not None:
-            comp[SQL_BUILD] = build
     results["components"] = comp
     out.add("Hot-path components, each timed alone", table(
         ["component", *US_HEADERS], [[k, *fmt_us(t)] for k, t in comp.items()]) + SERVER_NOTE)
@@ -1054,10 +1049,6 @@ def _findings(r: dict[str, Any]) -> list[str]:
         text = (f"**SQL store.** A first run on PostgreSQL costs "
                 f"{s.median_us:.0f} µs ({s.cpu_us:.0f} µs client CPU) and {s.round_trips:g} round trips "
                 f"({s.split:g} of them through SQLAlchemy)" if s.split is not None else "")
-        build = r["components"].get(SQL_BUILD)
-        if build:
-            text += (f"; `SQLStore._claim_postgresql` up to its `execute` (building or looking up the "
-                     f"statement, binding the arguments) takes {build.median_us:.0f} µs per call")
         sp = prof.get("Gate.run, SQL store (PostgreSQL), first run")
         if sp:
             text += (f". Under cProfile, SQLAlchemy is {sp.categories.get('SQLAlchemy', 0):.0%} of the time, "

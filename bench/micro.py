@@ -602,40 +602,6 @@ def sql_floor(pg_url: str, n: int) -> dict[str, Timing]:
     return out
 
 
-class _Built(Exception):
-    pass
-
-
-class _NoConn:
-    def execute(self, *_: Any, **__: Any) -> Any:
-        raise _Built
-
-
-def sql_claim_build(pg_url: str, prefix: str, table: str, n: int) -> Timing | None:
-    """``SQLStore._claim_postgresql`` up to its ``execute`` (building or looking up the statement,
-    binding the arguments), with a connection that stops there. None if the internals changed."""
-    try:
-        from celery_idem.stores.sql import SQLStore
-        from celery_idem.stores.sql.claims import ClaimArgs
-
-        store = SQLStore.from_url(pg_url, prefix=prefix, table_name=table)
-        conn = _NoConn()
-
-        def build(i: int) -> None:
-            args = ClaimArgs(f"{prefix}k{i}", OWNER, "t", 0, 60.0, 86400.0, None, "claim-id")
-            try:
-                store._claim_postgresql(args, conn.execute)
-            except _Built:
-                return
-            raise RuntimeError("the claim did not execute")
-
-        timing = time_calls(build, n, warm=20)
-        store.close()
-        return timing
-    except (ImportError, AttributeError, TypeError, RuntimeError):
-        return None
-
-
 # -- the per-task CPU budget ---------------------------------------------------------------------
 
 #: Argument counts the key derivation is reported for.

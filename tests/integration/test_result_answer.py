@@ -147,6 +147,14 @@ def test_an_ignored_result_is_not_stored(make_app: Any, published: list[str]) ->
 
 
 def test_a_database_backend_stores_the_answer_with_its_own_store_result(tmp_path: Any) -> None:
+    import sqlalchemy as sa
+    from celery.backends.database.session import ResultModelBase
+
+    # Celery's tables, made here: Celery 5.4's backend makes them once per session manager, and
+    # one that already prepared another database in this process would not make them again.
+    engine = sa.create_engine(f"sqlite:///{tmp_path}/results.db")
+    ResultModelBase.metadata.create_all(engine)
+    engine.dispose()
     app = Celery("answer-db", broker="memory://", set_as_current=False,
                  backend=f"db+sqlite:///{tmp_path}/results.db")
     app.conf.idempotency_store = "memory://"

@@ -326,9 +326,11 @@ def test_a_store_without_intents_gets_no_relay(monkeypatch: pytest.MonkeyPatch) 
 
 def test_the_worker_relay_runs_in_a_daemon_thread_once_per_app_until_stopped() -> None:
     app = _worker_app(True)
+    before = set(threading.enumerate())  # a relay another test stopped may still be finishing
     stop = relay_worker.start_relay(app)
     assert stop is not None and relay_worker.start_relay(app) is stop
-    (thread,) = [t for t in threading.enumerate() if t.name == "celery_idem-relay"]
+    (thread,) = [t for t in threading.enumerate()
+                 if t.name == "celery_idem-relay" and t not in before]
     assert thread.daemon
     relay_worker._on_shutdown(sender=type("Worker", (), {"app": app})())
     assert stop.is_set()

@@ -40,7 +40,7 @@ from .identity import HEADER
 from .intents import FUSED
 from .records import Record, Reservation, State
 from .stores.redis import RESERVED, RedisStore, same_server
-from .stores.redis_intents import INTENT
+from .stores.redis_intents import INTENT, INTENT_LUA
 
 try:  # the join guard Celery's own result handles use (celery/result.py)
     from celery._state import task_join_will_block
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WithinPublish", "fuse"]
 
-_LUA = resources.files("celery_idem.stores").joinpath("lua", "publish.lua").read_text("utf-8")
+_LUA = INTENT_LUA + resources.files("celery_idem.stores").joinpath("lua", "publish.lua").read_text("utf-8")
 _SHA = hashlib.sha1(_LUA.encode()).hexdigest()
 _CHECK = b"check"
 #: On a channel: whether it takes the hook, per store checked against it.

@@ -10,33 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from importlib import resources
 from typing import Any, ClassVar, Protocol
 
 from ..records import Intent, Record
 from .redis_durability import text
 
-__all__ = ["INTENT", "SCRIPTS", "RedisIntents"]
+__all__ = ["INTENT", "INTENT_LUA", "SCRIPTS", "RedisIntents"]
 
 #: After a record's name, names its intent (never a record's name: a key is printable).
 INTENT = "\x1fintent"
 
-# Kept this long past its expiry, so the relay sees it stale and reports it before it goes.
-_STALE_KEPT_MS = 3_600_000
+#: The intent's write (``write_intent``), shared with the enqueue check within the publish.
+INTENT_LUA = resources.files(__package__).joinpath("lua", "_intent.lua").read_text("utf-8")
 
 _NOW = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) "
 
-_INTEND = _NOW + """
-local d = now
-if tonumber(ARGV[6]) > d then d = tonumber(ARGV[6]) end
-d = d + tonumber(ARGV[4])
-local x = now + tonumber(ARGV[5])
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 't', ARGV[1], 'q', ARGV[2], 'm', ARGV[3], 'e', now, 'd', d, 'x', x,
-           's', now)
-redis.call('PEXPIRE', KEYS[1], x - now + KEPT)
-redis.call('ZADD', KEYS[2], d, ARGV[7])
-return {now, d, x}
-""".replace("KEPT", str(_STALE_KEPT_MS))
+_INTEND = INTENT_LUA + """
+return write_intent(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+"""
 
 _DUE = _NOW + """
 local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))

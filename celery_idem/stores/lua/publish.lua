@@ -9,7 +9,7 @@
 -- when attaching), or "check" (not pushed: the value is not a plain record, so the client
 -- reads it the usual way and reports what it is).
 -- With KEYS[4] (the key's intent) and KEYS[5] (the intents' index), a pushed message's intent
--- is written too (as stores/redis_intents.py's intend): ARGV[6] task id, ARGV[7] queue,
+-- is written too (write_intent, lua/_intent.lua, prepended): ARGV[6] task id, ARGV[7] queue,
 -- ARGV[8] the envelope, ARGV[9] relay after (ms), ARGV[10] ttl (ms), ARGV[11] eta (ms, 0 =
 -- none), ARGV[12] the key.
 local ok, value = pcall(redis.call, 'GET', KEYS[2])
@@ -42,16 +42,6 @@ if attach and free then
 end
 redis.call('LPUSH', KEYS[1], ARGV[1])
 if KEYS[4] then
-  local t = redis.call('TIME')
-  local now = t[1] * 1000 + math.floor(t[2] / 1000)
-  local d = now
-  if tonumber(ARGV[11]) > d then d = tonumber(ARGV[11]) end
-  d = d + tonumber(ARGV[9])
-  local x = now + tonumber(ARGV[10])
-  redis.call('DEL', KEYS[4])
-  redis.call('HSET', KEYS[4], 't', ARGV[6], 'q', ARGV[7], 'm', ARGV[8], 'e', now, 'd', d, 'x', x,
-             's', now)
-  redis.call('PEXPIRE', KEYS[4], x - now + 3600000)
-  redis.call('ZADD', KEYS[5], d, ARGV[12])
+  write_intent(KEYS[4], KEYS[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12])
 end
 return false

@@ -109,7 +109,8 @@ def decide(intent: Intent, record: Record | None, now: float, queue_length: int,
     if record is None:
         if queue_length > 0 and max(intent.sent, intent.enqueued) > watermark:
             return Action(Kind.WAIT, deadline=now + relay_after)
-        reason = "queue_empty" if queue_length <= 0 else "overtaken"
+        # Not waiting: overtaken (a later send was claimed), else its queue is empty.
+        reason = "overtaken" if max(intent.sent, intent.enqueued) <= watermark else "queue_empty"
     else:
         reason = "released" if record.state is State.RELEASED else "lease_expired"
     return Action(Kind.RESEND, deadline=now + relay_after, reason=reason)

@@ -35,7 +35,7 @@ from celery_idem.records import ClaimStatus, State
 from celery_idem.stores import store_from_url
 from celery_idem.stores.base import Store
 from tests.conftest import store_kinds
-from tests.integration.harness import RedisServer
+from tests.integration.harness import RedisServer, wait_for
 
 from .support import DEADLINE, claim, drop_table, lose
 
@@ -157,6 +157,10 @@ def test_a_stale_release_after_the_loss_does_not_free_the_new_holders_claim(
     """A timeout-class error in the stale body releases its claim: refused, the new one stays."""
     stale = claim(store, KEY, who="stale")
     lose_everything(store, kind)
+    # After a loss a token is the store's clock in µs: SQLite's reads whole milliseconds, and a
+    # claim in the same one gets the same token (its claim id tells them apart: docs/fencing.md).
+    wait_for(lambda: store.now() >= stale.now + 0.002, timeout=5, interval=0.001,
+             what="the store's clock to pass the stale claim's millisecond")
     fresh = claim(store, KEY, who="fresh")
     assert fresh.status is ClaimStatus.CLAIMED and fresh.token > stale.token
     for refused in (

@@ -145,9 +145,9 @@ class SQLStore(SQLRecords):
         :meth:`joined`, the caller's session's connection: the writes join its transaction)."""
         with self._translate_errors():
             self._ensure_table()
-            joined = _JOINED.get()
-            if joined is not None and joined[0] is self:
-                yield joined[1].connection()
+            session = self._joined_session()
+            if session is not None:
+                yield session.connection()
                 return
             with self._engine.connect() as conn:
                 yield conn
@@ -155,8 +155,7 @@ class SQLStore(SQLRecords):
     @contextlib.contextmanager
     def _session(self) -> Iterator[SASession | RawSession]:
         """A pooled session for the verbs' statements (SQLAlchemy's, or psycopg's), errors translated."""
-        joined = _JOINED.get()
-        if self._psycopg is None or (joined is not None and joined[0] is self):
+        if self._psycopg is None or self._joined_session() is not None:
             with self._connect() as conn:
                 yield SASession(conn)
             return
@@ -195,11 +194,15 @@ class SQLStore(SQLRecords):
         finally:
             _JOINED.reset(token)
 
-    def deferring(self) -> Callable[[Callable[[], None]], None] | None:
+    def _joined_session(self) -> Session | None:
+        """The caller's session this store's writes join now (:meth:`joined`), or None."""
         joined = _JOINED.get()
-        if joined is None or joined[0] is not self:
+        return joined[1] if joined is not None and joined[0] is self else None
+
+    def deferring(self) -> Callable[[Callable[[], None]], None] | None:
+        session = self._joined_session()
+        if session is None:
             return None
-        session = joined[1]
         if session.in_nested_transaction():
             raise ImproperlyConfigured(
                 "an intent task's enqueue inside a SAVEPOINT (session.begin_nested()) is not "

@@ -276,3 +276,23 @@ def test_a_duplicate_says_what_defined_the_action_and_what_differs(live: Env) ->
     same = tools.call("charge_card", {"order_id": oid, "amount_cents": 4200, "currency": "usd"})
     assert same["status"] == "duplicate" and "differs" not in same["message"], same
     assert live.effects(f"charge:{oid}") == [usd["task_id"]]
+
+
+def test_an_attached_call_says_what_defined_the_action_and_what_differs(live: Env) -> None:
+    # Given a USD charge still running, and the same order and amount in EUR while it runs
+    oid, charge = order(), box()["charge_card"]
+    usd = charge.start({"order_id": oid, "amount_cents": 800, "hold": True})
+    eur = charge.start({"order_id": oid, "amount_cents": 800, "hold": True, "currency": "eur"})
+    # The second follows the first: nothing was sent for it
+    assert eur.attached and eur.task_id == usd.task_id
+    live.release(oid)
+    first, second = usd.wait(), eur.wait()
+    # Then it answers with the USD charge, and says which values defined the action and which
+    # of its arguments were not part of it
+    assert first["status"] == "ok" and second["status"] == "duplicate", (first, second)
+    assert second["result"]["currency"] == "usd"
+    assert f'already been done for order_id="{oid}", amount_cents=800' in second["message"], second
+    assert "with these arguments" not in second["message"]
+    assert "currency differs from the recorded call; it is not part of this action's key" \
+        in second["message"], second
+    assert live.effects(f"charge:{oid}") == [usd.task_id]

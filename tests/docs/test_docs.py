@@ -528,3 +528,65 @@ def test_the_recovery_table_has_the_pool_column() -> None:
     # ...gevent and eventlet never do by themselves: one row for both, saying so
     green = [result for pool, result in redis if "gevent" in pool and "eventlet" in pool]
     assert len(green) == 1 and "never" in green[0], redis
+
+
+# -- the first production week: checklist, limits, comparison ---------------------------------
+
+
+def _checklist(text: str) -> list[str]:
+    """The checklist's items, each with its continuation lines joined."""
+    return [" ".join(item.split()) for item in re.findall(r"^- \[ \] (.*?)(?=^- \[ \]|^#|\Z)",
+                                                          text, re.S | re.M)]
+
+
+def test_the_production_checklist_has_a_line_and_a_link_for_each_subject() -> None:
+    items = _checklist((ROOT / "docs" / "production.md").read_text())
+    subjects = ["Durability", "wait_replicas", "Sentinel or Cluster", "store outage",
+                "Time limits", "Workers and pools", "Beat", "Django", "MCP server",
+                "Events and Flower", "OpenTelemetry", "changelog"]
+    for subject in subjects:
+        found = [i for i in items if i.startswith("**") and subject in i.split("**")[1]]
+        assert found, f"production.md: no checklist item for {subject!r}"
+        # Each item links the page that says more (a relative docs page, maybe with an anchor)
+        assert re.search(r"\]\([\w-]+\.md(#[\w-]+)?\)", found[0]), found[0]
+    # The producer's events are the line to add to see duplicates answered at delay()
+    flower = next(i for i in items if "Events and Flower" in i)
+    assert "idempotency_events = True" in flower and "-E" in flower
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert "production.md" in nav and "comparison.md" in nav
+
+
+def test_limits_answers_the_lost_message_and_the_crash_after_commit() -> None:
+    sections = dict(_sections(ROOT / "docs" / "limits.md"))
+    lost = " ".join(sections["The broker lost my message"].split())
+    commit = " ".join(sections["My process died after COMMIT"].split())
+    # Each says what happens, then what to do: the intent and its relay, or a re-send
+    assert "reaches no worker" in lost and "idempotency_intent=True" in lost
+    assert "reliability.md#lost-messages" in lost
+    assert "no message exists" in commit and "idempotency_intent=True" in commit
+    assert "reliability.md#the-transactional-enqueue" in commit and "re-send" in commit
+
+
+def test_the_comparison_sets_the_libraries_side_by_side_with_the_benchmark_figures() -> None:
+    text = (ROOT / "docs" / "comparison.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| | celery-idem"))
+    for library in ("celery_once", "celery-singleton", "Powertools", "outbox"):
+        assert library in header, (library, header)
+    measured = dict(_sections(ROOT / "docs" / "comparison.md"))["Measured"]
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = re.findall(r"^\| (plain Celery|celery-idem, \w+ store|celery_once|celery-singleton|"
+                      r"Powertools) \| ([\d,]+) \|", measured, re.M)
+    assert len(rows) == 12, rows  # six systems in each of the two tables
+    for system, rate in rows:
+        # Every figure is one benchmarks.md has (its median column)
+        assert re.search(rf"\|\s+{re.escape(rate)} \|", bench), (system, rate)
+
+
+def test_the_readmes_flower_section_shows_how_to_see_the_duplicates() -> None:
+    flower = dict(_sections(README))["Flower"]
+    # The producer's line, as code to copy: the quick start's second delay() publishes nothing
+    assert "```python\napp.conf.idempotency_events = True" in flower
+    flat = " ".join(flower.split())
+    for promise in ("*Idempotency outcome* `recorded`", "*Idempotency duplicates*",
+                    "`<copy's id> (duplicate)`", "*Idempotency outcome* column"):
+        assert promise in flat, promise

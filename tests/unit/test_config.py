@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import celery.exceptions
@@ -20,6 +21,8 @@ from celery import Celery
 import celery_idem
 from celery_idem import IdempotentTask
 from celery_idem.config import DEFAULT_TERMINAL_ON, KNOWN_OPTIONS, default_release_on
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -270,3 +273,18 @@ def test_a_keyword_that_breaks_the_subclass_invariant_is_rejected(app: Celery) -
     # ShortLived has lease 20: a ttl below it is wrong even though ShortLived alone is fine
     with pytest.raises(celery_idem.ImproperlyConfigured, match="at least"):
         define(app, charge, base=ShortLived, idempotency_ttl=10)
+
+
+def test_a_misspelt_option_surfaces_at_the_first_delay_before_anything_is_published() -> None:
+    # As docs/configuration.md says: Celery builds an @app.task class lazily, so the decorator
+    # (the import of a tasks module) does not raise; the first delay() does, and sends nothing.
+    app = Celery("test_config_surface", broker="memory://", set_as_current=False)
+    app.conf.update(idempotency_store="memory://", task_default_queue="surface-q")
+    task = app.task(shared=False, base=IdempotentTask, idempotency_feilds=("order_id",))(charge)
+    with pytest.raises(celery_idem.ImproperlyConfigured, match="Did you mean 'idempotency_fields'"):
+        task.delay("ord_1", 4200)
+    with app.connection_for_write() as conn:
+        assert conn.SimpleQueue("surface-q").qsize() == 0
+    text = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
+    assert "The options are checked when the task class is created." in text
+    assert "not at import" in text and "first `delay()` before anything is published" in text

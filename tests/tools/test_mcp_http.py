@@ -52,11 +52,12 @@ def listening(host: str, port: int) -> bool:
 
 @contextmanager
 def mcp_http(live: Env, tmp_path: Path, bind: str, port: int,
-             env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """``idem mcp --http BIND:PORT`` in its own process, stopped on exit."""
+             env: dict[str, str] | None = None, *options: str
+             ) -> Iterator[subprocess.Popen[bytes]]:
+    """``idem mcp --http BIND:PORT [OPTIONS]`` in its own process, stopped on exit."""
     log_path = tmp_path / f"mcp-{port}.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, *command("--http", f"{bind}:{port}")], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, *command("--http", f"{bind}:{port}", *options)], cwd=ROOT,
                                 env={**os.environ, **server_env(live), **(env or {})},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -13,7 +13,9 @@ HTTP (httpx2) or the official MCP client.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import subprocess
 import sys
 import threading
 import uuid
@@ -29,13 +31,15 @@ import uvicorn
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
+from celery_idem import IdempotentTask
 from celery_idem.contrib.mcp import TOKENS_ENV, StaticTokens, http_app, server
 from celery_idem.contrib.tools import Toolbox, tool
 from tests.integration.harness import ROOT, free_port, wait_for
+from tests.tools import app as app_module
 from tests.tools.app import charge_card
 from tests.tools.conftest import Env
 from tests.tools.support import command, server_env
-from tests.tools.test_mcp_http import STEP, mcp_http, post, started
+from tests.tools.test_mcp_http import INITIALIZE, STEP, mcp_http, post, started
 
 pytestmark = pytest.mark.worker
 
@@ -112,6 +116,89 @@ def test_a_principal_over_its_request_rate_gets_429_and_another_does_not() -> No
         assert "request rate" in refused[0].json()["error"]["message"]
         assert int(refused[0].headers["retry-after"]) >= 1
         assert post(url, bearer("bob")).status_code == 200
+
+
+def test_the_commands_session_options_cap_one_principal_and_not_another(
+        live: Env, tmp_path: Path) -> None:
+    port = free_port()
+    options = ("--principal-sessions", "2", "--max-sessions", "3", "--session-idle-timeout", "5",
+               "--rate-limit", "1000")
+    with mcp_http(live, tmp_path, "127.0.0.1", port, {TOKENS_ENV: two_tokens()},
+                  *options) as proc:
+        started(proc, "127.0.0.1", port)
+        url = f"http://127.0.0.1:{port}/mcp"
+        alice = [post(url, bearer("alice")) for _ in range(3)]
+        assert [r.status_code for r in alice] == [200, 200, 429], [r.text for r in alice]
+        assert "open sessions" in alice[2].json()["error"]["message"]
+        # alice at her cap leaves bob his share; the cap of all sessions (3) is the SDK's 503
+        assert post(url, bearer("bob")).status_code == 200
+        assert post(url, bearer("bob")).status_code == 503
+        # The idle timeout (5 s, not the default 600 s) closes alice's sessions
+        wait_for(lambda: post(url, bearer("alice")).status_code == 200, timeout=30,
+                 what="alice's idle sessions to close")
+
+
+def test_the_commands_rate_limit_is_per_principal(live: Env, tmp_path: Path) -> None:
+    port = free_port()
+    with mcp_http(live, tmp_path, "127.0.0.1", port, {TOKENS_ENV: two_tokens()},
+                  "--rate-limit", "0.2") as proc:  # a burst of one, then one per 5 s
+        started(proc, "127.0.0.1", port)
+        url = f"http://127.0.0.1:{port}/mcp"
+        first, second = post(url, bearer("alice")), post(url, bearer("alice"))
+        assert (first.status_code, second.status_code) == (200, 429), second.text
+        assert "request rate" in second.json()["error"]["message"]
+        assert post(url, bearer("bob")).status_code == 200
+
+
+def test_a_request_body_over_a_mebibyte_is_refused() -> None:
+    # The SDK accepts 4 MiB per request; the server keeps a session's requests to 1 MiB each.
+    big = {**INITIALIZE, "params": {**INITIALIZE["params"],
+                                    "clientInfo": {"name": "x" * (2 << 20), "version": "1"}}}
+    with serving(Toolbox([]), two_tokens()) as url:
+        refused = httpx2.post(url, json=big, timeout=STEP, headers={
+            **bearer("alice"), "Accept": "application/json, text/event-stream"})
+        assert refused.status_code == 413, refused.status_code
+        assert post(url, bearer("alice")).status_code == 200
+
+
+def test_the_stdio_start_up_line_names_its_scope(live: Env) -> None:
+    # stdin at its end: the server announces itself, then ends with its client
+    proc = subprocess.run([sys.executable, *command()], cwd=ROOT, stdin=subprocess.DEVNULL,
+                          capture_output=True, env={**os.environ, **server_env(live)},
+                          timeout=STEP, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert b"on stdio; scope: none" in proc.stderr, proc.stderr
+
+
+def test_an_error_while_a_write_tool_starts_reaches_an_mcp_client_redacted(
+        idle: Env, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "postgresql://app:s3cret-pw@db.internal/prod"
+
+    def key_func(order_id: str) -> str:
+        raise ValueError(f"could not look up {order_id} at {secret}")
+
+    @app_module.app.task(base=IdempotentTask, shared=False, name="tools.leaky_over_mcp",
+                         idempotency_key_func=key_func)
+    def leaky(order_id: str) -> Any:
+        return order_id
+
+    async def call() -> tuple[dict[str, Any], str]:
+        async with httpx2.AsyncClient(headers=bearer("alice"), timeout=STEP) as http, \
+                Client(streamable_http_client(url, http_client=http)) as client:
+            result = await client.call_tool("leaky_over_mcp", {"order_id": "o-1"})
+            assert result.structured_content is not None
+            return result.structured_content, str(result.content)
+
+    with serving(Toolbox([tool(leaky)]), two_tokens()) as url, \
+            caplog.at_level(logging.WARNING, logger="celery_idem"):
+        out, text = anyio.run(call)
+    assert out["status"] == "error" and out["error"] == "ValueError", out
+    assert out["error_id"] and out["error_id"] in out["message"]
+    for seen in (str(out), text):
+        assert "s3cret" not in seen and "db.internal" not in seen, seen
+    logged = [r.getMessage() for r in caplog.records if out["error_id"] in r.getMessage()]
+    assert logged and secret in logged[0]  # the detail is in the server's log
+    assert idle.queued() == 0
 
 
 def test_the_limits_are_checked() -> None:

@@ -94,7 +94,8 @@ test-fast: $(FAST_STAMP)  ## unit + in-process store tests (memory, SQLite): no 
 # plain path only (redis-py's scripts, SQLAlchemy's Connection, the enqueue check read first) must
 # pass the same tests. test-fast's unit tests, and the store tests on every server (Redis,
 # PostgreSQL, MariaDB: no `not server` filter), not the slow groups; the two pytest runs at once,
-# as in test-fast. The accelerations' own tests (tests/stores/test_accel_*) skip.
+# as in test-fast. The accelerations' own tests (tests/stores/test_redis_wire.py,
+# test_sql_psycopg.py) skip.
 PLAIN_MARKS ?= not worker and not slow
 test-plain: $(STAMP)  ## the fast tier and the store tests on the servers, with every acceleration off
 	bash scripts/services.sh

@@ -1186,7 +1186,7 @@ per cent as noise (the per-repetition figures show the spread).
   trips are counted by a `redis.Connection` subclass that counts the replies read; SQL round
   trips by counting psycopg's network exchanges on the store's connections (after warm-up
   calls have prepared the statements), and SQLAlchemy's cursor events count the statements
-  that went through SQLAlchemy. tests/stores/test_accel_sql_psycopg.py checks the SQL counts at the
+  that went through SQLAlchemy. tests/stores/test_sql_psycopg.py checks the SQL counts at the
   wire (libpq's protocol trace).
 * **Memory**: `MEMORY USAGE <key> SAMPLES 0` of a done record written by the gate, with a real
   task id (a UUID) and owner.

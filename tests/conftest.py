@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -204,3 +205,32 @@ def mysql_url() -> str:
 def amqp_url() -> str:
     require(AMQP_URL, 5672, "RabbitMQ")
     return AMQP_URL
+
+
+@pytest.fixture
+def published(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The task ids this process publishes while the test runs.
+
+    Counted where kombu's producer hands a message to its transport, not by a publish signal:
+    a ``before_task_publish`` or ``after_task_publish`` receiver makes every enqueue check read
+    the record first (celery_idem.enqueue_redis.WithinPublish), so the tests would never see
+    the check made within the publish. A message the check within the publish did not push
+    (the record answered the enqueue) is not counted.
+    """
+    ids: list[str] = []
+    from kombu import Producer
+
+    publish = Producer._publish
+
+    def counted(self: Any, body: Any, priority: Any, content_type: Any,
+                content_encoding: Any, headers: Any, *args: Any, **kwargs: Any) -> Any:
+        sent = publish(self, body, priority, content_type, content_encoding, headers, *args,
+                       **kwargs)
+        fused = sys.modules.get("celery_idem.enqueue_redis")  # not imported with the switch off
+        pending = fused._PENDING.get() if fused is not None else None
+        if pending is None or pending.found is None:
+            ids.append((headers or {}).get("id", ""))
+        return sent
+
+    monkeypatch.setattr(Producer, "_publish", counted)
+    return ids

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -10,7 +9,6 @@ from typing import Any
 
 import pytest
 import redis
-from kombu import Producer
 
 import celery_idem.app as idem_app
 from tests.integration import app as app_module
@@ -127,30 +125,3 @@ def make_cluster(redis_url: str) -> Iterator[Callable[..., Cluster]]:
 @pytest.fixture
 def cluster(make_cluster: Callable[..., Cluster]) -> Cluster:
     return make_cluster()
-
-
-@pytest.fixture
-def published(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The task ids this process publishes while the test runs.
-
-    Counted where kombu's producer hands a message to its transport, not by a publish signal:
-    a ``before_task_publish`` or ``after_task_publish`` receiver makes every enqueue check read
-    the record first (celery_idem.enqueue_redis.WithinPublish), so the tests would never see
-    the check made within the publish. A message the check within the publish did not push
-    (the record answered the enqueue) is not counted.
-    """
-    ids: list[str] = []
-    publish = Producer._publish
-
-    def counted(self: Producer, body: Any, priority: Any, content_type: Any,
-                content_encoding: Any, headers: Any, *args: Any, **kwargs: Any) -> Any:
-        sent = publish(self, body, priority, content_type, content_encoding, headers, *args,
-                       **kwargs)
-        fused = sys.modules.get("celery_idem.enqueue_redis")  # not imported with the switch off
-        pending = fused._PENDING.get() if fused is not None else None
-        if pending is None or pending.found is None:
-            ids.append((headers or {}).get("id", ""))
-        return sent
-
-    monkeypatch.setattr(Producer, "_publish", counted)
-    return ids

@@ -15,9 +15,9 @@ from celery import Celery
 from celery_idem import CachedResult, IdempotentTask
 from celery_idem.config import accelerate_switch
 from celery_idem.intents import decode_envelope
-from tests.integration.test_enqueue_fused import finish, make_app, prefix, queue_length
+from tests.unit.test_enqueue_redis import finish, make_app, prefix, queue_length
 
-__all__ = ["prefix"]  # the fixture, shared with test_enqueue_fused.py
+__all__ = ["prefix"]  # the fixture, shared with tests/unit/test_enqueue_redis.py
 
 
 def make_task(app: Celery) -> Any:

@@ -11,6 +11,8 @@
   groups); every module is in a group; each arrow the flowchart draws is backed by an import.
 * The page's tree and sizes are what ``python scripts/architecture.py`` writes: every module
   listed with its line count, none listed that does not exist.
+* Every core module with logic has a test module named after it (``_test_file``), or is
+  in ``TESTED_ELSEWHERE`` with the test module that holds its tests.
 """
 
 from __future__ import annotations
@@ -257,3 +259,63 @@ def test_the_core_is_not_over_its_limit() -> None:
         f"the core (celery_idem/ without contrib/) is {sum(core.values()):,} lines, over "
         f"CORE_LIMIT {CORE_LIMIT:,}: move what is not the contract to contrib/, delete a fast "
         f"path that does not pay, or say it in fewer lines")
+
+
+
+# -- a test module for each core module -----------------------------------------------------------
+
+#: Core modules whose tests live in a test module named otherwise, and where.
+TESTED_ELSEWHERE = {
+    "celery_idem": "tests/unit/test_public_api.py",  # its lazily imported names
+    # The store contract, run against every store kind: the memory store is one of them.
+    "celery_idem.stores.base": "tests/stores/test_contract.py",
+    "celery_idem.stores.memory": "tests/stores/test_contract.py",
+    "celery_idem.stores.sql_records": "tests/stores/test_contract.py",
+    "celery_idem.stores.redis_intents": "tests/stores/test_intents_contract.py",
+    "celery_idem.stores.sql_intents": "tests/stores/test_intents_contract.py",
+    # The Redis record's bytes, read and written through the store.
+    "celery_idem.stores.redis_format": "tests/stores/test_redis.py",
+    # The SQL store's engine (URLs, drivers, pools) and tables (creation, migration, collations).
+    "celery_idem.stores.sql.engine": "tests/stores/test_sql_store.py",
+    "celery_idem.stores.sql.schema": "tests/stores/test_sql_store.py",
+}
+
+
+def _test_file(name: str) -> str:
+    """The test module's file name for module ``name``: ``celery_idem.enqueue`` ->
+    ``test_enqueue.py``, ``celery_idem.stores.redis`` -> ``test_redis.py`` (in tests/stores),
+    ``celery_idem.stores.sql.store`` -> ``test_sql_store.py``, ``celery_idem.stores`` ->
+    ``test_stores.py``."""
+    parts = name.split(".")[1:]
+    if parts[:1] == ["stores"] and len(parts) > 1:
+        parts = parts[1:]
+    return "test_" + "_".join(parts) + ".py"
+
+
+
+def _has_logic(path: Path) -> bool:
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+               for node in ast.walk(ast.parse(path.read_text(), str(path))))
+
+
+def test_every_core_module_with_logic_has_a_test_module() -> None:
+    missing, stale = [], []
+    for name, path in sorted(arch.modules().items()):
+        if arch.group_of(name) == "addons" or not _has_logic(path):
+            continue
+        if name in TESTED_ELSEWHERE:
+            if not (ROOT / TESTED_ELSEWHERE[name]).is_file():
+                stale.append(f"{name}: {TESTED_ELSEWHERE[name]}")
+            continue
+        file = _test_file(name)
+        if not any((ROOT / "tests" / folder / file).is_file() for folder in ("unit", "stores")):
+            missing.append(f"{name}: tests/unit/{file} or tests/stores/{file}")
+    assert not missing, f"core modules without a test module of their own: {missing}"
+    assert not stale, f"TESTED_ELSEWHERE names a test module that does not exist: {stale}"
+
+
+def test_the_test_module_names() -> None:
+    assert [_test_file(name) for name in (
+        "celery_idem.enqueue", "celery_idem.stores", "celery_idem.stores.redis",
+        "celery_idem.stores.sql.store")] == [
+        "test_enqueue.py", "test_stores.py", "test_redis.py", "test_sql_store.py"]

@@ -6,12 +6,12 @@ writes the backend's meta (SET + PUBLISH) and the tracer skips its own GET and S
 the meta with the backend's own SET + PUBLISH and skips the GET. These tests check that both
 metas are the ones Celery writes, that Celery writes it itself whenever it must (callbacks,
 ignored results, the setting off, a failed direct write, a backend that stores results its own
-way), that a stale holder writes none, and, with real workers, the round trips on the server.
+way) and that a stale holder writes none. The round trips of a real worker on the server are
+tests/integration/test_result_fold.py's.
 """
 
 from __future__ import annotations
 
-import gc
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -27,11 +27,10 @@ from celery_idem.config import accelerate_switch
 from celery_idem.exceptions import LeaseLost
 from celery_idem.paths import result_writer
 from celery_idem.records import State
+from celery_idem.results_redis import RedisResultWriter, redis_result_writer
 from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore
 from tests.conftest import PG_URL, require
-from tests.integration import app as app_module
-from tests.integration.conftest import Cluster
 from tests.integration.harness import RedisServer, wait_for
 from tests.stores.support import drop_table
 
@@ -296,6 +295,7 @@ def test_a_holder_that_lost_its_claim_writes_no_result(redis_url: str, prefix: s
         store.close()
 
 
+@pytest.mark.server  # a private redis-server
 def test_a_refused_meta_write_leaves_the_record_written_and_the_result_to_celery() -> None:
     server = RedisServer()
     try:
@@ -317,60 +317,130 @@ def test_a_refused_meta_write_leaves_the_record_written_and_the_result_to_celery
         server.cleanup()
 
 
-def _stats(client: redis.Redis) -> dict[str, int]:
-    # failed_calls: a first EVALSHA on a fresh server answers NOSCRIPT (then the script is loaded)
-    return {name: int(v["calls"]) - int(v.get("failed_calls", 0))
-            for name, v in client.info("commandstats").items()}
+# -- the writer's choice and its write, without a worker ------------------------------------------
+# Building a backend or a store connects to nothing: these run no round trip.
+
+REDIS_NOWHERE = "redis://127.0.0.1:1"  # nothing listens there
 
 
-@pytest.mark.worker
-@pytest.mark.parametrize("mode", ["folded", "direct", "off"])
-def test_a_real_worker_stores_each_result_in_one_round_trip(make_cluster: Any, mode: str) -> None:
-    """Backend on a private server (the store too, or on a second one): count what it is sent."""
-    if mode != "off" and not accelerate_switch():
-        pytest.skip("the result fold is an acceleration (CELERY_IDEM_ACCELERATE off)")
-    server = RedisServer()
-    elsewhere = RedisServer() if mode == "direct" else None
-    results: list[Any] = []
+def _task(backend: str) -> Any:
+    app = Celery("results-redis", broker="memory://", backend=backend, set_as_current=False)
+
+    @app.task(shared=False, name="rr.charge", base=IdempotentTask)
+    def charge(order_id: str) -> str:
+        return order_id
+
+    return app.tasks["rr.charge"]
+
+
+def _request(task_id: str = "t-1", **fields: Any) -> Any:
+    from celery.app.task import Context
+
+    return Context(**{"id": task_id, "is_eager": False, "called_directly": False, "callbacks": None,
+                      "chain": None, "chord": None, "ignore_result": False, **fields})
+
+
+@pytest.mark.parametrize(("store_db", "folds"), [(0, True), (1, False)])
+def test_the_writer_folds_only_with_the_store_on_the_backends_server_and_database(
+    store_db: int, folds: bool
+) -> None:
+    task = _task(f"{REDIS_NOWHERE}/0")
+    store = RedisStore.from_url(f"{REDIS_NOWHERE}/{store_db}", prefix="p:")
     try:
-        env = {"IDEM_BACKEND": server.url, "IDEM_FOLD": "0" if mode == "off" else "1"}
-        if elsewhere is not None:
-            env["IDEM_STORE"] = elsewhere.url
-        cluster: Cluster = make_cluster(**env)
-        cluster.worker(pool="solo")
-        client = redis.Redis.from_url(server.url)
-        before = _stats(client)
-        results.extend(app_module.charge.delay(f"fold-{mode}-{i}", 100) for i in range(20))
-        values = [r.get(timeout=30) for r in results]
-        assert [v["order_id"] for v in values] == [f"fold-{mode}-{i}" for i in range(20)]
-        after = _stats(client)
-        calls = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-        # With the store on this server: 20 enqueue checks from the producer (the reserve
-        # script: GET the record, GET the reservation, SET it; the broker is elsewhere, so the
-        # check is read first), claim + record per task (EVALSHA) from the worker. Commands a
-        # script runs count too: the claim and the record scripts each GET and SET the record
-        # (one string), and the folded meta shows as one more SET and a PUBLISH.
-        scripts, producer = (0, 0) if mode == "direct" else (2 * 20, 20)
-        assert calls.get("cmdstat_evalsha", 0) == scripts + producer, calls
-        # The client's AsyncResult.get reads each result at most once (GET) after subscribing;
-        # Celery's own write adds a GET (the old meta) and a SETEX per task.
-        gets = calls.get("cmdstat_get", 0) - scripts - 2 * producer
-        sets = scripts + producer  # the record's writes and the reservations
-        if mode == "folded":
-            assert calls.get("cmdstat_setex", 0) == 0 and gets <= 20, calls
-            assert calls.get("cmdstat_set", 0) == sets + 20, calls
-        elif mode == "direct":
-            assert calls.get("cmdstat_setex", 0) == 20 and gets <= 20, calls
-        else:
-            assert calls.get("cmdstat_setex", 0) == 20 and gets >= 20, calls
-            assert calls.get("cmdstat_set", 0) == sets, calls
-        assert all(len(cluster.effects(f"charge:fold-{mode}-{i}")) == 1 for i in range(20))
-        client.close()
+        writer = redis_result_writer(task, store)
+        assert isinstance(writer, RedisResultWriter) and writer.folds is folds
     finally:
-        # Celery < 5.7 unsubscribes a collected AsyncResult on its backend and retries without
-        # end once that server is gone (the next test would hang): let them go while it answers.
-        results.clear()
-        gc.collect()
-        server.cleanup()
-        if elsewhere is not None:
-            elsewhere.cleanup()
+        store.close()
+        task.backend.client.close()
+
+
+def test_a_backend_that_is_not_redis_gets_no_writer() -> None:
+    task = _task("cache+memory://")
+    store = RedisStore.from_url(f"{REDIS_NOWHERE}/0", prefix="p:")
+    try:
+        assert redis_result_writer(task, store) is None
+    finally:
+        store.close()
+
+
+def test_the_built_write_is_the_meta_celery_would_store_under_the_backends_key() -> None:
+    task = _task(f"{REDIS_NOWHERE}/0")
+    backend = task.backend
+    store = RedisStore.from_url(f"{REDIS_NOWHERE}/0", prefix="p:")
+    try:
+        writer = redis_result_writer(task, store)
+        assert writer is not None
+        write = writer.build(_request("t-42"), {"cents": 5})
+        assert write is not None
+        assert write.key == backend.get_key_for_task("t-42").decode()
+        meta = backend.decode(write.value)
+        assert (meta["status"], meta["result"], meta["task_id"]) == ("SUCCESS", {"cents": 5}, "t-42")
+        assert write.expires == int(backend.expires)
+        failed = writer.build(_request("t-43"), KeyError("gone"), state="FAILURE")
+        assert failed is not None
+        assert backend.decode(failed.value)["result"]["exc_type"] == "KeyError"
+    finally:
+        store.close()
+        backend.client.close()
+
+
+@pytest.mark.parametrize("request_fields", [
+    {"is_eager": True}, {"called_directly": True}, {"callbacks": [{"task": "x"}]},
+    {"chain": [{"task": "x"}]}, {"chord": {"task": "x"}}, {"ignore_result": True},
+], ids=["eager", "direct", "callbacks", "chain", "chord", "ignored"])
+def test_requests_celery_must_handle_build_no_write(request_fields: dict[str, Any]) -> None:
+    task = _task(f"{REDIS_NOWHERE}/0")
+    store = RedisStore.from_url(f"{REDIS_NOWHERE}/0", prefix="p:")
+    try:
+        writer = redis_result_writer(task, store)
+        assert writer is not None
+        assert writer.build(_request(), "v") is not None  # the control
+        assert writer.build(_request(**request_fields), "v") is None
+    finally:
+        store.close()
+        task.backend.client.close()
+
+
+def test_a_meta_over_the_backends_size_limit_is_left_to_celery() -> None:
+    task = _task(f"{REDIS_NOWHERE}/0")
+    store = RedisStore.from_url(f"{REDIS_NOWHERE}/0", prefix="p:")
+    try:
+        writer = redis_result_writer(task, store)
+        assert writer is not None
+        writer._limit = 200  # the backend's _MAX_STR_VALUE_SIZE, made small
+        assert writer.build(_request(), "x" * 10) is not None
+        assert writer.build(_request(), "x" * 500) is None
+    finally:
+        store.close()
+        task.backend.client.close()
+
+
+def test_a_direct_write_that_fails_says_so_and_raises_nothing() -> None:
+    task = _task(f"{REDIS_NOWHERE}/0")
+    store = RedisStore.from_url(f"{REDIS_NOWHERE}/0", prefix="p:")
+    try:
+        writer = redis_result_writer(task, store)
+        assert writer is not None
+        task.backend.retry_policy = {"max_retries": 0}
+        write = BackendWrite(key="celery-task-meta-t", value=b"{}", expires=60)
+        assert writer.write(write) is False  # nothing listens: Celery's own write follows
+    finally:
+        store.close()
+        task.backend.client.close()
+
+
+def test_a_direct_write_is_the_backends_set(redis_url: str, prefix: str,
+                                                       redis_cleanup: None) -> None:
+    task = _task(redis_url)
+    store = RedisStore.from_url(redis_url, prefix=prefix)
+    try:
+        writer = redis_result_writer(task, store)
+        assert writer is not None
+        key = prefix + "meta"
+        assert writer.write(BackendWrite(key=key, value=b'{"status": "SUCCESS"}', expires=60))
+        assert store.client.get(key) == b'{"status": "SUCCESS"}'
+        # The backend's own SETEX, with its result_expires (what build() put in the write too).
+        assert 0 < store.client.ttl(key) <= int(task.backend.expires)
+    finally:
+        store.close()
+        task.backend.client.close()

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not accelerate_switch(), reason="accelerations o
 
 
 @pytest.fixture
-def prefix() -> Iterator[str]:
+def prefix(redis_url: str) -> Iterator[str]:  # redis_url: marked `server` (not in test-fast)
     prefix = f"tfused{secrets.token_hex(4)}:"
     yield prefix
     client = redis.Redis.from_url(f"{REDIS_URL}/{DB}")
@@ -524,3 +524,78 @@ def test_the_memory_is_bounded() -> None:
     # Never longer than the reservation's lease
     check.remember("short-lease", held[-1], None, 0.0)  # type: ignore[arg-type]
     assert check.mine("short-lease") is None
+
+
+# -- which channels take the hook, and what undoes an unsent message's subscription ----------------
+# A kombu Redis channel connects when it is made (the shared server; nothing is written); a
+# store and a result backend connect to nothing until used.
+
+NOWHERE = "redis://127.0.0.1:1"  # nothing listens there
+
+
+def _channel(url: str) -> Any:
+    from kombu import Connection
+
+    connection = Connection(url)
+    return connection, connection.default_channel
+
+
+@pytest.mark.parametrize(("db", "options", "takes"), [
+    (DB, {}, True),
+    (DB + 1, {}, False),  # another database
+    (DB, {"accelerate": False}, False),  # the app's switch off
+    (DB, {"wait_replicas": 1}, False),  # the record waits for replicas: read first
+], ids=["same", "other-db", "accelerate-off", "wait-replicas"])
+def test_only_a_plain_store_on_the_brokers_server_and_database_takes_the_hook(
+    redis_url: str, db: int, options: dict[str, Any], takes: bool
+) -> None:
+    from celery_idem.stores.redis import RedisStore
+
+    connection, channel = _channel(f"{REDIS_URL}/{DB}")
+    store = RedisStore.from_url(f"{REDIS_URL}/{db}", prefix="p:", **options)
+    try:
+        assert enqueue_redis.fuse(channel, store) is takes
+        assert ("_put" in channel.__dict__) is takes  # the hook only where it is used
+        assert enqueue_redis.fuse(channel, store) is takes  # the verdict is kept
+    finally:
+        store.close()
+        connection.release()
+
+
+def test_a_channel_that_is_not_redis_never_takes_the_hook() -> None:
+    from celery_idem.stores.memory import MemoryStore
+    from celery_idem.stores.redis import RedisStore
+
+    connection, channel = _channel("memory://")
+    store = RedisStore.from_url(f"{NOWHERE}/0", prefix="p:")
+    try:
+        assert enqueue_redis.fuse(channel, store) is False
+        assert enqueue_redis.fuse(channel, MemoryStore()) is False
+        assert "_put" not in channel.__dict__
+    finally:
+        store.close()
+        connection.release()
+
+
+def test_what_undoes_an_unsent_messages_subscription() -> None:
+    from celery.backends.base import DisabledBackend
+    from celery.backends.redis import RedisBackend
+
+    app = Celery("undo", broker="memory://", set_as_current=False)
+    # Celery's base backends subscribe to nothing: nothing to undo.
+    assert enqueue_redis._undo_for(DisabledBackend(app=app)) is enqueue_redis._nothing
+
+    class Remembering(DisabledBackend):
+        def on_task_call(self, producer: Any, task_id: str) -> None:
+            """Does something of its own that nobody knows how to undo."""
+
+    assert enqueue_redis._undo_for(Remembering(app=app)) is None  # unknown: read first
+
+    backend = RedisBackend(app=app, url=f"{NOWHERE}/0")
+    cancelled: list[str] = []
+    backend.result_consumer.cancel_for = cancelled.append  # type: ignore[method-assign]
+    undo = enqueue_redis._undo_for(backend)
+    assert undo is not None and undo is not enqueue_redis._nothing
+    undo("t-7")
+    assert cancelled == ["t-7"]
+    backend.client.close()

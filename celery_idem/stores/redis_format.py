@@ -119,6 +119,14 @@ def unreadable(name: str, key: str, value: bytes | None, why: str = "") -> Corru
     return CorruptRecord(f"the Redis key {name} {what}", key=key)
 
 
+def _number(raw: bytes) -> int:
+    # ASCII digits only, as the scripts' parse (%d+) reads them: int() would also take a sign,
+    # spaces and underscores, and get() would read a value every script calls damaged.
+    if not raw.isdigit():
+        raise ValueError(f"{raw!r} is not a decimal number")
+    return int(raw)
+
+
 def decode(name: str, key: str, value: bytes) -> Record:
     """A stored record (see the module docstring) -> Record."""
     if value[:1] != MARK:
@@ -131,17 +139,17 @@ def decode(name: str, key: str, value: bytes) -> Record:
             head, u, _, _, tail = value.split(b"\0")
             if tail:
                 raise ValueError("a released record has no tail")
-            return Record(key=key, state=state, token=int(head[2:]), updated=int(u) / 1000)
+            return Record(key=key, state=state, token=_number(head[2:]), updated=_number(u) / 1000)
         fields: dict[str, Any]
         if state is State.IN_PROGRESS:
             head, u, i, h, o, a, lease = value.split(b"\0")
-            fields = {"owner": o.decode(), "attempt": int(a), "lease_expires": int(lease) / 1000}
+            fields = {"owner": o.decode(), "attempt": _number(a), "lease_expires": _number(lease) / 1000}
         else:  # done, failed: the data is the rest of the value, NULs included
             head, u, i, h, c, d = value.split(b"\0", 5)
             fields = {"content_type": CONTENT_TYPE_OF.get(c) or c.decode() or None, "data": d}
         token, _, claim_id = head[2:].partition(b".")
-        return Record(key=key, state=state, token=int(token), task_id=unpack_task_id(i),
-                      payload_hash=h.decode() or None, updated=int(u) / 1000,
+        return Record(key=key, state=state, token=_number(token), task_id=unpack_task_id(i),
+                      payload_hash=h.decode() or None, updated=_number(u) / 1000,
                       claim_id=claim_id.decode(), **fields)
     except (ValueError, IndexError, UnicodeDecodeError) as exc:
         raise unreadable(name, key, value, str(exc) or type(exc).__name__) from exc

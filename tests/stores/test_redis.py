@@ -3,6 +3,7 @@
 The store contract itself is tested for every store, this one included, in test_contract.py.
 Tests on the shared server use a prefix of their own and delete its keys afterwards (SCAN + DEL,
 never FLUSHDB). Tests that flush scripts or kill the server get a private ``redis-server``.
+The record's bytes (the format, content type codes, packed task ids) are test_redis_format.py's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import redis.exceptions
 from celery_idem.exceptions import CorruptRecord, LeaseLost, StoreUnavailable
 from celery_idem.keys import idempotency_key
 from celery_idem.records import ClaimStatus, Record, State
-from celery_idem.stores.base import BackendWrite
 from celery_idem.stores.redis import RedisStore, _translate_errors
 from tests.integration.harness import RedisServer
 
@@ -103,8 +103,9 @@ def test_a_plain_string_under_the_prefix_is_corrupt_record_naming_the_key(
         b"\xc1d1\x001764000000000",  # cut short
         b"\xc1i1\x001764000000000\x00t\x00\x00host:1\x000",  # in progress without a lease
         b"\xc1",
+        b"\xc1d+5\x001764000000000\x00t\x00\x00c\x00[1]",  # a sign: int() reads it, %d+ does not
     ],
-    ids=["unknown-state", "bad-token", "truncated", "no-lease", "marker-only"],
+    ids=["unknown-state", "bad-token", "truncated", "no-lease", "marker-only", "signed-token"],
 )
 def test_a_damaged_record_is_corrupt_record_for_every_verb_and_left_alone(
     store: RedisStore, redis_client: Any, prefix: str, value: bytes
@@ -144,134 +145,7 @@ def test_a_foreign_string_is_skipped_by_scan(
     assert [r.key for r in store.scan()] == ["mine"]
 
 
-# -- the record format ------------------------------------------------------------------------
-
-
-def test_a_done_record_is_one_string_in_the_documented_layout(
-    store: RedisStore, redis_client: Any, prefix: str
-) -> None:
-    first = claim(store, "k", payload_hash="h1")
-    store.record("k", first.token, state=State.DONE, content_type="application/json;utf-8",
-                 data=b"[1]", ttl=LONG, claim_id=first.claim_id)
-    value = redis_client.get(prefix + "k")
-    rec = store.get("k")
-    assert rec is not None and rec.updated is not None
-    # marker, state, token (all its digits: no Lua number formatting), claim id, updated ms,
-    # task id, payload hash, content type code, data
-    assert value == b"\xc1d%d.%s\x00%d\x00task-a\x00h1\x00\x01\x00[1]" % (
-        first.token, first.claim_id.encode(), round(rec.updated * 1000))
-    assert (rec.state, rec.token, rec.claim_id, rec.task_id, rec.payload_hash, rec.content_type,
-            rec.data, rec.owner, rec.attempt, rec.lease_expires) == (
-        State.DONE, first.token, first.claim_id, "task-a", "h1", "application/json;utf-8",
-        b"[1]", "", 0, None)
-
-
-def test_an_in_progress_record_holds_owner_attempt_and_lease(
-    store: RedisStore, redis_client: Any, prefix: str
-) -> None:
-    first = claim(store, "k", who="a", attempt=3, lease=30.0)
-    value = redis_client.get(prefix + "k")
-    assert value.startswith(b"\xc1i%d.%s\x00" % (first.token, first.claim_id.encode()))
-    assert value.count(b"\x00") == 6
-    rec = store.get("k")
-    assert rec is not None
-    assert (rec.state, rec.token, rec.claim_id, rec.owner, rec.task_id, rec.attempt,
-            rec.payload_hash, rec.content_type, rec.data) == (
-        State.IN_PROGRESS, first.token, first.claim_id, "host:a", "task-a", 3, None, None, None)
-    assert rec.lease_expires == pytest.approx(first.now + 30.0, abs=0.002)
-    assert rec.updated == pytest.approx(first.now, abs=0.002)
-    # A renewal rewrites the lease only
-    expires = store.renew("k", first.token, 45.0, claim_id=first.claim_id)
-    renewed = store.get("k")
-    assert renewed is not None and renewed.lease_expires == expires
-    assert (renewed.owner, renewed.task_id, renewed.attempt, renewed.updated) == (
-        "host:a", "task-a", 3, rec.updated)
-
-
-@pytest.mark.parametrize("content_type", [
-    "application/json;utf-8", "application/x-celery-idem-error+json", "application/json",
-    "application/x-python-serialize;binary", "application/x-msgpack;binary",
-    "application/x-yaml;utf-8",
-])
-def test_common_content_types_take_one_byte_and_read_back_in_full(
-    store: RedisStore, redis_client: Any, prefix: str, content_type: str
-) -> None:
-    token = claim(store, "k").token
-    store.record("k", token, state=State.FAILED, content_type=content_type, data=b"\x00x", ttl=LONG)
-    value = redis_client.get(prefix + "k")
-    assert value.endswith(b"\x00\x00x") and value.split(b"\x00")[4] in {bytes([n]) for n in range(1, 7)}
-    rec = store.get("k")
-    assert rec is not None and (rec.content_type, rec.data) == (content_type, b"\x00x")
-
-
-@pytest.mark.parametrize("content_type", ["text/plain; charset=ü", "", "x"])
-def test_other_content_types_are_stored_verbatim(
-    store: RedisStore, redis_client: Any, prefix: str, content_type: str
-) -> None:
-    token = claim(store, "k").token
-    store.record("k", token, state=State.DONE, content_type=content_type, data=b"d", ttl=LONG)
-    assert redis_client.get(prefix + "k").split(b"\x00")[4] == content_type.encode()
-    rec = store.get("k")
-    assert rec is not None and rec.content_type == (content_type or None)
-
-
-@pytest.mark.parametrize(("verb", "field"), [
-    ("claim", "owner"), ("claim", "task_id"), ("claim", "payload_hash"),
-    ("record", "content_type"), ("record_with", "content_type"),
-])
-def test_a_nul_in_a_header_field_is_a_value_error_naming_it_and_nothing_is_sent(
-    store: RedisStore, redis_client: Any, prefix: str, verb: str, field: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    sent: list[Any] = []
-    claim(store, "k")
-    before = redis_client.get(prefix + "k")
-    monkeypatch.setattr(store, "run_script", lambda *a, **kw: sent.append(a))
-    kwargs: dict[str, Any] = {"owner": "host:a", "task_id": "t", "payload_hash": "h"}
-    kwargs[field] = "bad\x00value"
-    with pytest.raises(ValueError, match=field):
-        if verb == "claim":
-            store.claim("k", attempt=0, lease=LONG, ttl=LONG, **kwargs)
-        elif verb == "record":
-            store.record("k", 1, state=State.DONE, content_type=kwargs["content_type"], data=b"",
-                         ttl=LONG)
-        else:
-            store.record_with("k", 1, state=State.DONE, content_type=kwargs["content_type"],
-                              data=b"", ttl=LONG, also=BackendWrite("meta", b"m"))
-    assert sent == [] and redis_client.get(prefix + "k") == before
-
-
-@pytest.mark.parametrize("task_id", [
-    "0b7c5f2e-3a41-4c7e-9d2a-5b1f6e8a9c10",  # Celery's: packed into 23 characters
-    "0B7C5F2E-3A41-4C7E-9D2A-5B1F6E8A9C10",  # not canonical: stored as given
-    "order-42/attempt", "",
-])
-def test_task_ids_read_back_exactly_and_celerys_uuids_take_23_characters(
-    store: RedisStore, redis_client: Any, prefix: str, task_id: str
-) -> None:
-    first = store.claim("k", owner="o", task_id=task_id, attempt=0, lease=LONG, ttl=LONG)
-    stored = redis_client.get(prefix + "k").split(b"\x00")[2]
-    assert len(stored) == (23 if task_id.islower() and len(task_id) == 36 else len(task_id))
-    assert store.get("k").task_id == task_id
-    # The same task id with a higher attempt takes its own claim over: the packed ids compare.
-    again = store.claim("k", owner="o", task_id=task_id, attempt=1, lease=LONG, ttl=LONG)
-    assert again.status is ClaimStatus.TAKEOVER and again.token > first.token
-    store.record("k", again.token, state=State.DONE, content_type="c", data=b"v", ttl=LONG)
-    assert store.get("k").task_id == task_id
-
-
-def test_a_task_id_starting_with_the_packed_marker_is_refused(store: RedisStore) -> None:
-    with pytest.raises(ValueError, match="task_id"):
-        store.claim("k", owner="o", task_id="\x01abc", attempt=0, lease=LONG, ttl=LONG)
-    assert store.get("k") is None
-
-
-def test_a_control_character_in_a_content_type_is_a_value_error(store: RedisStore) -> None:
-    claim(store, "k")
-    with pytest.raises(ValueError, match="content_type"):
-        store.record("k", 1, state=State.DONE, content_type="\x01", data=b"", ttl=LONG)
-    rec = store.get("k")
-    assert rec is not None and rec.state is State.IN_PROGRESS
+# -- TTLs ------------------------------------------------------------------------------------
 
 
 def test_release_keeps_the_ttl_and_renew_extends_it_past_the_lease(

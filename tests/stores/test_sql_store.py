@@ -2,8 +2,9 @@
 
 The store contract itself (claim, record, release, renew, get, scan, TTLs, fencing) is tested
 for every store, this one included, in test_contract.py. Here: forked processes, the table
-created by racing workers, uncommitted rows, URLs and drivers, ``purge_expired``, rows written
-by hand, unreachable servers and the database clock.
+created by racing workers, uncommitted rows, ``purge_expired``, rows written
+by hand, unreachable servers and the database clock. The engine's URLs, drivers and settings are
+test_sql_engine.py's; the tables' types and migration, test_sql_schema.py's.
 
 Every test gets its own table (``t_<hex>``) and drops it afterwards. A server that does not
 answer skips its tests locally and fails them in CI (``CI=true``), through tests/conftest.py.
@@ -357,17 +358,6 @@ def test_from_url_passes_table_name_and_engine_options(table_name: str, tmp_path
     assert store._engine.pool.size() == 2  # type: ignore[attr-defined]
     assert table_name in repr(store)
     store.close()
-
-
-def test_a_url_without_a_driver_falls_back_to_an_installed_one() -> None:
-    from celery_idem.stores.sql.engine import importable, sqlalchemy_url
-
-    pg = sqlalchemy_url("db+postgresql://root@127.0.0.1/test")
-    my = sqlalchemy_url("db+mysql://root@127.0.0.1/test")
-    assert pg.drivername == ("postgresql" if importable("psycopg2") else "postgresql+psycopg")
-    assert my.drivername == ("mysql" if importable("MySQLdb") else "mysql+pymysql")
-    assert sqlalchemy_url("db+postgresql+psycopg://h/db").drivername == "postgresql+psycopg"
-    assert sqlalchemy_url("db+sqlite:///x.db").drivername == "sqlite"
 
 
 def test_a_connection_the_server_closed_fails_one_verb_then_the_pool_recovers(

@@ -100,6 +100,7 @@ def documented(state: State) -> re.Pattern[bytes]:
 
 def _pack(rec: Record) -> bytes:
     """A record's bytes, written from the docstring alone (the scripts are the real packer)."""
+    assert rec.updated is not None
     code = {v: k for k, v in STATE_OF.items()}[rec.state]
     head = b"%c%d" % (code, rec.token) + (b"." + rec.claim_id.encode() if rec.claim_id else b"")
     if rec.state is State.RELEASED:
@@ -390,12 +391,12 @@ def test_task_ids_read_back_exactly_and_celerys_uuids_take_23_characters(
     first = store.claim("k", owner="o", task_id=task_id, attempt=0, lease=LONG, ttl=LONG)
     stored = redis_client.get(prefix + "k").split(b"\x00")[2]
     assert len(stored) == (23 if task_id.islower() and len(task_id) == 36 else len(task_id))
-    assert store.get("k").task_id == task_id
+    assert (rec := store.get("k")) is not None and rec.task_id == task_id
     # The same task id with a higher attempt takes its own claim over: the packed ids compare.
     again = store.claim("k", owner="o", task_id=task_id, attempt=1, lease=LONG, ttl=LONG)
     assert again.status is ClaimStatus.TAKEOVER and again.token > first.token
     store.record("k", again.token, state=State.DONE, content_type="c", data=b"v", ttl=LONG)
-    assert store.get("k").task_id == task_id
+    assert (rec := store.get("k")) is not None and rec.task_id == task_id
 
 
 def test_a_task_id_starting_with_the_packed_marker_is_refused(store: RedisStore) -> None:

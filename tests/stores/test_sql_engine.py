@@ -17,6 +17,7 @@ import uuid
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.celery_independent
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"db+sqlite:///{tmp_path / 'idem.db'}"
-    return "db+" + request.getfixturevalue("pg_url" if request.param == "postgresql" else "mysql_url")
+    return "db+" + str(request.getfixturevalue("pg_url" if request.param == "postgresql" else "mysql_url"))
 
 
 @pytest.fixture
@@ -166,7 +167,12 @@ def test_sqlite_connections_use_wal_and_wait_30_s_for_the_write_lock(
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     seen: list[dict[str, Any]] = []
     create = sa.create_engine
-    monkeypatch.setattr(engine_mod.sa, "create_engine", lambda u, **kw: seen.append(kw) or create(u, **kw))
+
+    def spy(sa_url: Any, **options: Any) -> sa.Engine:
+        seen.append(options)
+        return create(sa_url, **options)
+
+    monkeypatch.setattr(sa, "create_engine", spy)
     build_engine(sqlalchemy_url(url), {"connect_args": {"check_same_thread": False}}).dispose()
     assert seen[0]["connect_args"] == {"timeout": 30.0, "check_same_thread": False}
 
@@ -203,9 +209,9 @@ class _Locked:
 
 
 def test_a_lock_that_stays_fails_the_wal_switch_after_5_s(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [0.0]
-    monkeypatch.setattr(engine_mod.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(engine_mod.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    clock = [0.0]  # a clock of the test's own, moved by the waits only: no real sleeping
+    monkeypatch.setattr(engine_mod, "time", SimpleNamespace(
+        monotonic=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s)))
     conn = _Locked("database is locked")
     with pytest.raises(sqlite3.OperationalError, match="locked"):
         engine_mod._sqlite_on_connect(conn, None)

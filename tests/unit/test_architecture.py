@@ -273,7 +273,6 @@ TESTED_ELSEWHERE = {
     "celery_idem.stores.sql_records": "tests/stores/test_contract.py",
     "celery_idem.stores.redis_intents": "tests/stores/test_intents_contract.py",
     "celery_idem.stores.sql_intents": "tests/stores/test_intents_contract.py",
-    "celery_idem.stores.sql.schema": "tests/stores/test_sql_store.py",
 }
 
 

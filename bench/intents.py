@@ -301,8 +301,7 @@ RELAY_PARTS: dict[str, tuple[str, str | None]] = {
 #: Where an intent enqueue's extra time goes (cProfile, cumulative): label -> (function, caller).
 ENQUEUE_PARTS: dict[str, tuple[str, str | None]] = {
     "write_intent (all of it)": ("write_intent", None),
-    "the body serialized again (kombu dumps)": ("dumps", "write_intent"),
-    "encode_envelope (JSON, base64)": ("encode_envelope", "write_intent"),
+    "encode_envelope (the JSON)": ("encode_envelope", "write_intent"),
 }
 
 

@@ -37,7 +37,7 @@ from .attach import add_to_parent
 from .enqueue import Answer, Decision, EnqueueRequest, Publish, ReadFirst
 from .exceptions import StoreUnavailable
 from .identity import HEADER
-from .intents import FUSED
+from .intents import FUSED, too_large
 from .records import Record, Reservation, State
 from .stores.redis import RESERVED, RedisStore, same_server
 from .stores.redis_intents import INTENT, INTENT_LUA
@@ -68,29 +68,48 @@ _NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
 class _Pending:
     """The enqueue whose message the hooked ``_put`` checks; ``found`` is what stopped it;
     ``reserve``, when it may attach: (task id, fingerprint or "", reservation lease in ms);
-    ``intent``: the script arguments of the intent to write with the message."""
+    ``intent``: the script arguments of the intent to write with the message, ``limit`` its
+    size limit and the task's name."""
 
     store: RedisStore
     key: str
     reserve: tuple[str, str, int] | None = None
     found: Record | Reservation | None = None
     intent: tuple[Any, ...] | None = None
+    limit: tuple[int, str] = (0, "")
 
-    def take_intent(self, store: Any, key: str, task_id: str, queue: str, message: bytes,
-                    relay_after: float, ttl: float, eta: float | None) -> bool:
-        """Take this enqueue's intent to write in the publish's script (``intents.FUSED``)."""
+    def take_intent(self, store: Any, key: str, task_id: str, queue: str, head: bytes,
+                    relay_after: float, ttl: float, eta: float | None, max_bytes: int,
+                    task_name: str) -> bool:
+        """Take this enqueue's intent to write in the publish's script (``intents.FUSED``): its
+        message is ``head`` and the payload the script pushes."""
         if store is not self.store or key != self.key:
             return False
-        self.intent = (task_id, queue, message, round(relay_after * 1000),
+        self.intent = (task_id, queue, head, round(relay_after * 1000),
                        max(1, round(ttl * 1000)), round(eta * 1000) if eta else 0, key)
+        self.limit = (max_bytes, task_name)
         return True
 
-    def write_intent(self) -> None:
+    def intent_payload(self, message: dict[str, Any]) -> bytes:
+        """kombu's payload of ``message`` as the intent keeps it and the script pushes it.
+
+        Raises:
+            IntentTooLarge: With the head, over ``idempotency_intent_max_bytes``.
+        """
+        payload: bytes = dumps(message).encode()  # type: ignore[no-untyped-call]
+        max_bytes, task_name = self.limit
+        size = len(self.intent[2] if self.intent else b"") + len(payload)
+        if size > max_bytes:
+            raise too_large(task_name, size, max_bytes)
+        return payload
+
+    def write_intent(self, message: dict[str, Any]) -> None:
         """Write the taken intent with its own round trip (kombu pushes the message itself)."""
         if self.intent is not None:
-            task_id, queue, message, relay_after, ttl, eta, key = self.intent
-            self.store.intend(key, task_id, queue, message, relay_after=relay_after / 1000,
-                              ttl=ttl / 1000, eta=eta / 1000 if eta else None)
+            task_id, queue, head, relay_after, ttl, eta, key = self.intent
+            self.store.intend(key, task_id, queue, head + self.intent_payload(message),
+                              relay_after=relay_after / 1000, ttl=ttl / 1000,
+                              eta=eta / 1000 if eta else None)
 
 
 _PENDING: ContextVar[_Pending | None] = ContextVar("celery_idem_pending_publish", default=None)
@@ -270,7 +289,8 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         return _put_unless_found(pending, put, self, queue, message, kwargs)
     name = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
     record = store.name_of(pending.key)
-    payload = dumps(message)  # type: ignore[no-untyped-call]
+    # With an intent, the script keeps the payload it pushes: its size is checked first.
+    payload = dumps(message) if pending.intent is None else pending.intent_payload(message)  # type: ignore[no-untyped-call]
     # EVALSHA names the queue first: kombu's global_keyprefix client prefixes exactly that
     # key, as it does for LPUSH; the record's and the reservation's names are the store's own.
     if pending.reserve is None:
@@ -278,9 +298,8 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         args: tuple[Any, ...] = (payload, "0")
     else:
         keys, args = (name, record, record + RESERVED), (payload, "1", *pending.reserve)
-    if pending.intent is not None:  # written with the push, in the same script
-        keys = (name, record, record + RESERVED, record + INTENT, store.intent_index())
-        args = (*args, "", "", "0")[:5] + pending.intent
+    if pending.intent is not None:  # written with the push, in the same script (no 2nd copy)
+        keys, args = (*keys, record + INTENT, store.intent_index()), (*args, *pending.intent)
     with self.conn_or_acquire() as client:
         try:
             reply = client.evalsha(_SHA, len(keys), *keys, *args)
@@ -312,7 +331,7 @@ def _put_unless_found(pending: _Pending, put: Any, channel: Any, queue: str,
             pending.reserve is not None and record.state is State.IN_PROGRESS)):
         pending.found = record
     if pending.found is None:
-        pending.write_intent()
+        pending.write_intent(message)
         put(channel, queue, message, **kwargs)
 
 

@@ -1,33 +1,36 @@
 """Intents: the message of an ``idempotency_intent`` task, kept in the store until its outcome.
 
 At the publish (:class:`IntentProducer`: after Celery built the message, before kombu sends it)
-the message is encoded as an :class:`Envelope` and written with
-``Store.intend``; a store that cannot be reached, or a message over ``idempotency_intent_max_bytes``,
-fails the enqueue before anything is sent. A relay (``celery_idem.contrib.relay``) re-sends an
-envelope whose action has no outcome and no live attempt, and that is not waiting in its queue.
+the message is written with ``Store.intend`` as an :class:`Envelope` (within the Redis publish,
+its script keeps kombu's own payload: ``FUSED``); a store that cannot be reached, or a message
+over ``idempotency_intent_max_bytes``, fails the enqueue before anything is sent. A relay
+(``celery_idem.contrib.relay``, which reads and sends envelopes) re-sends an envelope whose
+action has no outcome and no live attempt, and that is not waiting in its queue.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from kombu.entity import Exchange, Queue
+from kombu.entity import Queue
 from kombu.serialization import dumps
 
 from .config import settings
 from .exceptions import ImproperlyConfigured
 from .identity import HEADER
 
-__all__ = ["FUSED", "Envelope", "IntentProducer", "IntentTooLarge", "decode_envelope", "encode_envelope",
-           "publish_envelope", "write_intent"]
+__all__ = ["FUSED", "Envelope", "IntentProducer", "IntentTooLarge", "encode_envelope", "kombu_redis_head",
+           "too_large", "write_intent"]
 
-#: The envelope's format version (a relay refuses one it does not know).
-VERSION = 1
+#: The envelope's format version (a relay refuses one it does not know); KOMBU_REDIS: a head
+#: line naming the queue and exchange type, then kombu's Redis payload as the publish pushed it.
+VERSION, KOMBU_REDIS = 1, 2
 
 
 class IntentTooLarge(ValueError):
@@ -102,45 +105,20 @@ def encode_envelope(envelope: Envelope) -> bytes:
     }, default=_json_default, separators=(",", ":")).encode() + b"\n" + envelope.body
 
 
-def decode_envelope(data: bytes) -> Envelope:
-    """The envelope :func:`encode_envelope` wrote.
-
-    Raises:
-        ValueError: ``data`` is not an envelope this version reads.
-    """
-    head, newline, body = bytes(data).partition(b"\n")  # JSON's text has no raw newline
-    try:
-        raw = json.loads(head)
-        if raw.get("v") != VERSION:
-            raise ValueError(f"envelope version {raw.get('v')!r} (this celery_idem reads {VERSION})")
-        if not newline:
-            raise KeyError("body")
-        return Envelope(
-            body=body, content_type=raw["content_type"],
-            content_encoding=raw["content_encoding"], headers=raw["headers"],
-            properties=raw["properties"], exchange=raw["exchange"],
-            exchange_type=raw["exchange_type"], routing_key=raw["routing_key"], queue=raw["queue"])
-    except (KeyError, TypeError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not a celery_idem intent envelope: {exc}") from exc
+@functools.lru_cache(maxsize=256)
+def kombu_redis_head(queue: str, exchange_type: str) -> bytes:
+    """The line before kombu's Redis payload in an intent: what the payload does not say, the
+    queue it was pushed to and its exchange's type (``contrib.relay.decode_envelope``)."""
+    return json.dumps({"v": KOMBU_REDIS, "queue": queue, "exchange_type": exchange_type},
+                      separators=(",", ":")).encode() + b"\n"
 
 
-def publish_envelope(app: Any, envelope: Envelope, producer: Any, *, declare: bool = True) -> None:
-    """Send ``envelope`` again with ``producer``, declaring its queue (a broker that restarted
-    empty, or was flushed, has lost it and its binding: kombu's Redis transport would drop the
-    message); ``declare=False`` when the caller declared it on this channel already."""
-    queue = app.amqp.queues.get(envelope.queue) if envelope.queue and declare else None
-    if queue is None and envelope.queue and declare:
-        exchange = Exchange(envelope.exchange, type=envelope.exchange_type)  # type: ignore[no-untyped-call]
-        queue = Queue(envelope.queue, exchange=exchange,  # type: ignore[no-untyped-call]
-                      routing_key=envelope.routing_key)
-    properties = dict(envelope.properties)
-    properties.setdefault("delivery_mode", 2)
-    producer.publish(
-        envelope.body, exchange=envelope.exchange, routing_key=envelope.routing_key,
-        headers=dict(envelope.headers), content_type=envelope.content_type,
-        content_encoding=envelope.content_encoding, declare=[queue] if queue is not None else [],
-        # Bounded as Celery's own publish is: a broker that stays down fails this send.
-        retry=True, retry_policy=app.conf.task_publish_retry_policy, **properties)
+def too_large(task_name: str, size: int, limit: int) -> IntentTooLarge:
+    """The error refusing ``task_name``'s message of ``size`` bytes, over ``limit``."""
+    return IntentTooLarge(
+        f"{task_name}: the message is {size} bytes, over idempotency_intent_max_bytes "
+        f"({limit}); nothing was sent. Pass a reference to the data (a row "
+        f"id, an object key) instead of the data, or raise the limit")
 
 
 #: Keywords of kombu's ``Producer.publish`` that are not message properties.
@@ -166,12 +144,11 @@ class IntentProducer:
         if HEADER not in headers:
             return self._producer.publish(body, **kwargs)
         defer = self._task.idempotency_gate.store.deferring()
-        properties = {k: v for k, v in kwargs.items() if k not in _NOT_PROPERTIES and v is not None}
         # Encoded once, here: the intent keeps these bytes and kombu sends them as they are.
         encoded = dumps(body, serializer=kwargs.pop("serializer", None) or self._task.serializer)  # type: ignore[no-untyped-call]
         kwargs["content_type"], kwargs["content_encoding"], body = encoded
         write_intent(self._task, encoded, kwargs.get("exchange"), kwargs.get("routing_key"),
-                     headers, properties, kwargs.get("declare"), fused=defer is None)
+                     headers, kwargs, kwargs.get("declare"), fused=defer is None)
         if defer is None:
             return self._producer.publish(body, **kwargs)
         # In the caller's transaction: sent once it commits (a rollback sends nothing; a crash
@@ -190,7 +167,12 @@ def write_intent(task: Any, encoded: tuple[str, str, bytes | str], exchange: Any
                  headers: Mapping[str, Any], properties: Mapping[str, Any],
                  declare: Sequence[Any] | None, *, fused: bool = True) -> None:
     """Write the message ``task`` is about to send (its body ``encoded`` by kombu's ``dumps``:
-    content type, content encoding, data) as its key's intent.
+    content type, content encoding, data) as its key's intent; ``properties``: the keywords of
+    its ``Producer.publish`` (those that are not its arguments are the message's properties).
+
+    Within the Redis publish (``FUSED``) the publish's script writes it, with kombu's own payload
+    as the message (:func:`kombu_redis_head`); else it is an :class:`Envelope` written with
+    ``Store.intend``.
 
     Raises:
         ImproperlyConfigured: The task's store keeps no intents.
@@ -202,37 +184,36 @@ def write_intent(task: Any, encoded: tuple[str, str, bytes | str], exchange: Any
         raise ImproperlyConfigured(
             f"{task.name} keeps intents (idempotency_intent=True) but its store, "
             f"{type(store).__name__}, keeps none; nothing was sent")
-    content_type, encoding, data = encoded
     name = getattr(exchange, "name", exchange) or ""
+    exchange_type = str(getattr(exchange, "type", None) or "direct")
     routing = str(routing_key or "")
     queue = next((str(q.name) for q in declare or () if isinstance(q, Queue) and q.name), routing)
-    envelope = Envelope(
-        body=data if isinstance(data, bytes) else str(data).encode(encoding),
-        content_type=content_type, content_encoding=encoding, headers=dict(headers),
-        properties=dict(properties), exchange=str(name),
-        exchange_type=str(getattr(exchange, "type", None) or "direct"),
-        routing_key=routing, queue=queue)
-    message = encode_envelope(envelope)
+    task_id = str(headers.get("id") or properties.get("correlation_id") or "")
     conf = settings(task.app)
-    if len(message) > conf.intent_max_bytes:
-        raise IntentTooLarge(
-            f"{task.name}: the message is {len(message)} bytes, over idempotency_intent_max_bytes "
-            f"({conf.intent_max_bytes}); nothing was sent. Pass a reference to the data (a row "
-            f"id, an object key) instead of the data, or raise the limit")
     ttl = task.idempotency_config.ttl
-    expires = envelope.expires()
+    expires = _epoch(headers.get("expires"))
     if expires is not None:  # an expired message is discarded by the worker: never re-sent
         ttl = max(0.001, min(ttl, expires - store.now()))
+    eta = _epoch(headers.get("eta"))
     key = str(headers[HEADER])
     take = FUSED.get() if fused else None
-    if take is not None and take(store, key, envelope.task_id, envelope.queue, message,
-                                   conf.relay_after, ttl, envelope.eta()):
-        return  # written by the publish's own script
-    store.intend(key, envelope.task_id, envelope.queue, message, relay_after=conf.relay_after,
-                 ttl=ttl, eta=envelope.eta())
+    if take is not None and take(store, key, task_id, queue, kombu_redis_head(queue, exchange_type),
+                                 conf.relay_after, ttl, eta, conf.intent_max_bytes, task.name):
+        return  # written by the publish's own script, the size checked there
+    content_type, encoding, data = encoded
+    message = encode_envelope(Envelope(
+        body=data if isinstance(data, bytes) else str(data).encode(encoding),
+        content_type=content_type, content_encoding=encoding, headers=dict(headers),
+        properties={k: v for k, v in properties.items() if k not in _NOT_PROPERTIES and v is not None},
+        exchange=str(name), exchange_type=exchange_type,
+        routing_key=routing, queue=queue))
+    if len(message) > conf.intent_max_bytes:
+        raise too_large(task.name, len(message), conf.intent_max_bytes)
+    store.intend(key, task_id, queue, message, relay_after=conf.relay_after, ttl=ttl, eta=eta)
 
 
 #: Set by a publish that can write the intent in its own round trip (the enqueue check within
-#: the Redis publish): ``(store, key, task_id, queue, message, relay_after, ttl, eta) -> bool``,
-#: True when it took the intent to write with the message.
+#: the Redis publish): ``(store, key, task_id, queue, head, relay_after, ttl, eta, max_bytes,
+#: task_name) -> bool``, True when it took the intent to write with the message (``head``, from
+#: :func:`kombu_redis_head`, then kombu's payload), refusing one over ``max_bytes``.
 FUSED: ContextVar[Callable[..., bool] | None] = ContextVar("celery_idem_fused_intent", default=None)

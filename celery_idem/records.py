@@ -142,7 +142,8 @@ class Intent:
         key: The stored idempotency key (the scope included), without the store's prefix.
         task_id: The message's task id (a re-sent message keeps it, so its caller's handle answers).
         queue: The queue the message went to (the relay asks the broker for its length).
-        message: The encoded message (:func:`celery_idem.intents.encode_envelope`), opaque to stores.
+        message: The encoded message, opaque to stores (:func:`celery_idem.intents.decode_envelope`
+            reads it).
         enqueued: Store clock (epoch seconds) when it was written: its place in its queue, which
             a claim seen of it tells the relay every earlier message there was delivered.
         deadline: Store clock after which the relay looks at it.

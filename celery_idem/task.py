@@ -327,9 +327,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 super(IdempotentTask, self).apply_async, args, kwargs, task_id=sent_id,
                 link=link, link_error=link_error, shadow=shadow, headers=headers,
                 **{**options, **extra})
-            if not self.idempotency_config.intent or self.app.conf.task_always_eager:
+            if not self.idempotency_config.intent:
                 return send(producer=prod)
-            with self.app.producer_or_acquire(prod) as real:  # the store keeps the message
+            if prod is not None:  # the store keeps the message (an eager call sends none)
+                return send(producer=intents.IntentProducer(prod, self))
+            if self.app.conf.task_always_eager:
+                return send(producer=None)  # no producer acquired: there may be no broker
+            with self.app.producer_or_acquire() as real:
                 return send(producer=intents.IntentProducer(real, self))
 
         decision: Publish | Answer = Publish(task_id)

@@ -13,8 +13,10 @@ runs one outside them.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import enum
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -24,16 +26,18 @@ from typing import Any
 from celery import Celery, states
 from kombu import entity
 from kombu.exceptions import ChannelError
+from kombu.utils.json import loads as kombu_loads
 
 from ..app import events_enabled
 from ..config import settings
 from ..events import EVENT_TYPE, Outcome, notify_observers
-from ..intents import Envelope, decode_envelope, publish_envelope
+from ..intents import KOMBU_REDIS, VERSION, Envelope
 from ..records import Intent, Record, State
 from ..stores.base import Store
 from .relay_observers import notify_relay_observers
 
-__all__ = ["BATCH", "ENDED", "Action", "Kind", "Relay", "RelayReport", "Resend", "celery_ended", "decide"]
+__all__ = ["BATCH", "ENDED", "Action", "Kind", "Relay", "RelayReport", "Resend", "celery_ended", "decide",
+           "decode_envelope", "publish_envelope"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -404,3 +408,80 @@ class _Broker:
             with contextlib.suppress(Exception):
                 self._channel.close()
         self.held.close()
+
+
+# -- reading an intent's message, and sending it again ------------------------------------------
+
+#: kombu's Redis payload's properties that the transport adds (a re-send gets its own).
+_TRANSPORT_PROPERTIES = frozenset({"delivery_tag", "delivery_info", "body_encoding"})
+
+
+def decode_envelope(data: bytes) -> Envelope:
+    """The envelope ``intents.encode_envelope`` wrote, or an intent written within the Redis
+    publish (``intents.kombu_redis_head``, then the message as kombu's Redis transport pushed it).
+
+    Raises:
+        ValueError: ``data`` is not an envelope this version reads.
+    """
+    head, newline, body = bytes(data).partition(b"\n")  # JSON's text has no raw newline
+    try:
+        raw = json.loads(head)
+        if raw.get("v") == KOMBU_REDIS:
+            return _from_kombu_redis(raw, body)
+        if raw.get("v") != VERSION:
+            raise ValueError(f"envelope version {raw.get('v')!r} (this celery_idem reads "
+                             f"{VERSION} and {KOMBU_REDIS})")
+        if not newline:
+            raise KeyError("body")
+        return Envelope(
+            body=body, content_type=raw["content_type"],
+            content_encoding=raw["content_encoding"], headers=raw["headers"],
+            properties=raw["properties"], exchange=raw["exchange"],
+            exchange_type=raw["exchange_type"], routing_key=raw["routing_key"], queue=raw["queue"])
+    except (KeyError, TypeError, AttributeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a celery_idem intent envelope: {exc}") from exc
+
+
+def _from_kombu_redis(head: Mapping[str, Any], data: bytes) -> Envelope:
+    """The envelope of kombu's Redis payload ``data`` (``Channel._put``'s message: body,
+    content type and encoding, headers, properties with ``delivery_info``)."""
+    # As the transport reads it (kombu's JSON, its types: datetimes, UUIDs ...).
+    message = kombu_loads(data)  # type: ignore[no-untyped-call]
+    properties = dict(message["properties"])
+    info = properties.get("delivery_info") or {}
+    body = message.get("body") or ""
+    encoding = properties.get("body_encoding")
+    if encoding and str(encoding).lower() != "utf-8":
+        if str(encoding).lower() != "base64":  # the only codec kombu's virtual transports have
+            raise ValueError(f"body encoding {encoding!r}")
+        body = base64.b64decode(body)
+    elif isinstance(body, str):
+        body = body.encode()
+    kept = {k: v for k, v in properties.items() if k not in _TRANSPORT_PROPERTIES}
+    if kept.get("expiration") is not None:  # kombu's ms string; publish takes seconds
+        kept["expiration"] = int(kept["expiration"]) / 1000
+    return Envelope(
+        body=body, content_type=message["content-type"],
+        content_encoding=message["content-encoding"], headers=message.get("headers") or {},
+        properties=kept, exchange=str(info.get("exchange") or ""),
+        exchange_type=str(head.get("exchange_type") or "direct"),
+        routing_key=str(info.get("routing_key") or ""), queue=str(head["queue"]))
+
+
+def publish_envelope(app: Any, envelope: Envelope, producer: Any, *, declare: bool = True) -> None:
+    """Send ``envelope`` again with ``producer``, declaring its queue (a broker that restarted
+    empty, or was flushed, has lost it and its binding: kombu's Redis transport would drop the
+    message); ``declare=False`` when the caller declared it on this channel already."""
+    queue = app.amqp.queues.get(envelope.queue) if envelope.queue and declare else None
+    if queue is None and envelope.queue and declare:
+        exchange = entity.Exchange(envelope.exchange, type=envelope.exchange_type)  # type: ignore[no-untyped-call]
+        queue = entity.Queue(envelope.queue, exchange=exchange,  # type: ignore[no-untyped-call]
+                      routing_key=envelope.routing_key)
+    properties = dict(envelope.properties)
+    properties.setdefault("delivery_mode", 2)
+    producer.publish(
+        envelope.body, exchange=envelope.exchange, routing_key=envelope.routing_key,
+        headers=dict(envelope.headers), content_type=envelope.content_type,
+        content_encoding=envelope.content_encoding, declare=[queue] if queue is not None else [],
+        # Bounded as Celery's own publish is: a broker that stays down fails this send.
+        retry=True, retry_policy=app.conf.task_publish_retry_policy, **properties)

@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
 from celery_idem import CachedResult, IdempotentTask
 from celery_idem.config import accelerate_switch
-from celery_idem.intents import decode_envelope
-from tests.unit.test_enqueue_redis import finish, make_app, prefix, queue_length
+from celery_idem.contrib.relay import decode_envelope
+from celery_idem.intents import IntentTooLarge, kombu_redis_head
+from tests.unit.test_enqueue_redis import DB, REDIS_URL, finish, make_app, prefix, queue_length
 
 __all__ = ["prefix"]  # the fixture, shared with tests/unit/test_enqueue_redis.py
 
@@ -59,6 +61,34 @@ def test_the_intent_is_written_with_the_message(prefix: str, accelerate: bool,
     assert envelope.headers["id"] == result.id and envelope.routing_key == "q"
     fused = accelerate and accelerate_switch()
     assert intends.calls == ([] if fused else [result.idempotency_key])
+    if fused:  # the script keeps the payload it pushed, after a head naming the queue
+        assert intent.message == kombu_redis_head("q", "direct") + pushed(prefix)
+    else:
+        assert intent.message.startswith(b'{"v":1,')
+    app.close()
+
+
+def pushed(prefix: str, queue: str = "q") -> bytes:
+    """The one message in ``queue``, as kombu's Redis transport pushed it."""
+    client = redis.Redis.from_url(f"{REDIS_URL}/{DB}")
+    try:
+        (message,) = client.lrange(prefix + queue, 0, -1)
+        return bytes(message)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("accelerate", [True, False])
+def test_an_oversized_message_is_refused_and_nothing_is_written(prefix: str, accelerate: bool) -> None:
+    app = make_app(prefix, idempotency_accelerate=accelerate, idempotency_intent_max_bytes=2048)
+    charge = make_task(app)
+    with pytest.raises(IntentTooLarge, match=r"over idempotency_intent_max_bytes \(2048\); nothing was sent"):
+        charge.delay("o4", "x" * 3000)
+    assert queue_length(prefix) == 0
+    assert list(charge.idempotency_gate.store.intents()) == []
+    # A message under the limit goes, and keeps its intent
+    result = charge.delay("o4", 1)
+    assert [i.task_id for i in charge.idempotency_gate.store.intents()] == [result.id]
     app.close()
 
 
@@ -81,4 +111,7 @@ def test_an_expiring_queue_still_gets_the_intent(prefix: str) -> None:
     result = charge.delay("o3", 1)
     (intent,) = list(charge.idempotency_gate.store.intents())
     assert intent.task_id == result.id
+    if accelerate_switch():  # written beside kombu's own push (its own round trip), as kombu pushed it
+        assert intent.message == kombu_redis_head("q", "direct") + pushed(prefix)
+    assert decode_envelope(intent.message).headers["id"] == result.id
     app.close()

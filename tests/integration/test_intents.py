@@ -164,3 +164,60 @@ def test_a_gevent_worker_killed_mid_body_loses_no_action(
     assert len(effects(cluster)) == 1
     print(f"\nre-run {at - killed:.2f} s after the kill, {at - lease_expires:.2f} s after the "
           f"lease ran out")
+
+
+def test_an_intent_written_within_the_publish_re_sends_the_message_as_sent(
+        make_cluster: Callable[..., Cluster], redis_url: str) -> None:
+    """The store on the broker's server and database: the publish's script writes the intent,
+    and it keeps kombu's own payload (no second encoding of the message). A message lost from
+    the queue is re-sent from it unchanged but for its delivery tag, and runs once."""
+    import redis
+    from kombu.utils.json import loads
+
+    from celery_idem.contrib.relay import Relay
+    from celery_idem.intents import kombu_redis_head
+
+    cluster = make_cluster(IDEM_RELAY_AFTER=str(RELAY_AFTER),
+                           IDEM_RELAY_INTERVAL=str(RELAY_INTERVAL), IDEM_INTENTS="1")
+    queue = cluster.env["IDEM_QUEUE"]
+    # The task's enqueue check as for a fresh process: one built for an earlier test's store (a
+    # broker of its own) has found the publish cannot take the check, and reads first.
+    tasks.intended.__dict__.pop("_enqueue_check", None)
+    broker = redis.Redis.from_url(redis_url)
+    try:
+        # Given N actions enqueued while no worker runs, each intent written in the publish
+        results = [tasks.intended.apply_async((f"fused-{i}",), {"hold": 0.01 * i})
+                   for i in range(N)]
+        sent = {loads(m)["headers"]["id"]: m for m in broker.lrange(queue, 0, -1)}
+        assert len(sent) == N
+        intents = {i.task_id: i for i in kept(cluster)}
+        assert intents.keys() == sent.keys()
+        head = kombu_redis_head(queue, "direct")
+        for task_id, intent in intents.items():
+            assert intent.message == head + sent[task_id], "not the bytes the publish pushed"
+        # When the messages are lost (the queue's list deleted) and the intents are due
+        broker.delete(queue)
+        wait_for(lambda: len(cluster.store.due_intents(N + 1)) == N, timeout=RELAY_AFTER + 10,
+                 what=f"{N} intents to be due")
+        report = Relay(cluster.app, cluster.store, relay_after=RELAY_AFTER).run_once()
+        assert report.relayed == N
+        # Then each is re-sent as it was first sent: body, headers and properties; a new
+        # delivery tag
+        again = {loads(m)["headers"]["id"]: loads(m) for m in broker.lrange(queue, 0, -1)}
+        assert again.keys() == sent.keys()
+        for task_id, raw in sent.items():
+            first, resent = loads(raw), again[task_id]
+            tag = first["properties"].pop("delivery_tag")
+            assert resent["properties"].pop("delivery_tag") != tag
+            assert resent == first
+        # And a worker runs each action once, with its arguments; the callers' handles answer
+        worker = cluster.worker("w1", app=APP)
+        actions = [f"fused-{i}" for i in range(N)]
+        wait_effects(cluster, actions, timeout=SOON + 20, what="the re-sent actions to run")
+        outs = [r.get(timeout=10) for r in results]
+        assert [o["task_id"] for o in outs] == [r.id for r in results]
+        assert [o["action"] for o in outs] == actions
+        wait_for(lambda: not kept(cluster), timeout=RELAY_AFTER + 10, what="the intents to close")
+        assert Counter(a for a, _, _ in effects(cluster)) == dict.fromkeys(actions, 1), worker.text()
+    finally:
+        broker.close()

@@ -6,16 +6,19 @@ The real broker and worker counterparts are in tests/integration/test_intents.py
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
 import pytest
 from celery import Celery
 from kombu import Connection
+from kombu.utils.json import dumps as kombu_dumps
 
 from celery_idem import IdempotentTask
+from celery_idem.contrib.relay import decode_envelope, publish_envelope
 from celery_idem.exceptions import ImproperlyConfigured, StoreUnavailable
-from celery_idem.intents import IntentTooLarge, decode_envelope, encode_envelope, publish_envelope
+from celery_idem.intents import IntentTooLarge, encode_envelope, kombu_redis_head
 from celery_idem.stores.memory import MemoryStore
 
 
@@ -158,3 +161,80 @@ def test_in_a_transaction_the_intent_is_written_and_the_message_waits_for_the_co
     commit()
     (sent,) = drain(app, app.conf.task_default_queue)
     assert sent.headers["id"] == result.id
+
+
+def _pushed(app: Celery, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """The messages kombu's virtual channel puts on its queues (the payload kombu's Redis
+    transport pushes: ``memory://`` builds it the same way), as they are put."""
+    from kombu.transport import memory
+
+    put = memory.Channel._put
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def spy(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> Any:
+        seen.append((queue, json.loads(kombu_dumps(message))))
+        return put(self, queue, message, **kwargs)
+
+    monkeypatch.setattr(memory.Channel, "_put", spy)
+    return seen
+
+
+def test_kombus_redis_payload_reads_as_the_envelope_of_the_same_message(
+        app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given one message kept as an envelope (the intent's own write) and as kombu pushed it
+    charge = make(app)
+    pushed = _pushed(app, monkeypatch)
+    result = charge.apply_async(("o-7", 700), priority=5, expires=600, headers={"tenant": "t1"})
+    (intent,) = list(charge.idempotency_gate.store.intents())
+    ((queue, message),) = pushed
+    kept = kombu_redis_head(queue, "direct") + kombu_dumps(message).encode()
+    # When both are read
+    envelope, from_payload = decode_envelope(intent.message), decode_envelope(kept)
+    # Then they are the same message: body, headers, properties, exchange, routing key, queue
+    assert from_payload.body == envelope.body
+    assert from_payload.headers == envelope.headers and from_payload.headers["id"] == result.id
+    assert from_payload.headers["tenant"] == "t1"
+    assert (from_payload.exchange, from_payload.exchange_type, from_payload.routing_key,
+            from_payload.queue) == (envelope.exchange, envelope.exchange_type,
+                                    envelope.routing_key, envelope.queue)
+    assert (from_payload.content_type, from_payload.content_encoding) == (
+        envelope.content_type, envelope.content_encoding)
+    assert from_payload.properties == envelope.properties
+    assert from_payload.properties["priority"] == 5
+    assert from_payload.properties["expiration"] == pytest.approx(600, abs=1)  # seconds again
+    assert not {"delivery_tag", "delivery_info", "body_encoding"} & from_payload.properties.keys()
+    # And sent again, it is the message first sent, under a new delivery tag
+    drain(app, queue)
+    with app.producer_or_acquire() as producer:
+        publish_envelope(app, from_payload, producer)
+    ((_, again),) = pushed[1:]
+    first = dict(message, properties=dict(message["properties"]))
+    tag = first["properties"].pop("delivery_tag")
+    assert again["properties"].pop("delivery_tag") != tag
+    again["properties"]["expiration"] = first["properties"]["expiration"]  # re-rounded to ms
+    assert again == first
+    (sent,) = drain(app, queue)
+    assert sent.decode() == [["o-7", 700], {}, {"callbacks": None, "errbacks": None,
+                                                "chain": None, "chord": None}]
+
+
+@pytest.mark.parametrize(("encoding", "body"), [
+    ("base64", "WzFdCg=="), (None, "[1]\n"), ("utf-8", "[1]\n")])
+def test_a_payloads_body_is_read_in_its_transport_encoding(encoding: str | None, body: str) -> None:
+    payload = {"body": body, "content-encoding": "utf-8", "content-type": "application/json",
+               "headers": {"id": "t"}, "properties": {
+                   "body_encoding": encoding, "delivery_tag": "d", "priority": 0,
+                   "delivery_info": {"exchange": "ex", "routing_key": "rk"}}}
+    env = decode_envelope(kombu_redis_head("q", "topic") + kombu_dumps(payload).encode())
+    assert env.body == b"[1]\n"
+    assert (env.exchange, env.exchange_type, env.routing_key, env.queue) == ("ex", "topic", "rk", "q")
+    assert env.properties == {"priority": 0} and env.task_id == "t"
+
+
+def test_a_payload_in_an_unknown_body_encoding_is_refused() -> None:
+    payload = {"body": "x", "content-encoding": "utf-8", "content-type": "application/json",
+               "headers": {}, "properties": {"body_encoding": "rot13", "delivery_info": {}}}
+    with pytest.raises(ValueError, match="body encoding 'rot13'"):
+        decode_envelope(kombu_redis_head("q", "direct") + kombu_dumps(payload).encode())
+    with pytest.raises(ValueError, match="not a celery_idem intent envelope"):
+        decode_envelope(kombu_redis_head("q", "direct") + b"{}")

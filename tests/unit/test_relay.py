@@ -16,8 +16,8 @@ from celery import Celery
 
 from celery_idem import IdempotentTask, events
 from celery_idem.contrib import relay_worker
-from celery_idem.contrib.relay import Action, Kind, Relay, decide
-from celery_idem.intents import Envelope, decode_envelope, encode_envelope, publish_envelope
+from celery_idem.contrib.relay import Action, Kind, Relay, decide, decode_envelope, publish_envelope
+from celery_idem.intents import Envelope, encode_envelope
 from celery_idem.records import Intent, Record, State
 from celery_idem.stores.memory import MemoryStore
 

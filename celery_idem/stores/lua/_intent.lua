@@ -10,7 +10,7 @@ local function write_intent(ikey, index, task_id, queue, message, relay_after, t
   if tonumber(eta) > d then d = tonumber(eta) end
   d = d + tonumber(relay_after)
   local x = now + tonumber(ttl)
-  redis.call('DEL', ikey)
+  -- Every field is set (an intent's hash has no others): no DEL of the one it replaces.
   redis.call('HSET', ikey, 't', task_id, 'q', queue, 'm', message, 'e', now, 'd', d, 'x', x,
              's', now)
   redis.call('PEXPIRE', ikey, x - now + 3600000)

@@ -8,10 +8,12 @@
 -- reservation} (another message's, when attaching: not pushed), false (pushed, and reserved
 -- when attaching), or "check" (not pushed: the value is not a plain record, so the client
 -- reads it the usual way and reports what it is).
--- With KEYS[4] (the key's intent) and KEYS[5] (the intents' index), a pushed message's intent
--- is written too (write_intent, lua/_intent.lua, prepended): ARGV[6] task id, ARGV[7] queue,
--- ARGV[8] the envelope, ARGV[9] relay after (ms), ARGV[10] ttl (ms), ARGV[11] eta (ms, 0 =
--- none), ARGV[12] the key.
+-- With two more keys, the key's intent and the intents' index (KEYS[3] and KEYS[4], or KEYS[4]
+-- and KEYS[5] when attaching), a pushed message's intent is written too (write_intent,
+-- lua/_intent.lua, prepended), from seven more arguments (from ARGV[3], or ARGV[6] when
+-- attaching): the task id, the queue, the head of its message (intents.kombu_redis_head: the
+-- message kept is the head, then ARGV[1], the payload pushed), relay after (ms), ttl (ms), eta
+-- (ms, 0 = none), the key.
 local ok, value = pcall(redis.call, 'GET', KEYS[2])
 if not ok then
   return 'check'  -- WRONGTYPE: another program's key under the prefix
@@ -41,7 +43,12 @@ if attach and free then
   redis.call('SET', KEYS[3], ARGV[3] .. '\0' .. ARGV[4], 'PX', ARGV[5])
 end
 redis.call('LPUSH', KEYS[1], ARGV[1])
-if KEYS[4] then
-  write_intent(KEYS[4], KEYS[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12])
+local k, a = 3, 3
+if attach then
+  k, a = 4, 6
+end
+if KEYS[k] then
+  write_intent(KEYS[k], KEYS[k + 1], ARGV[a], ARGV[a + 1], ARGV[a + 2] .. ARGV[1], ARGV[a + 3],
+               ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
 end
 return false

@@ -11,6 +11,7 @@ not one (every verb leaves it alone) is test_redis.py's.
 from __future__ import annotations
 
 import base64
+import random
 import re
 import uuid
 from collections.abc import Iterator
@@ -348,9 +349,12 @@ def test_a_nul_in_a_header_field_is_a_value_error_naming_it_and_nothing_is_sent(
 # -- task ids ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("task_id", [str(uuid.uuid4()) for _ in range(20)]
-                         + ["00000000-0000-0000-0000-000000000000",
-                            "ffffffff-ffff-ffff-ffff-ffffffffffff"])
+#: Fixed across processes: pytest-xdist's workers must collect the same test ids.
+_UUIDS = [str(uuid.UUID(int=random.Random(n).getrandbits(128), version=4)) for n in range(20)]
+
+
+@pytest.mark.parametrize("task_id", [*_UUIDS, "00000000-0000-0000-0000-000000000000",
+                                     "ffffffff-ffff-ffff-ffff-ffffffffffff"])
 def test_a_canonical_uuid_packs_into_23_characters_and_back(task_id: str) -> None:
     packed = pack_task_id(task_id)
     assert re.fullmatch("\x01[A-Za-z0-9_-]{22}", packed), packed

@@ -86,6 +86,6 @@ def store_from_url(url: str, prefix: str = DEFAULT_PREFIX, options: Mapping[str,
         kwargs.pop("accelerate", None)
     if store_cls.reads_transport_options and backend_transport_options:
         kwargs["backend_transport_options"] = backend_transport_options
-    # The scheme in lower case: some clients (redis-py before 6) refuse ``REDIS://``.
+    # The scheme in lower case: some clients (redis-py 6 and older) refuse ``REDIS://``.
     head, sep, rest = url.partition("://")
     return store_cls.from_url(head.lower() + sep + rest if sep else url, prefix=prefix, **kwargs)

@@ -65,14 +65,6 @@ class Envelope:
     def task_id(self) -> str:
         return str(self.headers.get("id") or self.properties.get("correlation_id") or "")
 
-    def eta(self) -> float | None:
-        """The message's eta (epoch seconds), or None."""
-        return _epoch(self.headers.get("eta"))
-
-    def expires(self) -> float | None:
-        """The message's ``expires`` (epoch seconds), or None."""
-        return _epoch(self.headers.get("expires"))
-
 
 def _epoch(value: Any) -> float | None:
     if not value:

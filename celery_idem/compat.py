@@ -1,15 +1,15 @@
 """Other libraries' private names, in one place: what the core needs whatever the switch says,
 and :data:`PRIVATE_NAMES`, the inventory of every private name the package uses.
 
-The functions here decide what a call means (the key of an action, a pickled result, a result
-set's wait), each behind a named function with its fallback. ``tests/unit/test_private_names.py``
+The functions here decide what a call means (a pickled result, a result set's wait), each
+behind a named function with its fallback (the arguments a key is made of, as Celery sends them,
+are :func:`celery_idem.identity.dump_pydantic_arguments`). ``tests/unit/test_private_names.py``
 holds the package to the inventory: a private name is used only in the module its entry names.
 When a name is missing, a fast path steps aside for its plain twin.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from celery.app.task import Context
@@ -27,9 +27,8 @@ except ImportError:  # pragma: no cover - older Celery
             one) or the request does (``mark_as_done`` skips the write)."""
             return bool(task.ignore_result or getattr(req, "ignore_result", False))
 
-__all__ = ["PRIVATE_NAMES", "MetaHook", "PrivateName", "dump_pydantic_arguments",
-           "fire_full_barriers", "get_actual_ignore_result", "push_fresh_request",
-           "worker_connection"]
+__all__ = ["PRIVATE_NAMES", "MetaHook", "PrivateName", "fire_full_barriers",
+           "get_actual_ignore_result", "push_fresh_request", "worker_connection"]
 
 
 def push_fresh_request(task: Any, **fields: Any) -> None:
@@ -47,17 +46,6 @@ class MetaHook:
 
     def _maybe_set_cache(self, meta: Any) -> Any:
         return self.on_meta(meta)
-
-
-def dump_pydantic_arguments(task: Any, args: Sequence[Any],
-                            kwargs: Mapping[str, Any]) -> tuple[Sequence[Any], Mapping[str, Any]]:
-    """``args`` and ``kwargs`` as Celery's ``apply_async`` sends them for a ``pydantic=True`` task
-    (dumped from Celery 5.7; as they are before, as those Celerys send them)."""
-    dump = getattr(task, "_dump_pydantic_arguments", None)  # Celery >= 5.7
-    if dump is None:
-        return args, kwargs
-    dumped: tuple[Sequence[Any], Mapping[str, Any]] = dump(args, kwargs)
-    return dumped
 
 
 def fire_full_barriers(waiters: list[Any]) -> None:
@@ -128,7 +116,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("sqlalchemy", "Pool._invalidate", "stores/sql/psycopg.py:RawSession.run",
                 "SQLAlchemy 2.0, 2.1.9", "missing: only the failed connection is invalidated "
                 "(the pool's older connections are found dead at their next use)"),
-    PrivateName("celery", "Task._dump_pydantic_arguments", "compat.py:dump_pydantic_arguments",
+    PrivateName("celery", "Task._dump_pydantic_arguments", "identity.py:dump_pydantic_arguments",
                 "celery 5.7.0 (absent in 5.4.0-5.6.3)", "the key is made of the dumped "
                 "arguments; missing: the arguments as given, as those Celerys send them"),
     PrivateName("vine", "barrier._value", "compat.py:fire_full_barriers", "vine 5.1.0 (celery "

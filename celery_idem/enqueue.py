@@ -1,4 +1,4 @@
-"""The producer side of the seam: an enqueue answered from the record, and unsendable arguments.
+"""The producer side of the seam: an enqueue answered from the record.
 
 ``apply_async`` builds one :class:`EnqueueRequest` and asks its task's strategy for a
 :class:`Decision`: :class:`Publish` (the key reserved for the message) or :class:`Answer` (a
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 from uuid import uuid4 as uuid
 
@@ -19,7 +18,6 @@ from celery.app import app_or_default
 from celery.app.task import Context
 from celery.result import AsyncResult, EagerResult
 from celery.states import SUCCESS
-from kombu.serialization import dumps
 
 from .app import emit_answer
 from .attach import add_to_parent, attach, may_attach
@@ -34,7 +32,7 @@ if TYPE_CHECKING:
     from celery import Task
 
 __all__ = ["Answer", "CachedResult", "Decision", "EnqueueRequest", "Publish", "ReadFirst",
-           "answer_from_record", "answer_request", "restore_cached", "unsendable"]
+           "answer_from_record", "answer_request", "restore_cached"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -118,18 +116,6 @@ def restore_cached(task_id: str, value: Any, state: str, name: str | None, key: 
     return CachedResult(rec, value, state, name, task_id=task_id, app=app_or_default())
 
 
-def unsendable(task_name: str, bound: Mapping[str, Any], serializer: str, exc: Exception) -> TypeError:
-    """The TypeError naming the argument of ``bound`` (empty: the call does not bind) that
-    ``serializer`` could not encode."""
-    for name, value in bound.items():
-        try:
-            dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
-        except Exception:
-            return TypeError(f"{task_name}: argument {name!r} ({type(value).__qualname__}) cannot be "
-                             f"sent with the {serializer!r} serializer: {exc}; nothing was sent")
-    return TypeError(f"{task_name}: the message cannot be encoded: {exc}; nothing was sent")
-
-
 def answer_from_record(task: Task, gate: Gate, writer: ResultWriter | None, key: str,
                        args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, task_id: str | None,
                        options: Mapping[str, Any], *, arguments_hash: Callable[[], str | None],
@@ -197,8 +183,7 @@ def answer_request(task: Task, task_id: str, args: Sequence[Any] | None,
     return Context(fields)
 
 
-@dataclass(frozen=True, slots=True)
-class EnqueueRequest:
+class EnqueueRequest(NamedTuple):
     """One enqueue that the key's record may answer (not a retry, a re-queue or a canvas
     publish): the task, its gate and result writer (None: Celery writes), the key, the
     fingerprint (computed once; None: it has none), the ``apply_async`` call's arguments, and

@@ -1,27 +1,27 @@
 """A task's key identity (``IdempotentTask.idempotency_key_for``): the key of a call, bound to
-the task's business signature, its fingerprint, and the key a message's header names."""
+the task's business signature (its arguments as Celery sends them), or the key a message's
+header names; its fingerprint; and the argument a serializer refuses."""
 
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
 from celery import signals
 from celery.app.task import Context
+from kombu.serialization import dumps
 
 from . import keys
-from .compat import dump_pydantic_arguments
 from .exceptions import InvalidKey
 
 __all__ = ["BEAT_HEADER", "ERRBACK_FIELD", "HEADER", "PRINCIPAL_HEADER", "SCOPED_BODY",
-           "UNBOUND_ARGS", "UNBOUND_KWARGS", "bind", "failed_request", "fingerprint_of",
-           "header_key", "identify", "message_time", "scheduled_send"]
+           "UNBOUND_ARGS", "UNBOUND_KWARGS", "CallIdentity", "bind", "dump_pydantic_arguments",
+           "failed_request", "header_key", "identify", "message_time", "scheduled_send"]
 
 #: Message header that carries the key through retries, redeliveries and canvas.
 HEADER = "idempotency_key"
@@ -47,57 +47,96 @@ def scheduled_send(headers: Mapping[str, Any]) -> bool:
     return bool(headers.get(BEAT_HEADER)) or getattr(_BEAT, "on", False)
 
 
+class CallIdentity:
+    """One call's identity (:func:`identify`): its stored ``key``, its ``scope``, whether the key
+    is a caller's (``per_call``), and on demand its fingerprint and why it cannot be sent."""
+
+    __slots__ = ("_bound", "_fingerprint", "args", "key", "kwargs", "per_call", "scope", "task")
+
+    def __init__(self, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: str,
+                 per_call: bool, scope: str | None, bound: dict[str, Any] | None = None) -> None:
+        self.task, self.args, self.kwargs = task, args, kwargs
+        self.key, self.per_call, self.scope = key, per_call, scope
+        self._bound = bound  # the arguments as sent, when the key was derived from them
+        self._fingerprint: tuple[str | None] | None = None  # (it,) once computed
+
+    def fingerprint(self) -> str | None:
+        """The hash stored with the record and compared on every later use of its key (computed
+        once: the check, the reservation and the memory ask it): a per-call key's covers the
+        identifying arguments; with ``idempotency_validate`` any key's covers the whole call. A
+        derived key has its fields in the key, so otherwise none."""
+        if self._fingerprint is None:
+            cfg = self.task.idempotency_config
+            digest = None
+            if cfg.validate or (self.per_call and cfg.fingerprint):
+                bound = self._bound
+                if bound is None:
+                    bound = bind(self.task, self.args, self.kwargs)
+                if not cfg.validate and UNBOUND_ARGS not in bound:
+                    bound = keys.select_fields(bound, cfg.fields)
+                digest = keys.payload_hash(bound)
+            self._fingerprint = (digest,)
+        return self._fingerprint[0]
+
+    def unsendable(self, serializer: str, exc: Exception) -> TypeError:
+        """The TypeError naming the argument (as passed) that ``serializer`` could not encode,
+        for a message Celery failed to encode with ``exc``."""
+        name = self.task.name
+        try:
+            bound = bind(self.task, self.args, self.kwargs, as_sent=False)
+        except TypeError:
+            bound = {}  # the call does not bind: the message is blamed as a whole
+        for field, value in bound.items():
+            try:
+                dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
+            except Exception:
+                return TypeError(f"{name}: argument {field!r} ({type(value).__qualname__}) cannot "
+                                 f"be sent with the {serializer!r} serializer: {exc}; nothing was sent")
+        return TypeError(f"{name}: the message cannot be encoded: {exc}; nothing was sent")
+
+
 def identify(
-    task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, explicit: Any,
-    scope: Any, at: float | dt.datetime | None = None, scheduled: bool = False,
-) -> tuple[str, Callable[[], str | None]]:
-    """The call's key, and a function computing its fingerprint (None: not checked) when asked.
+    task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, explicit: Any = None,
+    scope: Any = None, at: float | dt.datetime | None = None, scheduled: bool = False, *,
+    header: Any = None, any_scope: bool = False,
+) -> CallIdentity:
+    """The call's identity: the key a message's key ``header`` names (:func:`header_key`), else
+    the caller's ``explicit`` key, else the key derived from the arguments.
 
     With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now): the nearest
     one for a send of the schedule (``scheduled``), the current one for any other call."""
     cfg = task.idempotency_config
     args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if header is not None:
+        key, per_call, scope = header_key(task, header, scope, any_scope=any_scope)
+        return CallIdentity(task, args, kwargs, key, per_call, scope)
     if scope is not None:
         keys.check_scope(scope)
     if explicit is not None:
-        key = keys.caller_key(cfg.operation, explicit, scope)
-        return key, functools.cache(functools.partial(fingerprint_of, task, args, kwargs, True))
+        return CallIdentity(task, args, kwargs, keys.caller_key(cfg.operation, explicit, scope),
+                            True, scope)
     slot = {} if cfg.period is None else {
         keys.SLOT_FIELD: keys.period_slot(_unix_time(at), cfg.period, nearest=scheduled)}
+    bound = None
     if cfg.key_func is not None:
         identity = cfg.key_func(*args, **kwargs)
         if not isinstance(identity, str) or not identity:
             raise TypeError(f"{task.name}: idempotency_key_func returned {identity!r}; it must "
                             f"return a non-empty str")
         key = keys.key_from_fields(cfg.operation, slot, identity)
-        fingerprint: Callable[[], str | None] = functools.partial(fingerprint_of, task, args, kwargs, False)
     else:
+        errback = failed_request(args) is not None  # handling a failure is an action of its own
+        # Bound once, for the key and (when validating) the fingerprint.
         bound = bind(task, args, kwargs)
         fields = dict(bound) if UNBOUND_ARGS in bound else keys.select_fields(bound, cfg.fields)
-        if failed_request(args) is not None:  # handling a failure is an action of its own
+        if errback:
             fields[ERRBACK_FIELD] = True
         key = keys.key_from_fields(cfg.operation, {**fields, **slot} if slot else fields)
-        # The arguments are bound once, for the key and (when validating) the fingerprint.
-        fingerprint = functools.partial(keys.payload_hash, bound) if cfg.validate else lambda: None
     key = keys.scoped(key, cfg.operation, scope)
     if len(key) > keys.MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
         raise InvalidKey(f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the "
                          f"limit is {keys.MAX_KEY_LENGTH}: set a shorter idempotency_operation")
-    return key, functools.cache(fingerprint)  # asked by the check, the reservation and the memory
-
-
-def fingerprint_of(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
-                   per_call: bool) -> str | None:
-    """The hash stored with the record and compared on every later use of its key: a per-call
-    key's covers the identifying arguments; with ``idempotency_validate`` any key's covers the
-    whole call. A derived key has its fields in the key, so otherwise none."""
-    cfg = task.idempotency_config
-    if not (cfg.validate or (per_call and cfg.fingerprint)):
-        return None
-    bound = bind(task, args, kwargs)
-    if not cfg.validate and UNBOUND_ARGS not in bound:
-        bound = keys.select_fields(bound, cfg.fields)
-    return keys.payload_hash(bound)
+    return CallIdentity(task, args, kwargs, key, False, scope, bound)
 
 
 def header_key(task: Any, header: Any, scope: str | None = None, *,
@@ -129,7 +168,7 @@ def bind(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
         failed = failed_request(args)
         if failed is not None:
             args = (failed.id, *(None for _ in args[1:3]), *args[3:])
-        args, kwargs = dump_pydantic_arguments(task, args, kwargs)  # not switched: keys use them
+        args, kwargs = dump_pydantic_arguments(task, args, kwargs)
     signature = task._signature
     if signature is None:
         return {"args": list(args), "kwargs": dict(kwargs)}
@@ -140,6 +179,18 @@ def bind(task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
         if not typing:  # Celery sends it (the worker's signature may differ): keyed as passed
             return {UNBOUND_ARGS: list(args), UNBOUND_KWARGS: dict(kwargs)}
         raise TypeError(f"{task.name}{signature}: {exc}") from None
+
+
+def dump_pydantic_arguments(task: Any, args: Sequence[Any],
+                            kwargs: Mapping[str, Any]) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """``args`` and ``kwargs`` as Celery's ``apply_async`` sends them for a ``pydantic=True`` task
+    (dumped from Celery 5.7; as they are before, as those Celerys send them). Not behind the
+    acceleration switch: keys are made of them."""
+    dump = getattr(task, "_dump_pydantic_arguments", None)  # Celery >= 5.7
+    if dump is None:
+        return args, kwargs
+    dumped: tuple[Sequence[Any], Mapping[str, Any]] = dump(args, kwargs)
+    return dumped
 
 
 def failed_request(args: Sequence[Any]) -> Context | None:

@@ -14,7 +14,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -29,7 +29,7 @@ from .codec import KombuCodec
 from .compat import push_fresh_request
 from .config import DEFAULT_TERMINAL_ON, IdempotencyConfig, check_options, resolve, settings
 from .delivery import OUTAGE_HEADER, REQUEUES_HEADER, deliver
-from .enqueue import Answer, CachedResult, EnqueueRequest, Publish, ReadFirst, unsendable
+from .enqueue import Answer, CachedResult, EnqueueRequest, Publish, ReadFirst
 from .exceptions import ImproperlyConfigured
 from .gate import Attempt, Gate
 from .identity import BEAT_HEADER, HEADER, PRINCIPAL_HEADER, failed_request, message_time
@@ -190,7 +190,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ValueError: ``at`` is a naive datetime.
         """
         scope = self._call_scope(idempotency_scope, {})  # inside a body, as apply_async has it
-        return identity.identify(self, args, kwargs, idempotency_key, scope, at, scheduled)[0]
+        return identity.identify(self, args, kwargs, idempotency_key, scope, at, scheduled).key
 
     @property
     def idempotency_key(self) -> str | None:
@@ -305,16 +305,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         explicit = options.pop(HEADER, None)
         headers = dict(options.pop("headers", None) or {})
         scope = self._call_scope(options.pop("idempotency_scope", None), headers)
-        header = headers.get(HEADER) if explicit is None else None
-        if header is not None:
-            # Carried already (a retry, a re-queue, a canvas step): a key of this task and scope.
-            key, per_call, _ = identity.header_key(self, header, scope)
-            fingerprint: Callable[[], str | None] = functools.partial(
-                identity.fingerprint_of, self, tuple(args or ()), dict(kwargs or {}), per_call)
-        else:
-            key, fingerprint = identity.identify(self, args, kwargs, explicit, scope,
-                                                 scheduled=identity.scheduled_send(headers))
-        headers[HEADER] = key
+        # A key carried already (a retry, a re-queue, a canvas step) is one of this task and scope.
+        call = identity.identify(self, args, kwargs, explicit, scope,
+                                 scheduled=identity.scheduled_send(headers),
+                                 header=headers.get(HEADER) if explicit is None else None)
+        headers[HEADER] = key = call.key
         # A publish by the task itself (retry, re-queue) or one carrying a canvas must go out (an
         # answer would strand it); a chain's last step and a link callback are answered.
         republish = bool(options.get("retries")) or REQUEUES_HEADER in headers \
@@ -341,7 +336,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if not republish and not canvas and self.idempotency_config.check_on_enqueue:
             request = EnqueueRequest(
                 task=self, gate=self._gate, writer=self._result_writer, key=key,
-                fingerprint=fingerprint, args=args, kwargs=kwargs, task_id=task_id,
+                fingerprint=call.fingerprint, args=args, kwargs=kwargs, task_id=task_id,
                 producer=producer, options=options, publish=publish)
             decision = self._enqueue_check.decide(request)
         if isinstance(decision, Answer):
@@ -357,11 +352,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if isinstance(exc, EncodeError):
                 serializer = (options.get("serializer") or self.serializer
                               or self.app.conf.task_serializer)
-                try:
-                    bound = identity.bind(self, args or (), kwargs or {}, as_sent=False)
-                except TypeError:
-                    bound = {}
-                raise unsendable(self.name, bound, serializer, exc) from exc
+                raise call.unsendable(serializer, exc) from exc
             raise
         if request is not None:
             self._enqueue_check.published(request, decision, result)
@@ -404,22 +395,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if header is None:
             # send_task by name, another language's producer, Task.apply(): derive it here (a
             # period's slot from the message's time, else from now).
-            key, fingerprint = identity.identify(self, args, kwargs, None, None, message_time(req),
-                                                 bool((req.headers or {}).get(BEAT_HEADER)))
-            digest = fingerprint()
+            call = identity.identify(self, args, kwargs, None, None, message_time(req),
+                                     bool((req.headers or {}).get(BEAT_HEADER)))
+            key = call.key
             # A re-queue or retry publishes from these headers: carrying the key, it cannot derive
             # another period slot. Not on a direct call: Celery's one default request is shared
             # by every direct call (celery.map's items), each an action of its own.
             if not req.called_directly:
                 req.headers = {**(req.headers or {}), HEADER: key}
         else:
-            key, per_call, req.idempotency_scope_ = identity.header_key(self, header,
-                                                                        any_scope=True)
-            digest = identity.fingerprint_of(self, args, kwargs, per_call)
+            call = identity.identify(self, args, kwargs, header=header, any_scope=True)
+            key, req.idempotency_scope_ = call.key, call.scope
         if getattr(req, "idempotency_scope_", None) or PRINCIPAL_HEADER in (req.headers or {}):
             identity.SCOPED_BODY.set(True)  # this thread's enqueues now look for their parent
         attempt = Attempt(key=key, task_id=req.id or "", attempt=req.retries or 0, owner=owner_id(),
-                          payload_hash=digest)
+                          payload_hash=call.fingerprint())
         req.idempotency_key_ = key
         call_body = super().__call__
         if not (req.is_eager or req.called_directly) and \

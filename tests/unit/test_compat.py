@@ -16,12 +16,12 @@ from vine import barrier  # type: ignore[import-untyped, unused-ignore]
 
 from celery_idem.compat import (
     MetaHook,
-    dump_pydantic_arguments,
     fire_full_barriers,
     get_actual_ignore_result,
     push_fresh_request,
     worker_connection,
 )
+from celery_idem.identity import dump_pydantic_arguments
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""celery_idem.enqueue: CachedResult, the answer from the record and the unsendable-argument
-error, in process (eager mode, ``memory://`` store), with the result codec CachedResult carries.
+"""celery_idem.enqueue: CachedResult and the answer from the record, in process (eager mode,
+``memory://`` store), with the result codec CachedResult carries.
 
 The real-worker counterparts are in tests/integration/test_result_ids.py.
 """
@@ -16,7 +16,7 @@ from celery.result import AsyncResult, GroupResult, ResultSet
 
 from celery_idem import CachedResult, IdempotentTask, TerminalError
 from celery_idem.codec import KombuCodec
-from celery_idem.enqueue import answer_from_record, unsendable
+from celery_idem.enqueue import answer_from_record
 from celery_idem.exceptions import IdempotencyKeyMismatch
 from celery_idem.records import Record, State
 
@@ -116,21 +116,6 @@ def test_a_body_returning_an_async_result_is_recorded_and_answered_as_celery_sto
     spawn.delay("s")
     # A duplicate gets what Celery's JSON backend would hand back: the as_tuple() form
     assert spawn.delay("s").get() == [["s-child", None], None]
-
-
-def test_unsendable_names_the_argument_the_serializer_refuses() -> None:
-    error = unsendable("shop.charge", {"order_id": "o-1", "when": object()}, "json",
-                       ValueError("boom"))
-    assert isinstance(error, TypeError)
-    message = str(error)
-    assert "shop.charge" in message and "'when'" in message and "object" in message
-    assert "'json'" in message and "nothing was sent" in message
-    assert "order_id" not in message
-
-
-def test_unsendable_without_a_culprit_blames_the_message() -> None:
-    error = unsendable("shop.charge", {"order_id": "o-1"}, "json", ValueError("boom"))
-    assert str(error) == "shop.charge: the message cannot be encoded: boom; nothing was sent"
 
 
 def _done(task: Any, key: str, value: Any, payload_hash: str | None = None) -> Record:

@@ -37,28 +37,30 @@ def define(app: Celery, **options: Any) -> Any:
 
 def test_a_derived_key_covers_the_chosen_fields_however_they_are_passed(app: Celery) -> None:
     charge = define(app, idempotency_fields=("order_id", "amount_cents"))
-    key, fingerprint = identify(charge, ("o-1", 500), {"note": "a"}, None, None)
+    call = identify(charge, ("o-1", 500), {"note": "a"}, None, None)
+    key = call.key
     assert identify(charge, (), {"amount_cents": 500, "order_id": "o-1", "note": "b"},
-                    None, None)[0] == key
-    assert identify(charge, ("o-1", 501), {}, None, None)[0] != key
+                    None, None).key == key
+    assert identify(charge, ("o-1", 501), {}, None, None).key != key
     assert key.startswith(charge.idempotency_config.operation)
-    assert fingerprint() is None  # a derived key carries its fields; no validation asked
+    assert call.fingerprint() is None  # a derived key carries its fields; no validation asked
 
 
 def test_validation_fingerprints_the_whole_call(app: Celery) -> None:
     charge = define(app, idempotency_fields=("order_id",), idempotency_validate=True)
-    key_a, print_a = identify(charge, ("o-1", 500), {"note": "a"}, None, None)
-    key_b, print_b = identify(charge, ("o-1", 500), {"note": "b"}, None, None)
-    assert key_a == key_b
-    assert print_a() is not None and print_b() is not None and print_a() != print_b()
+    a = identify(charge, ("o-1", 500), {"note": "a"}, None, None)
+    b = identify(charge, ("o-1", 500), {"note": "b"}, None, None)
+    assert a.key == b.key
+    assert a.fingerprint() is not None and b.fingerprint() is not None
+    assert a.fingerprint() != b.fingerprint()
 
 
 def test_an_explicit_key_is_the_callers_key_of_the_operation(app: Celery) -> None:
     charge = define(app)
-    key, _ = identify(charge, ("o-1", 500), {}, "order-o-1", None)
+    key = identify(charge, ("o-1", 500), {}, "order-o-1", None).key
     operation = charge.idempotency_config.operation
     assert key == caller_key(operation, "order-o-1")
-    scoped, _ = identify(charge, ("o-1", 500), {}, "order-o-1", "tenant-a")
+    scoped = identify(charge, ("o-1", 500), {}, "order-o-1", "tenant-a").key
     assert scoped == caller_key(operation, "order-o-1", "tenant-a") != key
     with pytest.raises(InvalidKey):
         identify(charge, ("o-1", 500), {}, "", None)
@@ -67,13 +69,13 @@ def test_an_explicit_key_is_the_callers_key_of_the_operation(app: Celery) -> Non
 def test_a_period_puts_the_slot_of_at_in_the_key(app: Celery) -> None:
     charge = define(app, idempotency_period=60.0)
     at = 1_800_000_000.0  # a multiple of 60
-    first = identify(charge, ("o-1", 5), {}, None, None, at=at + 1)[0]
-    assert identify(charge, ("o-1", 5), {}, None, None, at=at + 59)[0] == first
-    assert identify(charge, ("o-1", 5), {}, None, None, at=at + 61)[0] != first
+    first = identify(charge, ("o-1", 5), {}, None, None, at=at + 1).key
+    assert identify(charge, ("o-1", 5), {}, None, None, at=at + 59).key == first
+    assert identify(charge, ("o-1", 5), {}, None, None, at=at + 61).key != first
     # A send of the schedule a moment early takes the coming slot
-    assert identify(charge, ("o-1", 5), {}, None, None, at=at - 1, scheduled=True)[0] == first
+    assert identify(charge, ("o-1", 5), {}, None, None, at=at - 1, scheduled=True).key == first
     aware = dt.datetime.fromtimestamp(at + 1, tz=dt.timezone.utc)
-    assert identify(charge, ("o-1", 5), {}, None, None, at=aware)[0] == first
+    assert identify(charge, ("o-1", 5), {}, None, None, at=aware).key == first
 
 
 @pytest.mark.parametrize(("at", "error", "match"), [
@@ -90,8 +92,8 @@ def test_a_period_refuses_a_time_it_cannot_place(app: Celery, at: Any, error: ty
 
 def test_a_key_func_must_return_a_non_empty_str(app: Celery) -> None:
     charge = define(app, idempotency_key_func=lambda order_id, amount_cents, note="": order_id)
-    assert identify(charge, ("o-1", 5), {}, None, None)[0] == \
-        identify(charge, ("o-1", 6), {"note": "x"}, None, None)[0]
+    assert identify(charge, ("o-1", 5), {}, None, None).key == \
+        identify(charge, ("o-1", 6), {"note": "x"}, None, None).key
     with pytest.raises(TypeError, match="idempotency_key_func returned 7"):
         identify(charge, (7, 5), {}, None, None)
 
@@ -107,8 +109,8 @@ def test_an_errback_call_has_a_key_of_its_own(app: Celery) -> None:
     assert failed_request(()) is None
     bound = bind(on_error, (failed, ValueError("x"), "tb"), {})
     assert bound == {"request": "failed-id", "exc": None, "traceback": None}
-    errback_key = identify(on_error, (failed, ValueError("x"), "tb"), {}, None, None)[0]
-    plain_key = identify(on_error, ("failed-id", None, None), {}, None, None)[0]
+    errback_key = identify(on_error, (failed, ValueError("x"), "tb"), {}, None, None).key
+    plain_key = identify(on_error, ("failed-id", None, None), {}, None, None).key
     assert errback_key != plain_key
 
 
@@ -120,10 +122,28 @@ def test_bind_refuses_or_keeps_a_call_that_does_not_bind(app: Celery) -> None:
     assert bind(loose, (1,), {"wrong": 2}) == {UNBOUND_ARGS: [1], "**kwargs": {"wrong": 2}}
 
 
+def test_unsendable_names_the_argument_the_serializer_refuses(app: Celery) -> None:
+    charge = define(app)
+    call = identify(charge, ("o-1", 5), {"note": object()}, "order-o-1", None)
+    message = str(call.unsendable("json", ValueError("boom")))
+    assert charge.name in message and "'note'" in message and "object" in message
+    assert "'json'" in message and "nothing was sent" in message
+    assert "order_id" not in message
+
+
+def test_unsendable_without_a_culprit_blames_the_message(app: Celery) -> None:
+    charge = define(app)
+    call = identify(charge, ("o-1", 5), {}, None, None)
+    assert str(call.unsendable("json", ValueError("boom"))) == \
+        f"{charge.name}: the message cannot be encoded: boom; nothing was sent"
+
+
 def test_header_key_keeps_a_stored_key_and_wraps_a_callers_one(app: Celery) -> None:
     charge = define(app)
     operation = charge.idempotency_config.operation
-    derived = identify(charge, ("o-1", 5), {}, None, None)[0]
+    derived = identify(charge, ("o-1", 5), {}, None, None).key
+    carried = identify(charge, ("o-1", 5), {}, header="order-o-1", any_scope=True)
+    assert (carried.key, carried.per_call) == (caller_key(operation, "order-o-1"), True)
     assert header_key(charge, derived) == (derived, False, None)
     assert header_key(charge, "order-o-1") == (caller_key(operation, "order-o-1"), True, None)
     # A stored key of another scope is the worker's authority only with any_scope

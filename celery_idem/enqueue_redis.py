@@ -144,7 +144,7 @@ class WithinPublish(ReadFirst):
             if found is not None:
                 answer = self.answer(req, found, attaching)
                 return Answer(answer) if answer is not None else Publish(req.task_id)
-        if self.within_publish(req):
+        if self.within_publish(req, attaching):
             decision = self.publish(req, attaching)
             if decision is not None:
                 return decision
@@ -182,10 +182,11 @@ class WithinPublish(ReadFirst):
         """Count one checked enqueue (answered from the record, or published)."""
         self.answered += ((1.0 if answered else 0.0) - self.answered) * self.WEIGHT
 
-    def within_publish(self, req: EnqueueRequest) -> bool:
+    def within_publish(self, req: EnqueueRequest, attaching: bool) -> bool:
         """Whether this enqueue tries the check within the publish: not eager, not with publish
         signal receivers or sent events (they would hear of an unsent message), not with a
-        backend whose ``on_task_call`` cannot be undone."""
+        backend whose ``on_task_call`` cannot be undone. ``attaching``: it may attach (so it
+        is not eager)."""
         if not self.possible or self.answered >= self.THRESHOLD:
             return False
         if type(req.gate.store) is not RedisStore:
@@ -193,8 +194,9 @@ class WithinPublish(ReadFirst):
             return False
         app = req.task.app
         conf = app.conf
-        if conf.task_always_eager or conf.task_send_sent_event or before_task_publish.receivers \
-                or after_task_publish.receivers:
+        # Each setting read costs a few µs of an enqueue: eager is known already when attaching.
+        if (not attaching and conf.task_always_eager) or conf.task_send_sent_event \
+                or before_task_publish.receivers or after_task_publish.receivers:
             return False
         return self._undo_for(app.backend) is not None
 
@@ -218,7 +220,7 @@ class WithinPublish(ReadFirst):
             pending = _Pending(store, req.key, (sent_id, req.fingerprint() or "", lease)
                                if reserving else None)
             token = _PENDING.set(pending)
-            fused = FUSED.set(pending.take_intent)
+            fused = FUSED.set(pending.take_intent) if task.idempotency_config.intent else None
             try:
                 # Celery lists the result among a running task's children only once sent.
                 result = req.publish(prod, sent_id, add_to_parent=False)
@@ -226,7 +228,8 @@ class WithinPublish(ReadFirst):
                 pending.found = None
                 result = None
             finally:
-                FUSED.reset(fused)
+                if fused is not None:
+                    FUSED.reset(fused)
                 _PENDING.reset(token)
         if result is None or pending.found is not None:
             # Not sent: the result subscription Celery made for it is not wanted.
@@ -250,7 +253,9 @@ def fuse(channel: Any, store: Any) -> bool:
     kombu's Redis channel on the server and database of ``store``, a plain :class:`RedisStore`
     without replica wait). The verdict is kept on the channel per store: kombu's producer pools
     are shared by the apps of one broker URL."""
-    verdicts = channel.__dict__.setdefault(_ATTR, weakref.WeakKeyDictionary())
+    verdicts = channel.__dict__.get(_ATTR)
+    if verdicts is None:  # not setdefault: that would build a dictionary on every publish
+        verdicts = channel.__dict__[_ATTR] = weakref.WeakKeyDictionary()
     ok: bool | None = verdicts.get(store)
     if ok is None:
         ok = verdicts[store] = _compatible(channel, store)

@@ -70,12 +70,8 @@ def attach(task: Task, gate: Gate, key: str, found: Record | Reservation, args: 
 
 def add_to_parent(task: Task, result: AsyncResult, options: Mapping[str, Any]) -> None:
     """List ``result`` among the running task's children, as ``apply_async`` does."""
-    app = task.app
-    # current_task first: outside any task (a producer's usual case) it is the cheaper look.
-    if app.current_task is None or not options.get("add_to_parent", True):
-        return
-    parent = app.current_worker_task
-    if parent:
+    parent = task.app.current_worker_task
+    if parent and options.get("add_to_parent", True):
         parent.add_trail(result)
 
 

@@ -48,16 +48,17 @@ def scheduled_send(headers: Mapping[str, Any]) -> bool:
 
 
 class CallIdentity:
-    """One call's identity (:func:`identify`): its stored ``key``, its ``scope``, whether the key
-    is a caller's (``per_call``), and on demand its fingerprint and why it cannot be sent."""
+    """One call's identity, as :func:`identify` fills it in: its stored ``key``, its ``scope``,
+    whether the key is a caller's (``per_call``), and on demand its fingerprint and why it
+    cannot be sent."""
 
     __slots__ = ("_bound", "_fingerprint", "args", "key", "kwargs", "per_call", "scope", "task")
 
-    def __init__(self, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: str,
-                 per_call: bool, scope: str | None, bound: dict[str, Any] | None = None) -> None:
-        self.task, self.args, self.kwargs = task, args, kwargs
-        self.key, self.per_call, self.scope = key, per_call, scope
-        self._bound = bound  # the arguments as sent, when the key was derived from them
+    def __init__(self, task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+                 scope: str | None) -> None:
+        self.task, self.args, self.kwargs = task, tuple(args or ()), dict(kwargs or {})
+        self.key, self.per_call, self.scope = "", False, scope
+        self._bound: dict[str, Any] | None = None  # the arguments as sent, once bound for the key
         self._fingerprint: tuple[str | None] | None = None  # (it,) once computed
 
     def fingerprint(self) -> str | None:
@@ -106,37 +107,36 @@ def identify(
     With ``idempotency_period`` a derived key gains the slot of ``at`` (default: now): the nearest
     one for a send of the schedule (``scheduled``), the current one for any other call."""
     cfg = task.idempotency_config
-    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    call = CallIdentity(task, args, kwargs, scope)
     if header is not None:
-        key, per_call, scope = header_key(task, header, scope, any_scope=any_scope)
-        return CallIdentity(task, args, kwargs, key, per_call, scope)
+        call.key, call.per_call, call.scope = header_key(task, header, scope, any_scope=any_scope)
+        return call
     if scope is not None:
         keys.check_scope(scope)
     if explicit is not None:
-        return CallIdentity(task, args, kwargs, keys.caller_key(cfg.operation, explicit, scope),
-                            True, scope)
+        call.key, call.per_call = keys.caller_key(cfg.operation, explicit, scope), True
+        return call
     slot = {} if cfg.period is None else {
         keys.SLOT_FIELD: keys.period_slot(_unix_time(at), cfg.period, nearest=scheduled)}
-    bound = None
     if cfg.key_func is not None:
-        identity = cfg.key_func(*args, **kwargs)
+        identity = cfg.key_func(*call.args, **call.kwargs)
         if not isinstance(identity, str) or not identity:
             raise TypeError(f"{task.name}: idempotency_key_func returned {identity!r}; it must "
                             f"return a non-empty str")
         key = keys.key_from_fields(cfg.operation, slot, identity)
     else:
-        errback = failed_request(args) is not None  # handling a failure is an action of its own
+        errback = failed_request(call.args) is not None  # handling a failure is an action of its own
         # Bound once, for the key and (when validating) the fingerprint.
-        bound = bind(task, args, kwargs)
+        bound = call._bound = bind(task, call.args, call.kwargs)
         fields = dict(bound) if UNBOUND_ARGS in bound else keys.select_fields(bound, cfg.fields)
         if errback:
             fields[ERRBACK_FIELD] = True
         key = keys.key_from_fields(cfg.operation, {**fields, **slot} if slot else fields)
-    key = keys.scoped(key, cfg.operation, scope)
-    if len(key) > keys.MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
-        raise InvalidKey(f"{task.name}: the key {key[:60]!r}... is {len(key)} characters; the "
-                         f"limit is {keys.MAX_KEY_LENGTH}: set a shorter idempotency_operation")
-    return CallIdentity(task, args, kwargs, key, False, scope, bound)
+    call.key = keys.scoped(key, cfg.operation, scope)
+    if len(call.key) > keys.MAX_KEY_LENGTH:  # a derived key, as long as its operation makes it
+        raise InvalidKey(f"{task.name}: the key {call.key[:60]!r}... is {len(call.key)} characters; "
+                         f"the limit is {keys.MAX_KEY_LENGTH}: set a shorter idempotency_operation")
+    return call
 
 
 def header_key(task: Any, header: Any, scope: str | None = None, *,

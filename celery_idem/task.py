@@ -318,14 +318,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             or options.get("group_id")
 
         def publish(prod: Any, sent_id: str | None, **extra: Any) -> AsyncResult:
-            sending = {**options, **extra} if extra else options
-            if not self.idempotency_config.intent:
-                return super(IdempotentTask, self).apply_async(
-                    args, kwargs, task_id=sent_id, producer=prod, link=link, link_error=link_error,
-                    shadow=shadow, headers=headers, **sending)
             send = functools.partial(
                 super(IdempotentTask, self).apply_async, args, kwargs, task_id=sent_id,
-                link=link, link_error=link_error, shadow=shadow, headers=headers, **sending)
+                link=link, link_error=link_error, shadow=shadow, headers=headers,
+                **({**options, **extra} if extra else options))
+            if not self.idempotency_config.intent:
+                return send(producer=prod)
             if prod is not None:  # the store keeps the message (an eager call sends none)
                 return send(producer=intents.IntentProducer(prod, self))
             if self.app.conf.task_always_eager:

@@ -397,7 +397,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # period's slot from the message's time, else from now).
             call = identity.identify(self, args, kwargs, None, None, message_time(req),
                                      bool((req.headers or {}).get(BEAT_HEADER)))
-            key = call.key
+            key, digest = call.key, call.fingerprint()
             # A re-queue or retry publishes from these headers: carrying the key, it cannot derive
             # another period slot. Not on a direct call: Celery's one default request is shared
             # by every direct call (celery.map's items), each an action of its own.
@@ -406,10 +406,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         else:
             call = identity.identify(self, args, kwargs, header=header, any_scope=True)
             key, req.idempotency_scope_ = call.key, call.scope
+            digest = call.fingerprint()
         if getattr(req, "idempotency_scope_", None) or PRINCIPAL_HEADER in (req.headers or {}):
             identity.SCOPED_BODY.set(True)  # this thread's enqueues now look for their parent
         attempt = Attempt(key=key, task_id=req.id or "", attempt=req.retries or 0, owner=owner_id(),
-                          payload_hash=call.fingerprint())
+                          payload_hash=digest)
         req.idempotency_key_ = key
         call_body = super().__call__
         if not (req.is_eager or req.called_directly) and \

@@ -290,8 +290,9 @@ def purge(ctx: click.Context, batch: int, max_seconds: float | None, reason: str
     if report.deleted:
         # Expired rows are already absent to every reader: nothing an operator can lose. Only a
         # purge that deleted something is an operator's change worth an audit line.
-        _audit(run, "purged", operator, deleted=report.deleted, batches=report.batches,
-               complete=report.complete)
+        fields = {"deleted": report.deleted, "batches": report.batches, "complete": report.complete}
+        ops.audit("purged", operator, **fields)
+        _event(run, "purged", operator, **fields)
     if not report.supported:
         text = f"{store_location(store)} deletes expired records by itself; nothing to purge"
     else:
@@ -324,14 +325,9 @@ def release(ctx: click.Context, key: str, token: int | None, yes: bool, reason: 
     run = run_for(ctx, as_json)
     operator = Operator.here("cli", reason)
     with run.store() as store:
-        rec = store.get(key)
-        if rec is None:
-            run.fail(EXIT_NOT_FOUND, f"no record for {key!r} in {store_location(store)}")
-        if rec.state is not State.IN_PROGRESS:
-            run.fail(EXIT_REFUSED, f"{key!r} is {rec.state.value}, not in_progress: only a claim "
-                                   f"can be released (a done or failed record is the outcome; "
-                                   f"it expires after its TTL)")
-        _check_token(run, key, rec, token, "released")
+        rec = _fenced_record(run, store, key, token, "released", (State.IN_PROGRESS,),
+                             "in_progress: only a claim can be released (a done or failed record "
+                             "is the outcome; it expires after its TTL)")
         now = store.now()
         live = rec.lease_expires is not None and rec.lease_expires > now
         if not yes:
@@ -368,12 +364,6 @@ def _apply(run: Run, verb: Any, store: Store, key: str, seen_token: int, operato
         run.fail(_REFUSALS.get(exc.reason, EXIT_REFUSED), str(exc), error=exc.reason)
 
 
-def _audit(run: Run, verb: str, operator: Operator, **fields: Any) -> None:
-    """Log a change made by this command (WARNING, celery_idem logger) and send its event."""
-    ops.audit(verb, operator, **fields)
-    _event(run, verb, operator, **fields)
-
-
 def _event(run: Run, verb: str, operator: Operator, **fields: Any) -> None:
     """Send the change's idem-operator event (when the app sends events); warn if it failed."""
     failed = ops.send_operator_event(run.app, verb, operator, **fields)
@@ -386,12 +376,20 @@ def _or_dash(value: str | None) -> str:
     return shown(value) if value else "-"
 
 
-def _check_token(run: Run, key: str, rec: Record, token: int | None, verb: str) -> None:
-    """Refuse (exit 3) when ``--token`` was given and the record has another token."""
+def _fenced_record(run: Run, store: Store, key: str, token: int | None, verb: str,
+                   states: tuple[State, ...], wrong_state: str) -> Record:
+    """The record of KEY, refused unless there is one (exit 1), in ``states`` (exit 2) and, when
+    ``--token`` was given, with that token (exit 3)."""
+    rec = store.get(key)
+    if rec is None:
+        run.fail(EXIT_NOT_FOUND, f"no record for {key!r} in {store_location(store)}")
+    if rec.state not in states:
+        run.fail(EXIT_REFUSED, f"{key!r} is {rec.state.value}, not {wrong_state}")
     if token is not None and rec.token != token:
         run.fail(EXIT_CHANGED, f"token mismatch: {key!r} has token {rec.token}, and --token was "
                                f"{token} (it was claimed again, or taken over, since that token "
                                f"was read); nothing was {verb}", error="token_mismatch")
+    return rec
 
 
 def _confirm(run: Run, question: str, verb: str) -> None:
@@ -429,13 +427,9 @@ def forget(ctx: click.Context, key: str, token: int | None, yes: bool, reason: s
     run = run_for(ctx, as_json)
     operator = Operator.here("cli", reason)
     with run.store() as store:
-        rec = store.get(key)
-        if rec is None:
-            run.fail(EXIT_NOT_FOUND, f"no record for {key!r} in {store_location(store)}")
-        if rec.state not in (State.DONE, State.FAILED):
-            run.fail(EXIT_REFUSED, f"{key!r} is {rec.state.value}, not done or failed: only an "
-                                   f"outcome can be forgotten (a claim in progress: `release`)")
-        _check_token(run, key, rec, token, "forgotten")
+        rec = _fenced_record(run, store, key, token, "forgotten", (State.DONE, State.FAILED),
+                             "done or failed: only an outcome can be forgotten (a claim in "
+                             "progress: `release`)")
         outcome, summary = outcome_of(run.app, rec)
         if not yes:
             _confirm(run, f"{rec.state.value.capitalize()} record of {shown(key)}: token {rec.token}, "

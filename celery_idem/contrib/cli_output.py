@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import socket
 import time
 from collections import Counter
@@ -39,7 +38,7 @@ from . import ops
 
 __all__ = [
     "ERROR_NAMES", "EXIT_CHANGED", "EXIT_NOT_FOUND", "EXIT_OK", "EXIT_REFUSED", "EXIT_UNAVAILABLE",
-    "SCAN_BATCH", "STATE_CHOICES", "SUMMARY_LENGTH", "Run", "ago_text", "decode_option",
+    "SCAN_BATCH", "STATE_CHOICES", "Run", "ago_text", "decode_option",
     "expiry_text", "fail_with", "json_option", "lease_text", "live_decisions", "operation_of",
     "outcome_of", "reason_option", "record_doc", "run_for", "scan_records", "store_location",
     "task_leases", "task_option", "utc_text",
@@ -58,15 +57,10 @@ ERROR_NAMES = {
     EXIT_UNAVAILABLE: "store_unavailable",
 }
 
-#: Longest result summary ``show`` prints (the JSON output has the whole value).
-SUMMARY_LENGTH = ops.SUMMARY_LENGTH
 #: Records fetched per store round trip by ``list`` and ``stats``.
 SCAN_BATCH = 500
 
 STATE_CHOICES = click.Choice([s.value for s in State])
-
-logger = logging.getLogger("celery_idem")
-
 
 def fail_with(exit_code: int, message: str, as_json: bool, error: str | None = None) -> NoReturn:
     """End the command with ``exit_code``, the reason on stderr (a JSON object with --json)."""
@@ -124,37 +118,27 @@ def run_for(ctx: click.Context, as_json: bool) -> Run:
     return Run(ctx.obj.app, as_json)
 
 
-def json_option(f: Any) -> Any:
-    return click.option(
-        "--json", "as_json", cls=CeleryOption, is_flag=True, help_group="Output Options",
-        help="Print one JSON document (errors go to stderr as JSON).",
-    )(f)
-
-
-def task_option(f: Any) -> Any:
-    return click.option(
-        "--task", "task_name", cls=CeleryOption, metavar="NAME", help_group="Filter Options",
-        help="Only keys of this task: keys that start with its operation (the task name, or "
-             "its idempotency_operation) and ':' or '@' (a scope), derived and per-call keys "
-             "alike.",
-    )(f)
-
-
-def reason_option(f: Any) -> Any:
-    return click.option(
-        "--reason", cls=CeleryOption, metavar="TEXT", default=None, help_group="Audit Options",
-        help="Why: logged at WARNING on the celery_idem logger with your OS user and host, "
-             "and sent in the idem-operator event when the app sends events.",
-    )(f)
-
-
-def decode_option(f: Any) -> Any:
-    return click.option(
-        "--decode", cls=CeleryOption, is_flag=True, help_group="Output Options",
-        help="Decode the stored result with the app's result serializer (accept_content "
-             "applies). Runs the serializer on stored bytes: with pickle accepted, a planted "
-             "record runs its code. Without it only the size and content type are shown.",
-    )(f)
+json_option = click.option(
+    "--json", "as_json", cls=CeleryOption, is_flag=True, help_group="Output Options",
+    help="Print one JSON document (errors go to stderr as JSON).",
+)
+task_option = click.option(
+    "--task", "task_name", cls=CeleryOption, metavar="NAME", help_group="Filter Options",
+    help="Only keys of this task: keys that start with its operation (the task name, or "
+         "its idempotency_operation) and ':' or '@' (a scope), derived and per-call keys "
+         "alike.",
+)
+reason_option = click.option(
+    "--reason", cls=CeleryOption, metavar="TEXT", default=None, help_group="Audit Options",
+    help="Why: logged at WARNING on the celery_idem logger with your OS user and host, "
+         "and sent in the idem-operator event when the app sends events.",
+)
+decode_option = click.option(
+    "--decode", cls=CeleryOption, is_flag=True, help_group="Output Options",
+    help="Decode the stored result with the app's result serializer (accept_content "
+         "applies). Runs the serializer on stored bytes: with pickle accepted, a planted "
+         "record runs its code. Without it only the size and content type are shown.",
+)
 
 
 # -- formatting ------------------------------------------------------------------------------
@@ -253,12 +237,10 @@ def record_doc(rec: Record, now: float, lease: float | None = None) -> dict[str,
         "content_type": rec.content_type,
         "result_bytes": None if rec.data is None else len(rec.data),
     }
-    if rec.state is State.IN_PROGRESS and rec.lease_expires is not None:
-        doc["lease_remaining"] = round(rec.lease_expires - now, 3)
-        doc["lease_expired"] = rec.lease_expires <= now
-    view = ops.lease_view(rec, now, lease)
+    view = ops.lease_view(rec, now, lease)  # None unless an in-progress claim with a lease
     if view is not None:
-        doc["lease_status"] = view.status
+        doc.update(lease_remaining=round(view.remaining, 3), lease_expired=view.remaining <= 0,
+                   lease_status=view.status)
         if view.not_renewed_for is not None:
             doc["not_renewed_for"] = round(view.not_renewed_for, 3)
     return doc

@@ -9,6 +9,7 @@ Both take ``--json``; stored strings are printed escaped (:func:`celery_idem.con
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from typing import Any
@@ -33,11 +34,8 @@ from .relay import Relay, RelayReport
 __all__ = ["intents", "relay"]
 
 
-def _report_doc(report: RelayReport, dry_run: bool) -> dict[str, Any]:
-    return {"relayed": report.relayed, "waiting": report.waiting, "closed": report.closed,
-            "stale": report.stale, "postponed": report.postponed, "oldest": dict(report.oldest),
-            "resends": [{"key": r.key, "task_id": r.task_id, "queue": r.queue, "reason": r.reason}
-                        for r in report.resends], "dry_run": dry_run}
+def _report_doc(report: RelayReport) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(report).items() if k not in ("unclaimed", "full")}
 
 
 def _report_text(report: RelayReport, dry_run: bool) -> str:
@@ -78,7 +76,7 @@ def relay(ctx: click.Context, once: bool, dry_run: bool, as_json: bool) -> None:
         def show(report: RelayReport) -> None:
             if not once and not (report.relayed or report.closed or report.stale):
                 return  # a pass that changed nothing says nothing
-            run.emit(_report_doc(report, dry_run), _report_text(report, dry_run))
+            run.emit(_report_doc(report), _report_text(report, dry_run))
 
         if once:
             with run.app.connection_for_write() as conn:  # not connected: its transport's errors

@@ -347,10 +347,12 @@ def http_app(mcp_server: Server[Any], host: str, port: int, path: str = "/mcp", 
         session_idle_timeout=session_idle_timeout, max_request_body_size=mcp_limits.MAX_REQUEST_BODY)
     manager = mcp_server.session_manager
     # Innermost, after the SDK's bearer middleware has named the caller. The session
-    # manager's own table is the one source of which sessions are still open.
+    # manager's own table is the one source of which sessions are still open: a private name
+    # (mcp 2.3; tests/unit/test_private_names.py), and without it only max_sessions applies.
     app.user_middleware.append(Middleware(
-        Limiter, sessions=lambda: manager._server_instances, principal_sessions=principal_sessions,
-        rate_limit=rate_limit, authenticated=token_verifier is not None))
+        Limiter, sessions=lambda: getattr(manager, "_server_instances", None),
+        principal_sessions=principal_sessions, rate_limit=rate_limit,
+        authenticated=token_verifier is not None))
     return app
 
 

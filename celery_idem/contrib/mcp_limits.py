@@ -72,10 +72,11 @@ class Limiter:
 
     Without tokens all callers are one principal, ``""``; with tokens a request without one
     passes on to the SDK's 401. ``sessions`` returns the session manager's open sessions by id:
-    one closed by its client, its idle timeout or a crash leaves it, and frees its slot.
+    one closed by its client, its idle timeout or a crash leaves it, and frees its slot. When it
+    returns None (an SDK without that table), sessions are capped by ``max_sessions`` only.
     """
 
-    def __init__(self, app: Any, *, sessions: Callable[[], MutableMapping[str, Any]],
+    def __init__(self, app: Any, *, sessions: Callable[[], MutableMapping[str, Any] | None],
                  principal_sessions: int, rate_limit: float | None, authenticated: bool) -> None:
         self.app, self._sessions, self.authenticated = app, sessions, authenticated
         self.principal_sessions, self.rate_limit = principal_sessions, rate_limit
@@ -101,11 +102,11 @@ class Limiter:
                                    scope, receive, send)
         opening = scope.get("method") == "POST" and not any(
             name == b"mcp-session-id" for name, _ in scope.get("headers", ()))
-        if not opening:
+        sessions = self._sessions() if opening else None  # closed or expired ones free their slot
+        if sessions is None:
             await self.app(scope, receive, send)
             return
         live = self._open.setdefault(who, set())
-        sessions = self._sessions()  # closed or expired sessions free their slot
         live.difference_update([sid for sid in live if sid not in sessions])
         if len(live) + self._opening.get(who, 0) >= self.principal_sessions:
             logger.warning("celery_idem MCP: principal %r refused a new session: it has %d open "

@@ -4,16 +4,12 @@ Each verb reads the record, checks what the operator saw (the token shown on the
 then writes through the store's fenced verb, so a claim taken over or recorded since the
 operator looked is never touched. The interfaces (a confirmation prompt, an admin page) ask
 before calling; the verbs log what they changed at WARNING on the ``celery_idem`` logger with
-who asked (``by``), whichever interface it was.
+who asked (an :class:`Operator`: :func:`audit`), whichever interface it was, and the interfaces
+send it as an ``idem-operator`` event when the app sends events (:func:`send_operator_event`).
 
 Errors are :class:`Refused` with a machine-readable ``reason``; an interface maps it to its own
 way of saying no (the CLI's exit codes: ``not_found`` 1, ``wrong_state`` 2, ``token_mismatch``
 and ``changed`` 3).
-
-Who asked is an :class:`Operator`: the interface (``by``), the OS user and host (the CLI) or the
-admin user, and the operator's ``reason``. Every change is logged with all of them at WARNING
-(:func:`audit`) and, when the app sends events, sent as an ``idem-operator`` Celery event
-(:func:`send_operator_event`).
 
 Stored strings (keys, owners, task ids, error text) are whatever was written to the store, by
 celery_idem or by anyone else with access to it: every interface shows them through
@@ -30,7 +26,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -228,7 +224,8 @@ class Refused(Exception):
         self.record = record
 
 
-def _read(store: Store, key: str, seen_token: int | None, verb: str) -> Record:
+def _read(store: Store, key: str, seen_token: int | None, verb: str, states: tuple[State, ...],
+          wrong_state: str) -> Record:
     rec = store.get(key)
     if rec is None:
         raise Refused("not_found", f"no record for {key!r}; nothing was {verb}")
@@ -238,7 +235,17 @@ def _read(store: Store, key: str, seen_token: int | None, verb: str) -> Record:
             f"token mismatch: {key!r} changed meanwhile: it has token {rec.token}, and the token "
             f"seen was {seen_token} (it was claimed again, or taken over, since); nothing was "
             f"{verb}", rec)
+    if rec.state not in states:
+        raise Refused("wrong_state", f"{key!r} is {rec.state.value}, not {wrong_state}", rec)
     return rec
+
+
+def _fenced(write: Callable[[], None], key: str, verb: str, rec: Record) -> None:
+    """Run the store's fenced ``write``; a record that changed since it was read is Refused."""
+    try:
+        write()
+    except LeaseLost as exc:
+        raise Refused("changed", f"{key!r} changed meanwhile; nothing was {verb} ({exc})", rec) from exc
 
 
 def release_claim(store: Store, key: str, seen_token: int | None, *, by: str | Operator) -> Record:
@@ -259,18 +266,10 @@ def release_claim(store: Store, key: str, seen_token: int | None, *, by: str | O
         Refused: Nothing was released (see :class:`Refused`).
         StoreUnavailable: The store could not be reached.
     """
-    rec = _read(store, key, seen_token, "released")
-    if rec.state is not State.IN_PROGRESS:
-        raise Refused("wrong_state", f"{key!r} is {rec.state.value}, not in_progress: only a claim can "
-                                     f"be released (a done or failed record is the outcome)", rec)
-    try:
-        # Fenced by the token and the claim id read: exactly the claim the operator saw.
-        if rec.claim_id:
-            store.release(key, rec.token, claim_id=rec.claim_id)
-        else:
-            store.release(key, rec.token)
-    except LeaseLost as exc:
-        raise Refused("changed", f"{key!r} changed meanwhile; nothing was released ({exc})", rec) from exc
+    rec = _read(store, key, seen_token, "released", (State.IN_PROGRESS,),
+                "in_progress: only a claim can be released (a done or failed record is the outcome)")
+    # Fenced by the token and the claim id read: exactly the claim the operator saw.
+    _fenced(lambda: store.release(key, rec.token, claim_id=rec.claim_id or None), key, "released", rec)
     audit("released", _operator(by), key=key, token=rec.token, task_id=rec.task_id,
           owner=rec.owner)
     return rec
@@ -289,14 +288,9 @@ def forget_outcome(store: Store, key: str, seen_token: int | None, *, by: str | 
         Refused: Nothing was forgotten (see :class:`Refused`).
         StoreUnavailable: The store could not be reached.
     """
-    rec = _read(store, key, seen_token, "forgotten")
-    if rec.state not in (State.DONE, State.FAILED):
-        raise Refused("wrong_state", f"{key!r} is {rec.state.value}, not done or failed: only an "
-                                     f"outcome can be forgotten (a claim in progress: release)", rec)
-    try:
-        store.forget(key, rec.token)
-    except LeaseLost as exc:
-        raise Refused("changed", f"{key!r} changed meanwhile; nothing was forgotten ({exc})", rec) from exc
+    rec = _read(store, key, seen_token, "forgotten", (State.DONE, State.FAILED),
+                "done or failed: only an outcome can be forgotten (a claim in progress: release)")
+    _fenced(lambda: store.forget(key, rec.token), key, "forgotten", rec)
     audit("forgotten", _operator(by), key=key, token=rec.token, original_task_id=rec.task_id,
           state=rec.state.value)
     return rec

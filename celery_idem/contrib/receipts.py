@@ -25,7 +25,6 @@ PostgreSQL, MySQL/MariaDB and SQLite) whatever the idempotency store is.
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from collections.abc import Sequence
@@ -43,8 +42,6 @@ from .receipt_flow import ReceiptFlow, ReceiptSQL
 
 __all__ = ["DEFAULT_RECEIPTS_TABLE", "Receipt", "ReceiptTransaction", "open_receipt", "purge_receipts",
            "receipts_table"]
-
-logger = logging.getLogger("celery_idem")
 
 #: The receipts table unless ``app.conf.idempotency_receipts_table`` or ``table=`` says otherwise.
 DEFAULT_RECEIPTS_TABLE: Final = "celery_idem_receipts"

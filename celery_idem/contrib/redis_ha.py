@@ -75,7 +75,58 @@ def _client_kwargs(auth: str, path: str, query: str, tls: bool) -> dict[str, Any
     return kwargs
 
 
-class RedisClusterStore(RedisStore):
+class _Replicated(RedisStore):
+    """What both stores check of their replicas: a failover promotes one."""
+
+    def _replica_clients(self) -> list[tuple[Any, str]]:
+        raise NotImplementedError
+
+    def _unlisted(self) -> str:
+        """Why no replica's settings were read when the replicas cannot be listed."""
+        raise NotImplementedError
+
+    def check_durability(self) -> list[DurabilityFinding]:
+        """The masters' settings, every replica's (a failover promotes one), and ``wait_replicas``.
+
+        Raises:
+            StoreUnavailable: No master could be reached.
+        """
+        findings = super().check_durability()
+        try:
+            replicas = self._replica_clients()
+        except REDIS_ERRORS as exc:
+            return [*findings, DurabilityFinding(
+                "replicas", None, f"{self._unlisted()} ({exc}), so their settings were not checked",
+                logging.INFO), *_wait_findings(self)]
+        try:
+            return [*findings, *_replica_findings(replicas), *_wait_findings(self)]
+        finally:
+            for client, _ in replicas:
+                client.close()
+
+    def replication_warnings(self) -> list[str]:
+        """A warning per master with fewer connected replicas than ``wait_replicas`` (read at
+        worker start)."""
+        if not self.wait_replicas:
+            return []
+        lines: list[str] = []
+        for client, where in self.servers():
+            try:
+                connected = int(client.info("replication").get("connected_slaves", 0))
+            except REDIS_ERRORS as exc:
+                raise StoreUnavailable(f"could not read the replication of {where}: {exc}") from exc
+            if connected < self.wait_replicas:
+                lines.append(
+                    f"{where} has {connected} connected replica(s) and the store waits for "
+                    f"{self.wait_replicas} (wait_replicas): every write waits {self.wait_timeout:g} "
+                    f"s and fails, and the tasks are re-queued, until a replica connects. A "
+                    f"deployment without replicas sets idempotency_store_options="
+                    f"{{'wait_replicas': 0}} (a failover can then lose records)"
+                )
+        return lines
+
+
+class RedisClusterStore(_Replicated):
     """Idempotency records in a Redis Cluster, one Lua script on one slot per verb.
 
     Args:
@@ -170,17 +221,8 @@ class RedisClusterStore(RedisStore):
                             f"cluster replica {host}:{port}"))
         return clients
 
-    def check_durability(self) -> list[DurabilityFinding]:
-        """The masters' settings, every replica's (a failover promotes one), and ``wait_replicas``.
-
-        Raises:
-            StoreUnavailable: No master could be reached.
-        """
-        return _with_replicas(self, super().check_durability(), "the cluster did not list its replicas")
-
-    def replication_warnings(self) -> list[str]:
-        """Masters with fewer connected replicas than ``wait_replicas`` (read at worker start)."""
-        return _short_of_replicas(self, self.servers())
+    def _unlisted(self) -> str:
+        return "the cluster did not list its replicas"
 
     # A Celery result key hashes to another slot than the record: no script can write both.
     record_with = Store.record_with
@@ -221,7 +263,7 @@ class RedisClusterStore(RedisStore):
         self.cluster.close()
 
 
-class RedisSentinelStore(RedisStore):
+class RedisSentinelStore(_Replicated):
     """Idempotency records in the Redis master that Sentinel names, found again after failover.
 
     Args:
@@ -323,23 +365,13 @@ class RedisSentinelStore(RedisStore):
             for host, port in self._replica_addresses()
         ]
 
+    def _unlisted(self) -> str:
+        return f"the sentinels did not list the replicas of {self.master_name!r}"
+
     def _replica_addresses(self) -> list[tuple[str, int]]:
         found = self.sentinel.discover_slaves(self.master_name)  # type: ignore[no-untyped-call, unused-ignore]
         return [(text(host) if isinstance(host, (bytes, str)) else str(host), int(port))
                 for host, port in found]
-
-    def check_durability(self) -> list[DurabilityFinding]:
-        """The master's settings, every replica's (a failover promotes one), and ``wait_replicas``.
-
-        Raises:
-            StoreUnavailable: The master could not be reached.
-        """
-        return _with_replicas(self, super().check_durability(),
-                              f"the sentinels did not list the replicas of {self.master_name!r}")
-
-    def replication_warnings(self) -> list[str]:
-        """The master, when it has fewer connected replicas than ``wait_replicas``."""
-        return _short_of_replicas(self, self.servers())
 
     def close(self) -> None:
         super().close()
@@ -362,22 +394,6 @@ def _cluster_replicas(nodes: str) -> list[tuple[str, int]]:
         if host and port.isdigit():
             found.append((host.strip("[]"), int(port)))
     return found
-
-
-def _with_replicas(store: RedisClusterStore | RedisSentinelStore, findings: list[DurabilityFinding],
-                   unlisted: str) -> list[DurabilityFinding]:
-    """The masters' ``findings``, every replica's and ``wait_replicas``'s (a note if unlisted)."""
-    try:
-        replicas = store._replica_clients()
-    except REDIS_ERRORS as exc:
-        return [*findings, DurabilityFinding(
-            "replicas", None, f"{unlisted} ({exc}), so their settings were not checked",
-            logging.INFO), *_wait_findings(store)]
-    try:
-        return [*findings, *_replica_findings(replicas), *_wait_findings(store)]
-    finally:
-        for client, _ in replicas:
-            client.close()
 
 
 def _replica_findings(clients: list[tuple[Any, str]]) -> list[DurabilityFinding]:
@@ -406,24 +422,3 @@ def _wait_findings(store: RedisStore) -> list[DurabilityFinding]:
         f"and the action runs again",
         fix="remove wait_replicas from idempotency_store_options (the default waits for 1 replica)",
     )]
-
-
-def _short_of_replicas(store: RedisStore, masters: list[tuple[Any, str]]) -> list[str]:
-    """A warning per master with fewer connected replicas than ``store.wait_replicas``."""
-    if not store.wait_replicas:
-        return []
-    lines: list[str] = []
-    for client, where in masters:
-        try:
-            connected = int(client.info("replication").get("connected_slaves", 0))
-        except REDIS_ERRORS as exc:
-            raise StoreUnavailable(f"could not read the replication of {where}: {exc}") from exc
-        if connected < store.wait_replicas:
-            lines.append(
-                f"{where} has {connected} connected replica(s) and the store waits for "
-                f"{store.wait_replicas} (wait_replicas): every write waits {store.wait_timeout:g} "
-                f"s and fails, and the tasks are re-queued, until a replica connects. A "
-                f"deployment without replicas sets idempotency_store_options="
-                f"{{'wait_replicas': 0}} (a failover can then lose records)"
-            )
-    return lines

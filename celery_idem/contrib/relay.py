@@ -242,10 +242,8 @@ class Relay:
                 _oldest(oldest, intent, now)
                 _oldest(unclaimed, intent, now)
         return self._reported(RelayReport(
-            relayed=counts[Kind.RESEND], waiting=counts[Kind.WAIT], closed=counts[Kind.CLOSE],
-            stale=counts[Kind.STALE], postponed=counts[Kind.POSTPONE], oldest=oldest,
-            unclaimed=unclaimed, resends=tuple(resends), full=len(due) >= self.batch,
-            dry_run=self.dry_run))
+            **{kind.value: n for kind, n in counts.items()}, oldest=oldest, unclaimed=unclaimed,
+            resends=tuple(resends), full=len(due) >= self.batch, dry_run=self.dry_run))
 
     def _reported(self, report: RelayReport) -> RelayReport:
         notify_relay_observers(report)

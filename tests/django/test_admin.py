@@ -89,7 +89,6 @@ def admin_client(django_databases: Any, monkeypatch: pytest.MonkeyPatch) -> Iter
     app = Celery("admin-pickle", set_as_current=False)
     app.conf.accept_content = ["json", "pickle"]
     app.conf.result_accept_content = ["json", "pickle"]
-    monkeypatch.setattr(idem_admin, "_celery_conf", lambda: app.conf)
     monkeypatch.setattr(idem_admin, "_celery_app", lambda: app)
     user_model = get_user_model()
     user = user_model.objects.filter(username="ops-inproc").first() or \

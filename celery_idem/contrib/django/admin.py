@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin, messages
@@ -61,15 +62,8 @@ def _utc(epoch: float | None) -> str:
     return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _celery_conf() -> Any:
-    """The current Celery app's settings (a Django project makes its app the default one)."""
-    from celery import current_app
-
-    return current_app.conf
-
-
 def _celery_app() -> Any:
-    """The current Celery app (for sending the operator events)."""
+    """The current Celery app (a Django project makes its app the default one)."""
     from celery.app import app_or_default  # public: the object behind celery.current_app
 
     return app_or_default()
@@ -93,6 +87,19 @@ def _task_of(key: str) -> str:
         cut = bare.rfind(":")
     namespace = bare[:cut] if cut >= 0 else bare
     return namespace.split("@", 1)[0]
+
+
+def _escaped(value: Any) -> str:
+    return "-" if value is None else ops.printable(value)
+
+
+def _column(field: str, description: str, show: Callable[[Any], str] = _escaped,
+            ordering: str | None = None) -> Callable[[Any, IdempotencyRecord], str]:
+    """A list or detail column: ``show`` of the row's ``field``."""
+    def column(self: Any, obj: IdempotencyRecord) -> str:
+        return show(getattr(obj, field))
+    admin.display(description=description, ordering=ordering)(column)  # sets its attributes
+    return column
 
 
 def _operator(request: HttpRequest) -> ops.Operator:
@@ -152,26 +159,14 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
 
     # Stored strings are shown escaped: HTML escaping (Django's) stops markup, not an ANSI
     # sequence or a bidi override that makes one key read as another.
-
-    @admin.display(description="key", ordering="key")
-    def key_shown(self, obj: IdempotencyRecord) -> str:
-        return ops.printable(obj.key)
-
-    @admin.display(description="owner", ordering="owner")
-    def owner_shown(self, obj: IdempotencyRecord) -> str:
-        return ops.printable(obj.owner)
-
-    @admin.display(description="task id")
-    def task_id_shown(self, obj: IdempotencyRecord) -> str:
-        return ops.printable(obj.task_id)
-
-    @admin.display(description="payload hash")
-    def payload_hash_shown(self, obj: IdempotencyRecord) -> str:
-        return "-" if obj.payload_hash is None else ops.printable(obj.payload_hash)
-
-    @admin.display(description="content type")
-    def content_type_shown(self, obj: IdempotencyRecord) -> str:
-        return "-" if obj.content_type is None else ops.printable(obj.content_type)
+    key_shown = _column("key", "key", ordering="key")
+    owner_shown = _column("owner", "owner", ordering="owner")
+    task_id_shown = _column("task_id", "task id")
+    payload_hash_shown = _column("payload_hash", "payload hash")
+    content_type_shown = _column("content_type", "content type")
+    updated_at = _column("updated", "updated", _utc, ordering="updated")
+    expires_at = _column("expires", "expires", _utc, ordering="expires")
+    lease = _column("lease_expires", "lease expires", _utc)
 
     @admin.display(description="task")
     def task(self, obj: IdempotencyRecord) -> str:
@@ -183,18 +178,6 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
         # forget is the token the operator saw, not the one the action later reads.
         return str(format_html('{}<input type="hidden" name="{}{}" value="{}">',
                                obj.token, _SEEN, obj.key, obj.token))
-
-    @admin.display(description="updated", ordering="updated")
-    def updated_at(self, obj: IdempotencyRecord) -> str:
-        return _utc(obj.updated)
-
-    @admin.display(description="expires", ordering="expires")
-    def expires_at(self, obj: IdempotencyRecord) -> str:
-        return _utc(obj.expires)
-
-    @admin.display(description="lease expires")
-    def lease(self, obj: IdempotencyRecord) -> str:
-        return _utc(obj.lease_expires)
 
     @admin.display(description="result / error")
     def stored_value(self, obj: IdempotencyRecord) -> str:
@@ -243,7 +226,7 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
                 question="Decode the stored results of these records with the Celery app's "
                          "result serializer?",
                 warning=_DECODE_WARNING)
-        conf = _celery_conf()
+        conf = _celery_app().conf
         accept = conf.result_accept_content or conf.accept_content
         operator = _operator(request)
         rows: list[dict[str, Any]] = []
@@ -302,10 +285,7 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[misc]
             shown = ops.printable(obj.key)
             try:
                 rec = run(store, obj.key, int(token) if token is not None else None, by=operator)
-            except ops.Refused as refused:
-                self.message_user(request, f"{shown}: {ops.printable(refused)}", messages.ERROR)
-                continue
-            except StoreUnavailable as exc:
+            except (ops.Refused, StoreUnavailable) as exc:
                 self.message_user(request, f"{shown}: {ops.printable(exc)}", messages.ERROR)
                 continue
             failed = ops.send_operator_event(_celery_app(), past, operator, key=obj.key,

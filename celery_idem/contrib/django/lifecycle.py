@@ -41,25 +41,20 @@ def in_task() -> bool:
 
 def _on_prerun(sender: Any = None, task: Any = None, **_: Any) -> None:
     _local.depth = getattr(_local, "depth", 0) + 1
-    if _eager(task):
-        return  # an eager call runs inside the caller's request or transaction: leave it be
-    from django.db import close_old_connections
-
-    close_old_connections()
+    _close_old_connections(task)
 
 
 def _on_postrun(sender: Any = None, task: Any = None, **_: Any) -> None:
     _local.depth = max(0, getattr(_local, "depth", 0) - 1)
-    if _eager(task):
-        return
+    _close_old_connections(task)
+
+
+def _close_old_connections(task: Any) -> None:
+    if getattr(getattr(task, "request", None), "is_eager", False):
+        return  # an eager call runs inside the caller's request or transaction: leave it be
     from django.db import close_old_connections
 
     close_old_connections()
-
-
-def _eager(task: Any) -> bool:
-    request = getattr(task, "request", None)
-    return bool(getattr(request, "is_eager", False))
 
 
 def drop_inherited_connections() -> None:

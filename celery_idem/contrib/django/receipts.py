@@ -29,7 +29,6 @@ must happen belongs in an idempotent task of its own, enqueued from the hook.)
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,9 +38,6 @@ from .models import RECEIPTS_TABLE
 from .sql import Dialect
 
 __all__ = ["DjangoReceiptTransaction", "Receipt", "open_receipt", "purge_receipts"]
-
-logger = logging.getLogger("celery_idem")
-
 
 class DjangoReceiptTransaction(ReceiptFlow):
     """The receipt of ``task.idempotent_transaction()`` on Django: the block is

@@ -80,11 +80,7 @@ def mcp_spec(tool: FormattedTool) -> dict[str, Any]:
 
 
 def langchain_tool(tool: FormattedTool, scope: str | None = None) -> Any:
-    """The tool as a LangChain ``StructuredTool`` (see :meth:`~celery_idem.contrib.tools.Tool.langchain`).
-
-    Raises:
-        ImportError: ``langchain-core`` is not installed (the message says what to install).
-    """
+    """The tool as a LangChain ``StructuredTool`` (see :meth:`~celery_idem.contrib.tools.Tool.langchain`)."""
     try:
         from langchain_core.tools import StructuredTool
     except ImportError as exc:
@@ -102,11 +98,7 @@ def langchain_tool(tool: FormattedTool, scope: str | None = None) -> Any:
 
 
 def pydantic_ai_tool(tool: FormattedTool, scope: str | None = None) -> Any:
-    """The tool as a pydantic-ai ``Tool`` (see :meth:`~celery_idem.contrib.tools.Tool.pydantic_ai`).
-
-    Raises:
-        ImportError: pydantic-ai is not installed (the message says what to install).
-    """
+    """The tool as a pydantic-ai ``Tool`` (see :meth:`~celery_idem.contrib.tools.Tool.pydantic_ai`)."""
     try:
         from pydantic_ai import Tool as AgentTool
     except ImportError as exc:

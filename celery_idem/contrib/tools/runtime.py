@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 from celery import Task
@@ -116,22 +116,11 @@ class Tool:
     async def ainvoke(self, arguments: str | Mapping[str, Any] | None,
                       timeout: float | None = None, *, scope: str | None = None,
                       principal: str | None = None) -> dict[str, Any]:
-        """Async :meth:`invoke`: the enqueue and every poll of the result run in a thread.
+        """Async :meth:`invoke` (same arguments, outcome and errors): the enqueue and every
+        poll of the result run in a thread.
 
         Cancelling the awaiting coroutine stops only the wait: the task goes on running and
         its key stays claimed, so a later call with the same arguments gets its result.
-
-        Args:
-            arguments: The model's arguments (JSON text or a mapping; None for none).
-            timeout: Seconds to wait for the result (default :attr:`timeout`).
-            scope: The caller's scope (see :meth:`start`).
-            principal: Who is calling (see :meth:`start`).
-
-        Returns:
-            The outcome dict, as :meth:`invoke` returns it.
-
-        Raises:
-            InvalidKey: ``scope`` or ``principal`` is not valid.
         """
         # The enqueue talks to the store and the broker (blocking sockets): off the loop. A
         # cancellation while it runs leaves the thread to finish the publish.
@@ -533,21 +522,21 @@ class Pending:
         assert self.result is not None
         timeout = self.tool.timeout if timeout is None else timeout
         result = self.result
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        interval = 0.02
-        while True:
+
+        async def ready() -> bool:
             try:
-                ready = await asyncio.to_thread(lambda: result.state in READY_STATES)
+                return await asyncio.to_thread(lambda: result.state in READY_STATES)
             except Exception:
-                ready = True  # wait() reads it again and turns the failure into an outcome
-            remaining = deadline - loop.time()
-            if ready or remaining <= 0:
+                return True  # wait() reads it again and turns the failure into an outcome
+
+        loop = asyncio.get_running_loop()
+        for pause in _pauses(loop.time() + timeout, loop.time):
+            if await ready():
                 break
-            await asyncio.sleep(min(interval, remaining))
-            interval = min(interval * 2, 0.25)
-        if not ready:
-            return self.tool._in_progress(timeout, self.idempotency_key, self.task_id)
+            await asyncio.sleep(pause)
+        else:
+            if not await ready():
+                return self.tool._in_progress(timeout, self.idempotency_key, self.task_id)
         # Ready: wait(0) reads the state and value and builds the outcome (the store read that
         # tells a duplicate apart is a blocking call too).
         return await asyncio.to_thread(self.wait, 0.0)
@@ -575,14 +564,17 @@ class Pending:
 def _ready_within(result: AsyncResult, timeout: float) -> bool:
     """Poll ``result.ready()`` until ``timeout`` (Celery's own ``get(timeout=)`` waits in whole
     seconds on the Redis backend, and raises instead of answering)."""
-    deadline = time.monotonic() + timeout
-    interval = 0.02
-    while True:
+    for pause in _pauses(time.monotonic() + timeout, time.monotonic):
         if result.state in READY_STATES:
             return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        time.sleep(min(interval, remaining))
+        time.sleep(pause)
+    return result.state in READY_STATES
+
+
+def _pauses(deadline: float, clock: Callable[[], float]) -> Iterator[float]:
+    """The pauses between two polls until ``deadline`` on ``clock``: 20 ms, doubling to 250 ms."""
+    interval = 0.02
+    while (remaining := deadline - clock()) > 0:
+        yield min(interval, remaining)
         interval = min(interval * 2, 0.25)
 

@@ -74,11 +74,10 @@ class Toolbox:
         scope = self.scope if scope is None else check_scope(scope)
         t = self._tools.get(name)
         if t is None:
-            return Pending(_Unknown(name), outcome={
-                "status": "error", "result": None, "tool": name, "idempotency_key": None,
-                "task_id": None, "error": "UnknownTool", "retryable": False,
-                "message": f"there is no tool named {name!r}; the tools are: "
-                           f"{', '.join(self._tools)}"})
+            unknown = _Unknown(name)
+            return Pending(unknown, outcome=unknown._error(
+                "UnknownTool", f"there is no tool named {name!r}; the tools are: "
+                f"{', '.join(self._tools)}", retryable=False))
         refused = self._refusal(t, arguments, principal)
         return (Pending(t, outcome=refused) if refused
                 else t.start(arguments, scope=scope, principal=principal))
@@ -140,10 +139,9 @@ class Toolbox:
         if allowed:
             return None
         logger.warning("celery_idem.tools %s: forbidden for principal %r", t.name, principal)
-        return {"status": "forbidden", "result": None, "tool": t.name, "idempotency_key": None,
-                "task_id": None, "error": "Forbidden", "retryable": False,
-                "message": f"{t.name} is not allowed for this caller with these arguments; "
-                           f"nothing was done. Do not call it again: ask the user."}
+        return {**t._error("Forbidden", f"{t.name} is not allowed for this caller with these "
+                           f"arguments; nothing was done. Do not call it again: ask the user.",
+                           retryable=False), "status": "forbidden"}
 
     def mcp(self) -> list[dict[str, Any]]:
         """Every tool as an MCP ``Tool`` (see :meth:`Tool.mcp`)."""

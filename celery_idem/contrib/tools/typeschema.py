@@ -2,12 +2,11 @@
 
 pydantic's ``TypeAdapter`` is the generator the vendors' SDKs and the agent frameworks use, so a
 hint they accept is accepted here: models, dataclasses, ``TypedDict``, ``Annotated[int,
-Field(ge=1)]``... :class:`VendorSchema` narrows its output to what both vendors take, as the
-hand-written generator before it did: no ``$ref`` (definitions are inlined), no ``title``,
-``type: [X, "null"]`` for a union of simple types, one ``items`` schema for a fixed-length
-tuple (no ``prefixItems``), no ``uniqueItems``, a ``Decimal`` as text, and no ``bytes`` (JSON
-has none). This module imports pydantic; :mod:`~celery_idem.contrib.tools.schema` imports it
-when the first tool is built.
+Field(ge=1)]``... :class:`VendorSchema` narrows its output to what both vendors take: no
+``$ref`` (definitions are inlined), no ``title``, ``type: [X, "null"]`` for a union of simple
+types, one ``items`` schema for a fixed-length tuple (no ``prefixItems``), no ``uniqueItems``, a
+``Decimal`` as text, and no ``bytes`` (JSON has none). This module imports pydantic;
+:mod:`~celery_idem.contrib.tools.schema` imports it when the first tool is built.
 """
 
 from __future__ import annotations
@@ -110,7 +109,7 @@ def _is_any(schema: cs.CoreSchema | None) -> bool:
 
 
 def _no_empty_items(schema: JsonSchemaValue) -> JsonSchemaValue:
-    """``{"type": "array"}`` for an array of anything, as a bare ``list`` was written before."""
+    """``{"type": "array"}`` (no ``items``) for an array of anything."""
     if schema.get("items") == {}:
         del schema["items"]
     return schema

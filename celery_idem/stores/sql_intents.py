@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Final
 from ..records import Intent, Record
 from .base import Store, record_from_row
 
-__all__ = ["INTENT_COLUMNS", "RECORD_COLUMNS", "IntentSQL", "SQLIntents"]
+__all__ = ["INTENT_COLUMNS", "RECORD_COLUMNS", "IntentSQL", "SQLIntents", "keyset"]
 
 #: The columns of an intent row, in the order every statement here returns them.
 INTENT_COLUMNS: Final = ("key", "task_id", "queue", "message", "enqueued", "deadline", "expires",
@@ -78,10 +78,8 @@ class IntentSQL:
         self.reschedule = f"UPDATE {i} SET {q('deadline')} = {p} {cas}"
         self.resend = f"UPDATE {i} SET {q('deadline')} = {p}, {q('sent')} = {now} {cas}"
         self.close = f"DELETE FROM {i} WHERE {q('key')} = {p} AND {q('task_id')} = {p}"
-        page = f"SELECT {cols} FROM {i} WHERE {own(q('key'))}"
-        order = f"ORDER BY {q('key')} LIMIT {p}"
-        self.first_page = f"{page} {order}"
-        self.next_page = f"{page} AND {q('key')} > {p} {order}"
+        self._page = f"SELECT {cols} FROM {i} WHERE {own(q('key'))}"
+        self._after, self._order = f" AND {q('key')} > {p}", f" ORDER BY {q('key')} LIMIT {p}"
         self.watermarks = f"SELECT {q('queue')}, {q('enqueued')} FROM {w} WHERE {own(q('queue'))}"
         if vendor == "mysql":
             self._raise = (f"INSERT INTO {w} ({q('queue')}, {q('enqueued')}) VALUES {{rows}} ON DUPLICATE "
@@ -96,9 +94,27 @@ class IntentSQL:
         """The value an upsert's conflicting row takes for ``column``: the one it tried to insert."""
         return f"VALUES({q(column)})" if self.vendor == "mysql" else f"excluded.{q(column)}"
 
+    def page(self, after: bool) -> str:
+        """One page of :meth:`SQLIntents.intents` (parameters: the prefix's, the key, the size)."""
+        return self._page + (self._after if after else "") + self._order
+
     def raise_watermarks(self, count: int) -> str:
         """The upsert of ``count`` watermarks (``queue, enqueued`` parameters, in row order)."""
         return self._raise.replace("{rows}", ", ".join([self._row] * count))
+
+
+def keyset(run: Callable[[str, Sequence[Any]], tuple[int, list[Sequence[Any]]]],
+           page: Callable[[bool], str], params: Sequence[Any], count: int) -> Iterator[Sequence[Any]]:
+    """The rows of ``page(after)`` (``params``, the last key when ``after``, the page size), one
+    query per ``count`` rows, paged along the primary key (first column): each page is read as it
+    is then, not a snapshot."""
+    size, after = max(1, int(count)), list[str]()
+    while True:
+        _, rows = run(page(bool(after)), [*params, *after, size])
+        yield from rows
+        if len(rows) < size:
+            return
+        after = [str(rows[-1][0])]
 
 
 class SQLIntents(Store):
@@ -157,20 +173,9 @@ class SQLIntents(Store):
         self._run_sql(self._intent_sql.close, [self.prefix + key, task_id])
 
     def intents(self, count: int = 100) -> Iterator[Intent]:
-        """This prefix's intents in key order, ``count`` per query (keyset pagination)."""
+        """This prefix's intents in key order (:func:`keyset`)."""
         s = self._intent_sql
-        size = max(1, int(count))
-        last: str | None = None
-        while True:
-            if last is None:
-                _, rows = self._run_sql(s.first_page, [*s.own_params, size])
-            else:
-                _, rows = self._run_sql(s.next_page, [*s.own_params, last, size])
-            for row in rows:
-                yield self._intent(row)
-            if len(rows) < size:
-                return
-            last = str(rows[-1][0])
+        return (self._intent(row) for row in keyset(self._run_sql, s.page, s.own_params, count))
 
     def watermarks(self) -> dict[str, float]:
         """This prefix's watermarks: one SELECT."""

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Final
 from ..records import Intent, Record
 from .base import Store, record_from_row
 
-__all__ = ["INTENT_COLUMNS", "RECORD_COLUMNS", "IntentSQL", "SQLIntents", "keyset"]
+__all__ = ["INTENT_COLUMNS", "RECORD_COLUMNS", "IntentSQL", "SQLIntents", "Statements", "keyset"]
 
 #: The columns of an intent row, in the order every statement here returns them.
 INTENT_COLUMNS: Final = ("key", "task_id", "queue", "message", "enqueued", "deadline", "expires",
@@ -28,33 +28,41 @@ RECORD_COLUMNS: Final = ("key", "state", "token", "owner", "task_id", "attempt",
                          "payload_hash", "content_type", "data", "updated", "expires", "claim_id")
 
 
-class IntentSQL:
-    """The intent statements of one store: its dialect, tables and prefix.
+class Statements:
+    """What one store's statements are written for: its dialect, tables and prefix.
 
     Args:
         vendor: ``postgresql``, ``mysql`` (MariaDB too) or ``sqlite``.
         quote: Quotes an identifier for the database.
         now: The database clock in epoch seconds as a SQL expression.
-        records: The records table's name (the others are named after it).
+        table: The records table's name (the intents tables are named after it).
         prefix: The store's key prefix (rows of other prefixes are not this store's).
         param: The driver's positional placeholder (``%s``, or ``?`` for a qmark driver).
     """
 
-    def __init__(self, vendor: str, quote: Callable[[str], str], now: str, records: str,
+    def __init__(self, vendor: str, quote: Callable[[str], str], now: str, table: str,
                  prefix: str, param: str = "%s") -> None:
-        self.vendor, self.prefix, self.records = vendor, prefix, records
-        q, p = quote, param
-        i, r, w = q(f"{records}_intents"), q(records), q(f"{records}_watermarks")
-        self.intents_table, self.watermarks_table = f"{records}_intents", f"{records}_watermarks"
+        self.vendor, self.q, self.now, self.table, self.prefix, self.param = (
+            vendor, quote, now, table, prefix, param)
+        self.own_params: list[Any] = [prefix] if prefix else []
+
+    def own(self, column: str) -> str:
+        """This prefix's rows of ``column``: an exact comparison (LIKE is case-insensitive on SQLite)."""
+        return f"substr({column}, 1, {len(self.prefix)}) = {self.param}" if self.prefix else "1 = 1"
+
+
+class IntentSQL(Statements):
+    """The intent statements of one store (:class:`Statements`)."""
+
+    def __init__(self, vendor: str, quote: Callable[[str], str], now: str, table: str,
+                 prefix: str, param: str = "%s") -> None:
+        super().__init__(vendor, quote, now, table, prefix, param)
+        q, p, own = quote, param, self.own
+        i, r, w = q(f"{table}_intents"), q(table), q(f"{table}_watermarks")
+        self.intents_table, self.watermarks_table = f"{table}_intents", f"{table}_watermarks"
         cols = ", ".join(q(c) for c in INTENT_COLUMNS)
         icols = ", ".join(f"i.{q(c)}" for c in INTENT_COLUMNS)
         greatest = "max" if vendor == "sqlite" else "GREATEST"
-
-        def own(column: str) -> str:
-            """This prefix's rows: an exact comparison (LIKE is case-insensitive on SQLite)."""
-            return f"substr({column}, 1, {len(prefix)}) = {p}" if prefix else "1 = 1"
-
-        self.own_params: list[Any] = [prefix] if prefix else []
         replace = ", ".join(f"{q(c)} = {self._new(q, c)}" for c in INTENT_COLUMNS[1:])
         if vendor == "mysql":
             # The times are bound: the clock is read first (no RETURNING to hand them back).
@@ -158,7 +166,7 @@ class SQLIntents(Store):
         _, rows = self._run_sql(s.due, [*s.own_params, max(0, int(limit))])
         width = len(INTENT_COLUMNS)
         return [(self._intent(row), None if row[width] is None else record_from_row(
-                    dict(zip(RECORD_COLUMNS, row[width:], strict=True)), self.prefix, s.records))
+                    dict(zip(RECORD_COLUMNS, row[width:], strict=True)), self.prefix, s.table))
                 for row in rows]
 
     def reschedule_intent(self, intent: Intent, deadline: float, *, resent: bool = False) -> bool:

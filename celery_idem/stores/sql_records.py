@@ -24,7 +24,7 @@ from typing import Any, Final, TypeAlias
 from ..exceptions import StoreUnavailable
 from ..records import Claim, ClaimStatus, Record, State
 from .base import TOKEN_CLOCK_SCALE, ClaimRaced, lease_lost, new_claim_id, next_token, record_from_row
-from .sql_intents import RECORD_COLUMNS, SQLIntents, keyset
+from .sql_intents import RECORD_COLUMNS, SQLIntents, Statements, keyset
 
 __all__ = ["HOLDS", "RecordSQL", "Run", "SQLRecords", "status_sql"]
 
@@ -70,26 +70,15 @@ def status_sql(q: Callable[[str], str], row: str, now: str, *, validate: bool,
     return sql, params
 
 
-class RecordSQL:
-    """The record statements of one store: its dialect, table and prefix.
-
-    Args:
-        vendor: ``postgresql``, ``mysql`` (MariaDB too) or ``sqlite``.
-        quote: Quotes an identifier for the database.
-        now: The database clock in epoch seconds as a SQL expression.
-        table: The records table's name.
-        prefix: The store's key prefix (rows of other prefixes are not this store's).
-        param: The driver's positional placeholder (``%s``, or ``?`` for a qmark driver).
-    """
+class RecordSQL(Statements):
+    """The record statements of one store (:class:`Statements`)."""
 
     def __init__(self, vendor: str, quote: Callable[[str], str], now: str, table: str,
                  prefix: str, param: str = "%s") -> None:
-        self.vendor, self.q, self.now, self.table, self.param = vendor, quote, now, table, param
+        super().__init__(vendor, quote, now, table, prefix, param)
         q, p, n, t = quote, param, now, quote(table)
         cols = ", ".join(q(c) for c in RECORD_COLUMNS)
-        self.own_params: list[Any] = [prefix] if prefix else []
-        # This prefix's rows: an exact comparison (LIKE is case-insensitive on SQLite).
-        own = f"substr({q('key')}, 1, {len(prefix)}) = {p}" if prefix else "1 = 1"
+        own = self.own(q("key"))
         live = f"{q('key')} = {p} AND {q('expires')} > {n}"
         # Only the holder's live IN_PROGRESS row: the fence of record, release and renew. The
         # claim id names the claim beside the token ('' = a caller that checks the token alone).

@@ -15,7 +15,6 @@ way, a store in another database or dialect. A duplicate's answer is stored by `
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Final
 
 from celery.states import SUCCESS
@@ -24,8 +23,6 @@ from .results import ResultWriter
 from .stores.base import BackendWrite, Store
 
 __all__ = ["DatabaseResultWriter", "database_result_writer"]
-
-logger = logging.getLogger("celery_idem")
 
 #: The backend methods between the tracer and the row (a subclass overriding one: left to Celery).
 _STORE_PATH: Final = ("mark_as_done", "store_result", "_store_result", "_update_result",

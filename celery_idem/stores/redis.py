@@ -409,15 +409,8 @@ class RedisStore(RedisIntents, Store):
         return float(seconds) + float(micros) / 1e6
 
     def check_durability(self) -> list[DurabilityFinding]:
-        """Read ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` (``CONFIG GET``).
-
-        Returns:
-            A WARNING finding per setting that can lose records; one INFO finding instead when
-            the server refuses ``CONFIG`` (a managed Redis, an ACL user without it).
-
-        Raises:
-            StoreUnavailable: The server could not be reached.
-        """
+        """Each server's ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` (``CONFIG GET``);
+        one INFO finding instead when a server refuses ``CONFIG`` (a managed Redis, an ACL user)."""
         findings: list[DurabilityFinding] = []
         for client, where in self.servers():
             with _translate_errors(self):

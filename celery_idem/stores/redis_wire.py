@@ -57,9 +57,6 @@ def pack(args: tuple[Any, ...]) -> bytes:
     return _pack_python(args)  # pragma: no cover - hiredis is in the redis extra
 
 
-_NO_SOCK = object()
-
-
 class _Lane:
     """One connection of the free list, with a poller on its current socket."""
 
@@ -71,12 +68,9 @@ class _Lane:
         self.poller: Any = None
 
     def ready(self) -> None:
-        sock = getattr(self.conn, "_sock", _NO_SOCK)
+        sock = self.conn._sock
         if sock is None:
             return  # disconnected: sending connects
-        if sock is _NO_SOCK:  # pragma: no cover - a redis-py without Connection._sock
-            self.conn.disconnect()  # its state unknown: a fresh connection, as after EOF
-            return
         if sock is not self.sock:
             self.poller = select.poll()
             self.poller.register(sock, select.POLLIN)
@@ -96,8 +90,7 @@ def _after_fork() -> None:  # pragma: no cover - runs in a forked child
         wire.lanes = []
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class Wire:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Final
 from ..records import Intent, Record
 from .base import Store, record_from_row
 
-__all__ = ["INTENT_COLUMNS", "RECORD_COLUMNS", "IntentSQL", "SQLIntents"]
+__all__ = ["INTENT_COLUMNS", "RECORD_COLUMNS", "IntentSQL", "SQLIntents", "Statements", "keyset"]
 
 #: The columns of an intent row, in the order every statement here returns them.
 INTENT_COLUMNS: Final = ("key", "task_id", "queue", "message", "enqueued", "deadline", "expires",
@@ -28,33 +28,41 @@ RECORD_COLUMNS: Final = ("key", "state", "token", "owner", "task_id", "attempt",
                          "payload_hash", "content_type", "data", "updated", "expires", "claim_id")
 
 
-class IntentSQL:
-    """The intent statements of one store: its dialect, tables and prefix.
+class Statements:
+    """What one store's statements are written for: its dialect, tables and prefix.
 
     Args:
         vendor: ``postgresql``, ``mysql`` (MariaDB too) or ``sqlite``.
         quote: Quotes an identifier for the database.
         now: The database clock in epoch seconds as a SQL expression.
-        records: The records table's name (the others are named after it).
+        table: The records table's name (the intents tables are named after it).
         prefix: The store's key prefix (rows of other prefixes are not this store's).
         param: The driver's positional placeholder (``%s``, or ``?`` for a qmark driver).
     """
 
-    def __init__(self, vendor: str, quote: Callable[[str], str], now: str, records: str,
+    def __init__(self, vendor: str, quote: Callable[[str], str], now: str, table: str,
                  prefix: str, param: str = "%s") -> None:
-        self.vendor, self.prefix, self.records = vendor, prefix, records
-        q, p = quote, param
-        i, r, w = q(f"{records}_intents"), q(records), q(f"{records}_watermarks")
-        self.intents_table, self.watermarks_table = f"{records}_intents", f"{records}_watermarks"
+        self.vendor, self.q, self.now, self.table, self.prefix, self.param = (
+            vendor, quote, now, table, prefix, param)
+        self.own_params: list[Any] = [prefix] if prefix else []
+
+    def own(self, column: str) -> str:
+        """This prefix's rows of ``column``: an exact comparison (LIKE is case-insensitive on SQLite)."""
+        return f"substr({column}, 1, {len(self.prefix)}) = {self.param}" if self.prefix else "1 = 1"
+
+
+class IntentSQL(Statements):
+    """The intent statements of one store (:class:`Statements`)."""
+
+    def __init__(self, vendor: str, quote: Callable[[str], str], now: str, table: str,
+                 prefix: str, param: str = "%s") -> None:
+        super().__init__(vendor, quote, now, table, prefix, param)
+        q, p, own = quote, param, self.own
+        i, r, w = q(f"{table}_intents"), q(table), q(f"{table}_watermarks")
+        self.intents_table, self.watermarks_table = f"{table}_intents", f"{table}_watermarks"
         cols = ", ".join(q(c) for c in INTENT_COLUMNS)
         icols = ", ".join(f"i.{q(c)}" for c in INTENT_COLUMNS)
         greatest = "max" if vendor == "sqlite" else "GREATEST"
-
-        def own(column: str) -> str:
-            """This prefix's rows: an exact comparison (LIKE is case-insensitive on SQLite)."""
-            return f"substr({column}, 1, {len(prefix)}) = {p}" if prefix else "1 = 1"
-
-        self.own_params: list[Any] = [prefix] if prefix else []
         replace = ", ".join(f"{q(c)} = {self._new(q, c)}" for c in INTENT_COLUMNS[1:])
         if vendor == "mysql":
             # The times are bound: the clock is read first (no RETURNING to hand them back).
@@ -78,10 +86,8 @@ class IntentSQL:
         self.reschedule = f"UPDATE {i} SET {q('deadline')} = {p} {cas}"
         self.resend = f"UPDATE {i} SET {q('deadline')} = {p}, {q('sent')} = {now} {cas}"
         self.close = f"DELETE FROM {i} WHERE {q('key')} = {p} AND {q('task_id')} = {p}"
-        page = f"SELECT {cols} FROM {i} WHERE {own(q('key'))}"
-        order = f"ORDER BY {q('key')} LIMIT {p}"
-        self.first_page = f"{page} {order}"
-        self.next_page = f"{page} AND {q('key')} > {p} {order}"
+        self._page = f"SELECT {cols} FROM {i} WHERE {own(q('key'))}"
+        self._after, self._order = f" AND {q('key')} > {p}", f" ORDER BY {q('key')} LIMIT {p}"
         self.watermarks = f"SELECT {q('queue')}, {q('enqueued')} FROM {w} WHERE {own(q('queue'))}"
         if vendor == "mysql":
             self._raise = (f"INSERT INTO {w} ({q('queue')}, {q('enqueued')}) VALUES {{rows}} ON DUPLICATE "
@@ -96,9 +102,27 @@ class IntentSQL:
         """The value an upsert's conflicting row takes for ``column``: the one it tried to insert."""
         return f"VALUES({q(column)})" if self.vendor == "mysql" else f"excluded.{q(column)}"
 
+    def page(self, after: bool) -> str:
+        """One page of :meth:`SQLIntents.intents` (parameters: the prefix's, the key, the size)."""
+        return self._page + (self._after if after else "") + self._order
+
     def raise_watermarks(self, count: int) -> str:
         """The upsert of ``count`` watermarks (``queue, enqueued`` parameters, in row order)."""
         return self._raise.replace("{rows}", ", ".join([self._row] * count))
+
+
+def keyset(run: Callable[[str, Sequence[Any]], tuple[int, list[Sequence[Any]]]],
+           page: Callable[[bool], str], params: Sequence[Any], count: int) -> Iterator[Sequence[Any]]:
+    """The rows of ``page(after)`` (``params``, the last key when ``after``, the page size), one
+    query per ``count`` rows, paged along the primary key (first column): each page is read as it
+    is then, not a snapshot."""
+    size, after = max(1, int(count)), list[str]()
+    while True:
+        _, rows = run(page(bool(after)), [*params, *after, size])
+        yield from rows
+        if len(rows) < size:
+            return
+        after = [str(rows[-1][0])]
 
 
 class SQLIntents(Store):
@@ -142,7 +166,7 @@ class SQLIntents(Store):
         _, rows = self._run_sql(s.due, [*s.own_params, max(0, int(limit))])
         width = len(INTENT_COLUMNS)
         return [(self._intent(row), None if row[width] is None else record_from_row(
-                    dict(zip(RECORD_COLUMNS, row[width:], strict=True)), self.prefix, s.records))
+                    dict(zip(RECORD_COLUMNS, row[width:], strict=True)), self.prefix, s.table))
                 for row in rows]
 
     def reschedule_intent(self, intent: Intent, deadline: float, *, resent: bool = False) -> bool:
@@ -157,20 +181,9 @@ class SQLIntents(Store):
         self._run_sql(self._intent_sql.close, [self.prefix + key, task_id])
 
     def intents(self, count: int = 100) -> Iterator[Intent]:
-        """This prefix's intents in key order, ``count`` per query (keyset pagination)."""
+        """This prefix's intents in key order (:func:`keyset`)."""
         s = self._intent_sql
-        size = max(1, int(count))
-        last: str | None = None
-        while True:
-            if last is None:
-                _, rows = self._run_sql(s.first_page, [*s.own_params, size])
-            else:
-                _, rows = self._run_sql(s.next_page, [*s.own_params, last, size])
-            for row in rows:
-                yield self._intent(row)
-            if len(rows) < size:
-                return
-            last = str(rows[-1][0])
+        return (self._intent(row) for row in keyset(self._run_sql, s.page, s.own_params, count))
 
     def watermarks(self) -> dict[str, float]:
         """This prefix's watermarks: one SELECT."""

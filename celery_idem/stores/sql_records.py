@@ -24,7 +24,7 @@ from typing import Any, Final, TypeAlias
 from ..exceptions import StoreUnavailable
 from ..records import Claim, ClaimStatus, Record, State
 from .base import TOKEN_CLOCK_SCALE, ClaimRaced, lease_lost, new_claim_id, next_token, record_from_row
-from .sql_intents import RECORD_COLUMNS, SQLIntents
+from .sql_intents import RECORD_COLUMNS, SQLIntents, Statements, keyset
 
 __all__ = ["HOLDS", "RecordSQL", "Run", "SQLRecords", "status_sql"]
 
@@ -70,26 +70,15 @@ def status_sql(q: Callable[[str], str], row: str, now: str, *, validate: bool,
     return sql, params
 
 
-class RecordSQL:
-    """The record statements of one store: its dialect, table and prefix.
-
-    Args:
-        vendor: ``postgresql``, ``mysql`` (MariaDB too) or ``sqlite``.
-        quote: Quotes an identifier for the database.
-        now: The database clock in epoch seconds as a SQL expression.
-        table: The records table's name.
-        prefix: The store's key prefix (rows of other prefixes are not this store's).
-        param: The driver's positional placeholder (``%s``, or ``?`` for a qmark driver).
-    """
+class RecordSQL(Statements):
+    """The record statements of one store (:class:`Statements`)."""
 
     def __init__(self, vendor: str, quote: Callable[[str], str], now: str, table: str,
                  prefix: str, param: str = "%s") -> None:
-        self.vendor, self.q, self.now, self.table, self.param = vendor, quote, now, table, param
+        super().__init__(vendor, quote, now, table, prefix, param)
         q, p, n, t = quote, param, now, quote(table)
         cols = ", ".join(q(c) for c in RECORD_COLUMNS)
-        self.own_params: list[Any] = [prefix] if prefix else []
-        # This prefix's rows: an exact comparison (LIKE is case-insensitive on SQLite).
-        own = f"substr({q('key')}, 1, {len(prefix)}) = {p}" if prefix else "1 = 1"
+        own = self.own(q("key"))
         live = f"{q('key')} = {p} AND {q('expires')} > {n}"
         # Only the holder's live IN_PROGRESS row: the fence of record, release and renew. The
         # claim id names the claim beside the token ('' = a caller that checks the token alone).
@@ -234,12 +223,7 @@ class SQLRecords(SQLIntents):
 
     def claim(self, key: str, *, owner: str, task_id: str, attempt: int, lease: float, ttl: float,
               payload_hash: str | None = None) -> Claim:
-        """Claim ``key`` (see :meth:`Store.claim`), deciding on the database clock.
-
-        Raises:
-            StoreUnavailable: The database could not be reached; nothing was written.
-            CorruptRecord: The stored row cannot be read; nothing was written.
-        """
+        """Claim ``key`` (see :meth:`Store.claim`), deciding on the database clock."""
         args = (self._stored(key), owner, task_id, int(attempt), float(lease), float(ttl),
                 payload_hash, new_claim_id())
         for _ in range(_CLAIM_RUNS):
@@ -314,13 +298,7 @@ class SQLRecords(SQLIntents):
 
     def record(self, key: str, token: int, *, state: State, content_type: str, data: bytes,
                ttl: float, claim_id: str | None = None) -> None:
-        """Turn the caller's IN_PROGRESS row into DONE or FAILED: one fenced UPDATE.
-
-        Raises:
-            LeaseLost: The row has another token or claim id, is not in progress, or is gone.
-            StoreUnavailable: The database could not be reached (retrying is safe).
-            ValueError: ``state`` is not DONE or FAILED.
-        """
+        """:meth:`Store.record`: one fenced UPDATE."""
         params = self._record_params(key, token, state, content_type, data, ttl, claim_id)
         if self._run_sql(self._record_sql.record, params)[0] != 1:
             self._unmatched_record(key, token, state, claim_id)
@@ -341,23 +319,13 @@ class SQLRecords(SQLIntents):
         raise lease_lost("record", key, token, current, claim_id)
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
-        """Give the claim back: one fenced UPDATE to a RELEASED tombstone that keeps the token.
-
-        Raises:
-            LeaseLost: The row has another token or claim id, is not in progress, or is gone.
-            StoreUnavailable: The database could not be reached.
-        """
+        """:meth:`Store.release`: one fenced UPDATE to a RELEASED tombstone that keeps the token."""
         if self._run_sql(self._record_sql.release, self._fence(key, token, claim_id))[0] != 1:
             raise lease_lost("release", key, token, self.get(key), claim_id)
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
-        """Extend the caller's lease to database-now + ``lease``: one fenced UPDATE (MySQL/MariaDB:
-        and a fenced SELECT of the new lease, LeaseLost if the key was taken over in between).
-
-        Raises:
-            LeaseLost: The row has another token or claim id, is not in progress, or is gone.
-            StoreUnavailable: The database could not be reached.
-        """
+        """:meth:`Store.renew` on the database clock: one fenced UPDATE (MySQL/MariaDB: and a
+        fenced SELECT of the new lease, LeaseLost if the key was taken over in between)."""
         s, lease = self._record_sql, float(lease)
         params = [lease, lease, lease, *self._fence(key, token, claim_id)]
         row: Sequence[Any] | None = None
@@ -370,24 +338,14 @@ class SQLRecords(SQLIntents):
         return float(row[0])
 
     def forget(self, key: str, token: int) -> None:
-        """Forget a done or failed outcome: one UPDATE, fenced by the token, to a RELEASED tombstone.
-
-        Raises:
-            LeaseLost: The row has another token, is not done or failed, or is gone.
-            StoreUnavailable: The database could not be reached.
-        """
+        """:meth:`Store.forget`: one UPDATE, fenced by the token, to a RELEASED tombstone."""
         if self._run_sql(self._record_sql.forget, [self._stored(key), token])[0] != 1:
             raise lease_lost("forget", key, token, self.get(key))
 
     # -- reads --------------------------------------------------------------------------------
 
     def get(self, key: str) -> Record | None:
-        """Read one record, or None when the key is absent or its TTL has passed.
-
-        Raises:
-            StoreUnavailable: The database could not be reached.
-            CorruptRecord: The stored row cannot be read.
-        """
+        """:meth:`Store.get`; a row whose TTL has passed counts as absent."""
         row = self._one(self._record_sql.get, [self._stored(key)])
         return None if row is None else self._record(row)
 
@@ -397,33 +355,15 @@ class SQLRecords(SQLIntents):
         return None if row is None else float(row[0])
 
     def scan(self, state: State | None = None, count: int = 100) -> Iterator[Record]:
-        """Iterate over this prefix's live records in key order, ``count`` rows per query (keyset
-        pagination along the primary key; not a snapshot: each page is read as it is then).
-
-        Raises:
-            StoreUnavailable: The database could not be reached.
-            CorruptRecord: A stored row cannot be read.
-        """
+        """This prefix's live records in key order (:func:`keyset`: not a snapshot)."""
         s = self._record_sql
-        size = max(1, int(count))
         chosen = [] if state is None else [state.value]
-        last: str | None = None
-        while True:
-            after = [] if last is None else [last]
-            _, rows = self._run_sql(s.page(state is not None, last is not None),
-                                           [*s.own_params, *chosen, *after, size])
-            for row in rows:
-                yield self._record(row)
-            if len(rows) < size:
-                return
-            last = str(rows[-1][0])
+        pages = keyset(self._run_sql, lambda after: s.page(state is not None, after),
+                       [*s.own_params, *chosen], count)
+        return (self._record(row) for row in pages)
 
     def now(self) -> float:
-        """The database server's clock (epoch seconds).
-
-        Raises:
-            StoreUnavailable: The database could not be reached.
-        """
+        """The database server's clock (epoch seconds)."""
         row = self._one(self._record_sql.clock, [])
         assert row is not None
         return float(row[0])
@@ -434,9 +374,6 @@ class SQLRecords(SQLIntents):
         They count as absent already; this reclaims space (the next claim's token is still
         higher: the clock term). Call again while it returns ``limit``. The clock is read first
         and bound as a value, so PostgreSQL can use the expires index.
-
-        Raises:
-            StoreUnavailable: The database could not be reached.
         """
         s = self._record_sql
         expired = [*s.own_params, self.now()]

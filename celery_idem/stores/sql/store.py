@@ -104,8 +104,7 @@ class SQLStore(SQLRecords):
             from .psycopg import PsycopgPath
 
             self._psycopg = PsycopgPath(self._engine)
-        # record_with's statements, per Celery result table and column set (.taskmeta): the
-        # record UPDATE's text as a SQLAlchemy statement, and Celery's upsert.
+        # record_with's statements (.taskmeta.build_fold), per Celery result table and column set.
         self._folds: dict[tuple[sa.Table, tuple[str, ...]], tuple[str, Callable[..., list[Any]]]] = {}
         self._fold_refused = False
 
@@ -252,15 +251,9 @@ class SQLStore(SQLRecords):
 
     def record_with(self, key: str, token: int, *, state: State, content_type: str, data: bytes,
                     ttl: float, also: BackendWrite, claim_id: str | None = None) -> bool:
-        """:meth:`record`, and Celery's database result row in the same statement (PostgreSQL).
-
-        The result fold's seam (:mod:`celery_idem.results_db`): a
-        :class:`~celery_idem.stores.sql.taskmeta.TaskMetaWrite` ``also`` is written exactly when
-        the record is; otherwise, or on another dialect, only the record is written.
-
-        Returns:
-            True when Celery's row was written in the record's statement, else False.
-        """
+        """:meth:`Store.record_with` for :mod:`celery_idem.results_db`: a
+        :class:`~celery_idem.stores.sql.taskmeta.TaskMetaWrite` ``also`` (Celery's database result
+        row) in the record's statement, on PostgreSQL; anything else records alone."""
         # Only the database result writer builds a write with a table (and imports .taskmeta).
         table = getattr(also, "table", None)
         if table is not None and self.dialect == "postgresql" and not self._fold_refused:

@@ -16,9 +16,10 @@ from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 from . import probe, timelimits
 from .compat import worker_connection
 from .config import forget_settings, settings
+from .durability import check_replication, check_store
 from .events import ANSWERS, EVENT_TYPE, Outcome, log_outcome, notify_observers
 from .exceptions import ImproperlyConfigured, StoreUnavailable
-from .plugins import CHECKS, OBSERVERS, registered
+from .plugins import OBSERVERS, registered
 from .stores import store_from_url
 from .stores.base import Store
 
@@ -267,8 +268,8 @@ def check_worker(sender: Any = None, **_: Any) -> None:
                 f"Django store, or turn idempotency_intent off")
         check_pool(sender, app)
         if probe.probe_store(store, setting):
-            for point in registered(CHECKS).values():  # the durability check's among them
-                point.load()(sender, app, store)
+            check_store(store, require=settings(app).require_durable_store)
+            check_replication(store)
     except ImproperlyConfigured as exc:
         release_held_logs(app)  # the reason comes after what was held
         _stop(exc)

@@ -5,8 +5,6 @@
 * ``celery_idem.receipts``: ``sqlalchemy`` or ``django`` -> the callable that opens the receipt
   of ``IdempotentTask.idempotent_transaction``.
 * ``celery_idem.observers``: modules loaded with the app module, to register decision observers.
-* ``celery_idem.checks``: callables the worker start calls with ``(worker, app, store)`` once the
-  store has answered (the durability check); an ``ImproperlyConfigured`` stops the worker.
 """
 
 from __future__ import annotations
@@ -14,11 +12,10 @@ from __future__ import annotations
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
 
-__all__ = ["CHECKS", "OBSERVERS", "RECEIPTS", "registered"]
+__all__ = ["OBSERVERS", "RECEIPTS", "registered"]
 
 RECEIPTS = "celery_idem.receipts"
 OBSERVERS = "celery_idem.observers"
-CHECKS = "celery_idem.checks"
 
 
 @cache

@@ -51,7 +51,7 @@ SEAM = {
     "celery_idem", "celery_idem.task", "celery_idem.identity", "celery_idem.app",
     "celery_idem.attach", "celery_idem.enqueue", "celery_idem.delivery", "celery_idem.results",
     "celery_idem.timelimits",
-    "celery_idem.probe", "celery_idem.intents",
+    "celery_idem.durability", "celery_idem.probe", "celery_idem.intents",
     "celery_idem.paths", "celery_idem.enqueue_redis", "celery_idem.results_redis",
     "celery_idem.results_db",
 }

@@ -1,4 +1,4 @@
-"""celery_idem.contrib.durability: what the worker start does with a store's durability findings.
+"""celery_idem.durability: what the worker start does with a store's durability findings.
 
 The findings come from a store's ``check_durability`` (tests/stores/test_durability.py reads
 them from real redis-servers); here the store reports chosen findings, so that every branch of
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from celery_idem.contrib.durability import REQUIRE_DURABLE_SETTING, check_replication, check_store
+from celery_idem.durability import REQUIRE_DURABLE_SETTING, check_replication, check_store
 from celery_idem.exceptions import ImproperlyConfigured, StoreUnavailable
 from celery_idem.stores.base import DurabilityFinding
 from celery_idem.stores.memory import MemoryStore

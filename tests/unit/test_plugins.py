@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from celery_idem.plugins import CHECKS, OBSERVERS, RECEIPTS, registered
+from celery_idem.plugins import OBSERVERS, RECEIPTS, registered
 from celery_idem.stores import STORES, supported_schemes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +18,6 @@ def test_the_bundled_add_ons_are_registered_in_the_groups() -> None:
     assert {"redis+cluster", "rediss+cluster", "sentinel", "django"} <= set(registered(STORES))
     assert set(registered(RECEIPTS)) >= {"sqlalchemy", "django"}
     assert "otel" in registered(OBSERVERS)
-    assert "durability" in registered(CHECKS)
     assert {"sentinel://", "django://", "redis://", "memory://"} <= set(supported_schemes())
 
 

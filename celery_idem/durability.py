@@ -1,33 +1,20 @@
 """The worker-start durability check: can the store lose records (a Redis without AOF on a
 restart, an evicting ``maxmemory-policy`` under memory pressure)? One WARNING, or with
-``idempotency_require_durable_store = True`` a refusal to start.
-
-Registered in the ``celery_idem.checks`` entry point group (:mod:`celery_idem.plugins`): the
-worker start calls :func:`check_worker` once the store has answered.
-"""
+``idempotency_require_durable_store = True`` a refusal to start."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from ..config import settings
-from ..exceptions import ImproperlyConfigured, StoreUnavailable
-from ..stores.base import Store
+from .exceptions import ImproperlyConfigured, StoreUnavailable
+from .stores.base import Store
 
-__all__ = ["REQUIRE_DURABLE_SETTING", "check_replication", "check_store", "check_worker"]
+__all__ = ["REQUIRE_DURABLE_SETTING", "check_replication", "check_store"]
 
 logger = logging.getLogger("celery_idem")
 
 #: The app setting that turns the warning into a refusal to start.
 REQUIRE_DURABLE_SETTING = "idempotency_require_durable_store"
-
-
-def check_worker(worker: Any, app: Any, store: Store) -> None:
-    """The ``celery_idem.checks`` entry: :func:`check_store` as the app asks, then
-    :func:`check_replication`."""
-    check_store(store, require=settings(app).require_durable_store)
-    check_replication(store)
 
 
 def check_store(store: Store, *, require: bool = False) -> None:
@@ -44,17 +31,17 @@ def check_store(store: Store, *, require: bool = False) -> None:
         logger.info("celery_idem store durability not checked: %s", "; ".join(f.risk for f in notes))
     if not risks:
         return
-    named = ", ".join(f"{f.setting} {f.value}" for f in risks)
+    settings = ", ".join(f"{f.setting} {f.value}" for f in risks)
     detail = "; ".join(f.risk for f in risks)
     advice = "; ".join(dict.fromkeys(f.fix for f in risks))
     if require:
         raise ImproperlyConfigured(
             f"{REQUIRE_DURABLE_SETTING} is set and the idempotency store can lose records "
-            f"({named}): {detail}. Fix: {advice}, or unset {REQUIRE_DURABLE_SETTING}")
+            f"({settings}): {detail}. Fix: {advice}, or unset {REQUIRE_DURABLE_SETTING}")
     logger.warning(
         "celery_idem the idempotency store can lose records (%s), and then run actions twice: "
         "%s. Fix: %s; set %s = True to refuse to start on such a store",
-        named, detail, advice, REQUIRE_DURABLE_SETTING)
+        settings, detail, advice, REQUIRE_DURABLE_SETTING)
 
 
 def check_replication(store: Store) -> None:

@@ -67,8 +67,8 @@ def section(results: dict[str, Any], tables: dict[str, str], args: argparse.Name
             f"{p['encode_envelope (the JSON)']:.0f} µs of it: on the fused "
             f"path the script keeps kombu's own payload, the bytes it pushes, after a short head "
             f"(no second encoding of the message, no second copy of it in the call); the rest "
-            f"of the difference is the script's writes in the server (the intent's hash, its "
-            f"expiry, the index) and their arguments.\n")
+            f"of the difference is the script's writes in the server (the intent's string with "
+            f"its expiry, the index) and their argument.\n")
     wk = results.get("worker")
     if wk:
         per = {name: sum(v["worker"].values()) / args.tasks for name, v in wk.items()}

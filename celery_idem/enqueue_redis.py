@@ -40,7 +40,7 @@ from .identity import HEADER
 from .intents import FUSED, too_large
 from .records import Record, Reservation, State
 from .stores.redis import RESERVED, RedisStore, same_server
-from .stores.redis_intents import INTENT, INTENT_LUA
+from .stores.redis_intents import INTENT, INTENT_LUA, intent_spec
 
 try:  # the join guard Celery's own result handles use (celery/result.py)
     from celery._state import task_join_will_block
@@ -68,15 +68,15 @@ _NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
 class _Pending:
     """The enqueue whose message the hooked ``_put`` checks; ``found`` is what stopped it;
     ``reserve``, when it may attach: (task id, fingerprint or "", reservation lease in ms);
-    ``intent``: the script arguments of the intent to write with the message, ``limit`` its
-    size limit and the task's name."""
+    ``intent``: the intent to write with the message (``take_intent``'s arguments), ``spec``
+    the script's argument for it (``redis_intents.intent_spec``)."""
 
     store: RedisStore
     key: str
     reserve: tuple[str, str, int] | None = None
     found: Record | Reservation | None = None
     intent: tuple[Any, ...] | None = None
-    limit: tuple[int, str] = (0, "")
+    spec: bytes = b""
 
     def take_intent(self, store: Any, key: str, task_id: str, queue: str, head: bytes,
                     relay_after: float, ttl: float, eta: float | None, max_bytes: int,
@@ -85,9 +85,9 @@ class _Pending:
         message is ``head`` and the payload the script pushes."""
         if store is not self.store or key != self.key:
             return False
-        self.intent = (task_id, queue, head, round(relay_after * 1000),
-                       max(1, round(ttl * 1000)), round(eta * 1000) if eta else 0, key)
-        self.limit = (max_bytes, task_name)
+        self.intent = (task_id, queue, head, relay_after, ttl, eta, max_bytes, task_name)
+        self.spec = intent_spec(task_id, queue, head, round(relay_after * 1000),
+                                max(1, round(ttl * 1000)), round(eta * 1000) if eta else 0)
         return True
 
     def intent_payload(self, message: dict[str, Any]) -> bytes:
@@ -97,19 +97,18 @@ class _Pending:
             IntentTooLarge: With the head, over ``idempotency_intent_max_bytes``.
         """
         payload: bytes = dumps(message).encode()  # type: ignore[no-untyped-call]
-        max_bytes, task_name = self.limit
-        size = len(self.intent[2] if self.intent else b"") + len(payload)
-        if size > max_bytes:
-            raise too_large(task_name, size, max_bytes)
+        if self.intent is not None:
+            head, max_bytes, task_name = self.intent[2], self.intent[6], self.intent[7]
+            if len(head) + len(payload) > max_bytes:
+                raise too_large(task_name, len(head) + len(payload), max_bytes)
         return payload
 
     def write_intent(self, message: dict[str, Any]) -> None:
         """Write the taken intent with its own round trip (kombu pushes the message itself)."""
         if self.intent is not None:
-            task_id, queue, head, relay_after, ttl, eta, key = self.intent
-            self.store.intend(key, task_id, queue, head + self.intent_payload(message),
-                              relay_after=relay_after / 1000, ttl=ttl / 1000,
-                              eta=eta / 1000 if eta else None)
+            task_id, queue, head, relay_after, ttl, eta = self.intent[:6]
+            self.store.intend(self.key, task_id, queue, head + self.intent_payload(message),
+                              relay_after=relay_after, ttl=ttl, eta=eta)
 
 
 _PENDING: ContextVar[_Pending | None] = ContextVar("celery_idem_pending_publish", default=None)
@@ -304,7 +303,7 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
     else:
         keys, args = (name, record, record + RESERVED), (payload, "1", *pending.reserve)
     if pending.intent is not None:  # written with the push, in the same script (no 2nd copy)
-        keys, args = (*keys, record + INTENT, store.intent_index()), (*args, *pending.intent)
+        keys, args = (*keys, record + INTENT, store.intent_index()), (*args, pending.spec)
     with self.conn_or_acquire() as client:
         try:
             reply = client.evalsha(_SHA, len(keys), *keys, *args)

@@ -1,9 +1,13 @@
 """The intent verbs of the Redis store (``Store.intend`` ...), one Lua script each.
 
-An intent is a hash at ``<record's name>\\x1fintent`` (fields ``t`` task id, ``q`` queue, ``m``
-message, ``e`` enqueued, ``d`` deadline, ``x`` expires; times in the server's milliseconds),
-indexed by deadline in the sorted set ``<prefix>\\x1fintents``; the queues' watermarks are the
-hash ``<prefix>\\x1fwatermarks``. The index spans every key, so a Redis Cluster keeps no intents.
+An intent is a string at ``<record's name>\\x1fintent``: a line of six decimal numbers,
+``<enqueued> <deadline> <expires> <sent> <len(task id)> <len(queue)>`` (times in the server's
+milliseconds, lengths in bytes of UTF-8), then the task id, the queue and the message, with no
+separator (:func:`parse_intent`). One ``SET ... PX`` writes it (``lua/_intent.lua``), the
+cheapest write on the enqueue's path; it expires an hour after its ``expires``. It is indexed by
+deadline in the sorted set ``<prefix>\\x1fintents`` (member: the key); the queues' watermarks
+are the hash ``<prefix>\\x1fwatermarks``. The index spans every key, so a Redis Cluster keeps
+no intents.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 from ..records import Intent, Record
 from .redis_durability import text
 
-__all__ = ["INTENT", "INTENT_LUA", "SCRIPTS", "RedisIntents"]
+__all__ = ["INTENT", "INTENT_LUA", "SCRIPTS", "RedisIntents", "intent_spec", "parse_intent"]
 
 #: After a record's name, names its intent (never a record's name: a key is printable).
 INTENT = "\x1fintent"
@@ -27,20 +31,24 @@ INTENT_LUA = resources.files(__package__).joinpath("lua", "_intent.lua").read_te
 _NOW = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) "
 
 _INTEND = INTENT_LUA + """
-return write_intent(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+return write_intent(KEYS[1], KEYS[2], ARGV[3], ARGV[1], ARGV[2])
 """
+
+#: The intent's numbers and where its task id starts: enqueued, deadline, expires, sent, then
+#: the lengths as written ("<len(task id)> <len(queue)>\\n"), the task id's length, its index.
+_HEAD = "'^(%d+) (%d+) (%d+) (%d+) ((%d+) %d+\\n)()'"
 
 _DUE = _NOW + """
 local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 local out = {now}
 for _, m in ipairs(members) do
   local name = ARGV[1] .. m
-  local i = redis.call('HMGET', name .. ARGV[3], 't', 'q', 'm', 'e', 'd', 'x', 's')
-  if not i[1] then
-    redis.call('ZREM', KEYS[1], m)  -- gone with its hash, long after it went stale
+  local i = redis.call('GET', name .. ARGV[3])
+  if not i then
+    redis.call('ZREM', KEYS[1], m)  -- gone with its expiry, long after it went stale
   else
     table.insert(out, m)
-    for _, v in ipairs(i) do table.insert(out, v) end
+    table.insert(out, i)
     table.insert(out, redis.call('GET', name) or '')
   end
 end
@@ -48,16 +56,22 @@ return out
 """
 
 _RESCHEDULE = _NOW + """
-local i = redis.call('HMGET', KEYS[1], 't', 'd')
-if i[1] ~= ARGV[1] or i[2] ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], 'd', ARGV[3])
-if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 's', now) end
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+local e, d, x, s, lengths, n, at = string.match(v, """ + _HEAD + """)
+if d ~= ARGV[2] or string.sub(v, at, at + n - 1) ~= ARGV[1] then return 0 end
+if ARGV[4] == '1' then s = string.format('%d', now) end
+redis.call('SET', KEYS[1], e .. ' ' .. ARGV[3] .. ' ' .. x .. ' ' .. s .. ' ' .. lengths
+           .. string.sub(v, at), 'KEEPTTL')
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[5])
 return 1
 """
 
 _CLOSE = """
-if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+local e, d, x, s, lengths, n, at = string.match(v, """ + _HEAD + """)
+if not e or string.sub(v, at, at + n - 1) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
@@ -78,6 +92,24 @@ SCRIPTS = {"intend": _INTEND, "due": _DUE, "reschedule": _RESCHEDULE, "close": _
 
 def _ms(seconds: float) -> int:
     return round(seconds * 1000)
+
+
+def intent_spec(task_id: str, queue: str, head: bytes, relay_after: int, ttl: int, eta: int) -> bytes:
+    """The argument ``write_intent`` (``lua/_intent.lua``) builds an intent from: ``relay_after``,
+    ``ttl`` and ``eta`` (ms; 0: none), the lengths, then ``task_id``, ``queue`` and the start of
+    the message, ``head`` (the script appends the rest)."""
+    t, q = task_id.encode(), queue.encode()
+    return b"%d %d %d %d %d\n%b%b%b" % (relay_after, ttl, eta, len(t), len(q), t, q, head)
+
+
+def parse_intent(key: str, value: bytes) -> Intent:
+    """The intent of ``key`` from its stored ``value`` (the module's docstring)."""
+    line = value.index(b"\n")
+    enqueued, deadline, expires, sent, t, q = (int(n) for n in value[:line].split())
+    start = line + 1
+    return Intent(key, value[start:start + t].decode(), value[start + t:start + t + q].decode(),
+                  bytes(value[start + t + q:]), enqueued / 1000, deadline / 1000, expires / 1000,
+                  sent / 1000)
 
 
 class _Host(Protocol):
@@ -105,8 +137,8 @@ class RedisIntents:
 
     def intend(self: _Host, key: str, task_id: str, queue: str, message: bytes, *,
                relay_after: float, ttl: float, eta: float | None = None) -> Intent:
-        args = [task_id, queue, message, _ms(relay_after), max(1, _ms(ttl)),
-                _ms(eta) if eta else 0, key]
+        args = [intent_spec(task_id, queue, b"", _ms(relay_after), max(1, _ms(ttl)),
+                            _ms(eta) if eta else 0), message, key]
         with self._errors(key):
             now, deadline, expires = self._scripts.registered["intend"](
                 keys=(self.name_of(key) + INTENT, self.intent_index()), args=args)
@@ -118,12 +150,10 @@ class RedisIntents:
             reply = self._scripts.registered["due"](
                 keys=(self.intent_index(),), args=[self.prefix, limit, INTENT])
         found: list[tuple[Intent, Record | None]] = []
-        for n in range(1, len(reply), 9):
-            member, task_id, queue, message, enqueued, deadline, expires, sent, value = reply[n:n + 9]
+        for n in range(1, len(reply), 3):
+            member, stored, value = reply[n:n + 3]
             key = text(member)
-            intent = Intent(key, text(task_id), text(queue), bytes(message), int(enqueued) / 1000,
-                            int(deadline) / 1000, int(expires) / 1000, int(sent) / 1000)
-            found.append((intent, self._decode(key, value) if value else None))
+            found.append((parse_intent(key, stored), self._decode(key, value) if value else None))
         return found
 
     def reschedule_intent(self: _Host, intent: Intent, deadline: float, *,
@@ -164,12 +194,11 @@ class RedisIntents:
                     return
                 pipe = self.client.pipeline(transaction=False)
                 for member in members:
-                    pipe.hmget(self.name_of(text(member)) + INTENT, "t", "q", "m", "e", "d", "x", "s")
+                    pipe.get(self.name_of(text(member)) + INTENT)
                 rows = pipe.execute()
-            for member, row in zip(members, rows, strict=True):
-                if row[0] is not None:
-                    yield Intent(text(member), text(row[0]), text(row[1]), bytes(row[2]),
-                                 *(int(t or 0) / 1000 for t in row[3:7]))
+            for member, stored in zip(members, rows, strict=True):
+                if stored is not None:
+                    yield parse_intent(text(member), stored)
             start += count
 
     def watermarks(self: _Host) -> dict[str, float]:

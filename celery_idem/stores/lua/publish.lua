@@ -10,10 +10,11 @@
 -- reads it the usual way and reports what it is).
 -- With two more keys, the key's intent and the intents' index (KEYS[3] and KEYS[4], or KEYS[4]
 -- and KEYS[5] when attaching), a pushed message's intent is written too (write_intent,
--- lua/_intent.lua, prepended), from seven more arguments (from ARGV[3], or ARGV[6] when
--- attaching): the task id, the queue, the head of its message (intents.kombu_redis_head: the
--- message kept is the head, then ARGV[1], the payload pushed), relay after (ms), ttl (ms), eta
--- (ms, 0 = none), the key.
+-- lua/_intent.lua, prepended), from one more argument (ARGV[3], or ARGV[6] when attaching): its
+-- spec (redis_intents.intent_spec: times, task id, queue and the head of its message,
+-- intents.kombu_redis_head; the message kept is the head, then ARGV[1], the payload pushed). The
+-- index's member, the key, is the record's name after the prefix (the index's name is the prefix
+-- and '\31intents', 8 bytes).
 local ok, value = pcall(redis.call, 'GET', KEYS[2])
 if not ok then
   return 'check'  -- WRONGTYPE: another program's key under the prefix
@@ -48,7 +49,6 @@ if attach then
   k, a = 4, 6
 end
 if KEYS[k] then
-  write_intent(KEYS[k], KEYS[k + 1], ARGV[a], ARGV[a + 1], ARGV[a + 2] .. ARGV[1], ARGV[a + 3],
-               ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
+  write_intent(KEYS[k], KEYS[k + 1], string.sub(KEYS[2], #KEYS[k + 1] - 7), ARGV[a], ARGV[1])
 end
 return false

@@ -62,7 +62,9 @@ def test_a_worker_re_sends_a_message_the_broker_lost(relay_cluster: Cluster, poo
     assert "celery_idem relay started" in log
     assert (", gevent pool" in log) is (pool == "gevent")  # a greenlet, not a thread
     assert f"celery_idem relayed key={intent.key} task_id={result.id} reason=queue_empty" in log
-    assert log.count("celery_idem relayed") == 1
+    # At least once: a worker slower than the 1 s relay_after to claim the re-sent message (a
+    # loaded machine) may get it again, which costs a message, never an effect (checked above).
+    assert log.count("celery_idem relayed") >= 1
 
 
 def test_idempotency_relay_false_starts_no_relay(relay_cluster: Cluster) -> None:

@@ -21,7 +21,7 @@ The relay (:mod:`celery_idem.contrib.relay`) reports each pass here too
   pass (left waiting in its queue, or re-sent): 0 for a queue that had one before and has none.
 
 Nothing here configures OpenTelemetry: without an SDK the API's no-op tracer and meter answer.
-The core loads this module (``celery_idem.app.BUNDLED_OBSERVERS``); with the API installed it
+The app loads this module (the ``celery_idem.observers`` entry point); with the API installed it
 registers :func:`observe` as an observer of decisions (``celery_idem.events.add_observer``).
 Without it :data:`ENABLED` is False and nothing is registered, so an absent OpenTelemetry costs
 nothing per decision.

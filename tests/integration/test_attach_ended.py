@@ -60,12 +60,12 @@ def test_a_retry_attached_to_an_attempt_killed_by_its_time_limit_runs_the_action
     # Then the retry's caller gets the action's result, from a run of its own message
     out = retry.get(timeout=60)
     assert out["order_id"] == order
-    # Once: by the retry's own message, or (when the broker hands the killed attempt's message
-    # back first) by that redelivery, whose outcome the retry's handle then reads.
+    # Once: by the retry's own message, or by the killed attempt's redelivered message when it
+    # claims the key first (then the retry's message, published too, is answered from the record).
     effects = cluster.effects(f"charge:{order}")
     assert len(effects) == 1, effects
     if retry.followed is not None:
-        assert retry.followed.id != first.id and effects == [retry.followed.id]
+        assert retry.followed.id != first.id and effects[0] in (retry.followed.id, first.id)
     else:
         assert effects == [first.id]
     assert retry.state == "SUCCESS"

@@ -2,9 +2,10 @@
 
 * **enqueue**: ``delay()`` of a unique key through a real Redis broker, the same no-op task with
   intents off and on, in alternating blocks of ``n`` calls (the order swapped every repetition),
-  on two paths: the store on the broker's server and database (the intent rides in the
-  publish's script) and on another database (the enqueue check reads first and the intent is
-  its own round trip). Per block the median µs per call; the ratio on / off is the median of
+  on three paths: the store on the broker's server and database, and on another database of
+  that server (either way the intent rides in the publish's script), and read first (the check
+  within the publish turned off for the task: the intent is its own round trip, as with another
+  broker or a store on another server). Per block the median µs per call; the ratio on / off is the median of
   the per-repetition ratios. Nothing consumes the queue.
 * **worker**: store commands per task of a real ``celery worker -P solo`` with intents off and
   on, read with ``MONITOR`` on a private ``redis-server`` holding the store alone (broker and
@@ -81,11 +82,13 @@ def _block(task: Any, tag: str, n: int) -> tuple[float, float]:
 
 
 def enqueue_cost(redis_url: str, other_db_url: str, prefix: str, n: int, reps: int) -> dict[str, Any]:
-    """``delay()`` with intents off and on, fused (store on the broker's db) and read first."""
+    """``delay()`` with intents off and on, fused (store on the broker's db or another db of its
+    server) and read first."""
     out: dict[str, Any] = {}
-    paths = {"fused (store on the broker's server and db)": None,
-             "read first (store on another db)": other_db_url}
-    for label, store_url in paths.items():
+    paths = {"fused (store on the broker's server and db)": (None, True),
+             "fused (store on another db of the broker's server)": (other_db_url, True),
+             "read first (store on another db, the check within the publish off)": (other_db_url, False)}
+    for label, (store_url, fused) in paths.items():
         t = secrets.token_hex(2)
         s = Settings(prefix, f"{prefix}q-enq-{t}", redis_url, store_url=store_url)
         app = build_app(s)
@@ -93,7 +96,9 @@ def enqueue_cost(redis_url: str, other_db_url: str, prefix: str, n: int, reps: i
             tasks = {"off": app.tasks["bench.idem"], "on": app.tasks["bench.idem_intent"]}
             for name, task in tasks.items():  # connections, scripts, imports
                 _block(task, f"{prefix}enq:{t}:{name}:warm", 100)
-            fused = not store_url
+            if not fused:
+                for task in tasks.values():
+                    task._enqueue_check.possible = False
             check = tasks["on"]._enqueue_check
             if fused != bool(getattr(check, "possible", False)):
                 raise RuntimeError(f"{label}: the enqueue check is not on the expected path ({check!r})")

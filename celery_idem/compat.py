@@ -90,7 +90,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("kombu", "redis.Channel._put", "enqueue_redis.py:fuse (on the channel instance)",
                 "kombu 5.4.0-5.7.0", "missing: no hook, the record is read before publishing"),
     PrivateName("kombu", "redis.Channel._q_for_pri", "enqueue_redis.py:_put", "kombu 5.4.0-5.7.0",
-                "checked by _compatible: missing, the record is read first"),
+                "checked by _modes: missing, the record is read first"),
     PrivateName("kombu", "redis.Channel._get_message_priority", "enqueue_redis.py:_put",
                 "kombu 5.4.0-5.7.0", "as _q_for_pri"),
     PrivateName("kombu", "redis.Channel._expires", "enqueue_redis.py:_put", "kombu 5.7.0 (new)",

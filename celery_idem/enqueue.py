@@ -187,7 +187,8 @@ class EnqueueRequest(NamedTuple):
     """One enqueue that the key's record may answer (not a retry, a re-queue or a canvas
     publish): the task, its gate and result writer (None: Celery writes), the key, the
     fingerprint (computed once; None: it has none), the ``apply_async`` call's arguments, and
-    ``publish(producer, task_id, **options_overridden)``, which sends the message."""
+    ``publish(producer, task_id, intent_within=False, **options_overridden)``, which sends the
+    message (``intent_within``: the publish writes the task's intent itself)."""
 
     task: Task
     gate: Gate

@@ -1,8 +1,8 @@
 """The enqueue check within the Redis publish, and the memory of this process's own messages.
 
 The fast twin of :class:`celery_idem.enqueue.ReadFirst` (two round trips). When the broker is
-kombu's Redis transport on the server and database of a plain
-:class:`~celery_idem.stores.redis.RedisStore`, a script (``lua/publish.lua``) pushes the message
+kombu's Redis transport on the server of a plain :class:`~celery_idem.stores.redis.RedisStore`
+(its database or another: the script selects each key's), a script (``lua/publish.lua``) pushes the message
 only when the record is not done or failed (reserving the key for an enqueue that may attach),
 else hands back what it found: one atomic round trip, 8% of the producer's time per message
 (``python -m bench.accel``).
@@ -34,10 +34,11 @@ from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps
 
 from .attach import add_to_parent
+from .config import settings
 from .enqueue import Answer, Decision, EnqueueRequest, Publish, ReadFirst
 from .exceptions import StoreUnavailable
 from .identity import HEADER
-from .intents import FUSED, too_large
+from .intents import intent_times, kombu_redis_head, too_large
 from .records import Record, Reservation, State
 from .stores.redis import RESERVED, RedisStore, same_server
 from .stores.redis_intents import INTENT, INTENT_LUA, intent_spec
@@ -68,47 +69,49 @@ _NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
 class _Pending:
     """The enqueue whose message the hooked ``_put`` checks; ``found`` is what stopped it;
     ``reserve``, when it may attach: (task id, fingerprint or "", reservation lease in ms);
-    ``intent``: the intent to write with the message (``take_intent``'s arguments), ``spec``
-    the script's argument for it (``redis_intents.intent_spec``)."""
+    ``intent``: the task, when the script writes its intent with the message (``conf``, its
+    app's settings); ``mode``: the script's argument saying whether it attaches, without and
+    with the databases to select (``fuse``)."""
 
     store: RedisStore
     key: str
+    mode: tuple[str, str]
     reserve: tuple[str, str, int] | None = None
     found: Record | Reservation | None = None
-    intent: tuple[Any, ...] | None = None
-    spec: bytes = b""
+    intent: Any = None
+    conf: Any = None
 
-    def take_intent(self, store: Any, key: str, task_id: str, queue: str, head: bytes,
-                    relay_after: float, ttl: float, eta: float | None, max_bytes: int,
-                    task_name: str) -> bool:
-        """Take this enqueue's intent to write in the publish's script (``intents.FUSED``): its
-        message is ``head`` and the payload the script pushes."""
-        if store is not self.store or key != self.key:
-            return False
-        self.intent = (task_id, queue, head, relay_after, ttl, eta, max_bytes, task_name)
-        self.spec = intent_spec(task_id, queue, head, round(relay_after * 1000),
-                                max(1, round(ttl * 1000)), round(eta * 1000) if eta else 0)
-        return True
-
-    def intent_payload(self, message: dict[str, Any]) -> bytes:
-        """kombu's payload of ``message`` as the intent keeps it and the script pushes it.
+    def intent_of(self, channel: Any, queue: str,
+                  message: dict[str, Any]) -> tuple[bytes, bytes, float, float | None]:
+        """kombu's payload of ``message`` for ``queue``, and what the intent keeps before it
+        (``intents.kombu_redis_head``), its TTL and eta (``intents.intent_times``).
 
         Raises:
             IntentTooLarge: With the head, over ``idempotency_intent_max_bytes``.
         """
+        task = self.intent
         payload: bytes = dumps(message).encode()  # type: ignore[no-untyped-call]
-        if self.intent is not None:
-            head, max_bytes, task_name = self.intent[2], self.intent[6], self.intent[7]
-            if len(head) + len(payload) > max_bytes:
-                raise too_large(task_name, len(head) + len(payload), max_bytes)
-        return payload
+        info = message["properties"].get("delivery_info") or {}
+        head = kombu_redis_head(queue, channel.typeof(info.get("exchange") or "").type)
+        limit = self.conf.intent_max_bytes
+        if len(head) + len(payload) > limit:
+            raise too_large(task.name, len(head) + len(payload), limit)
+        return payload, head, *intent_times(task, self.store, message["headers"])
 
-    def write_intent(self, message: dict[str, Any]) -> None:
-        """Write the taken intent with its own round trip (kombu pushes the message itself)."""
+    def intent_spec(self, queue: str, message: dict[str, Any], head: bytes, ttl: float,
+                    eta: float | None) -> bytes:
+        """The script's argument that writes the intent (``redis_intents.intent_spec``)."""
+        return intent_spec(str(message["headers"].get("id") or ""), queue, head,
+                           round(self.conf.relay_after * 1000),
+                           max(1, round(ttl * 1000)), round(eta * 1000) if eta else 0)
+
+    def write_intent(self, channel: Any, queue: str, message: dict[str, Any]) -> None:
+        """Write the intent with its own round trip (kombu pushes the message itself)."""
         if self.intent is not None:
-            task_id, queue, head, relay_after, ttl, eta = self.intent[:6]
-            self.store.intend(self.key, task_id, queue, head + self.intent_payload(message),
-                              relay_after=relay_after, ttl=ttl, eta=eta)
+            payload, head, ttl, eta = self.intent_of(channel, queue, message)
+            self.store.intend(self.key, str(message["headers"].get("id") or ""), queue,
+                              head + payload, relay_after=self.conf.relay_after,
+                              ttl=ttl, eta=eta)
 
 
 _PENDING: ContextVar[_Pending | None] = ContextVar("celery_idem_pending_publish", default=None)
@@ -211,24 +214,25 @@ class WithinPublish(ReadFirst):
         task = req.task
         reserving = attaching and store.reserves
         with task.app.producer_or_acquire(req.producer) as prod:
-            if not fuse(prod.channel, store):
+            mode = fuse(prod.channel, store)
+            if mode is None:
                 self.possible = False
                 return None
             sent_id = req.task_id or str(uuid())
             lease = max(int(task.idempotency_config.lease * 1000), 1)
-            pending = _Pending(store, req.key, (sent_id, req.fingerprint() or "", lease)
+            pending = _Pending(store, req.key, mode, (sent_id, req.fingerprint() or "", lease)
                                if reserving else None)
+            intent = task.idempotency_config.intent
+            if intent:  # the script writes it with the message (keeps_intents: a plain RedisStore)
+                pending.intent, pending.conf = task, settings(task.app)
             token = _PENDING.set(pending)
-            fused = FUSED.set(pending.take_intent) if task.idempotency_config.intent else None
             try:
                 # Celery lists the result among a running task's children only once sent.
-                result = req.publish(prod, sent_id, add_to_parent=False)
+                result = req.publish(prod, sent_id, add_to_parent=False, intent_within=intent)
             except EncodeError:
                 pending.found = None
                 result = None
             finally:
-                if fused is not None:
-                    FUSED.reset(fused)
                 _PENDING.reset(token)
         if result is None or pending.found is not None:
             # Not sent: the result subscription Celery made for it is not wanted.
@@ -247,38 +251,47 @@ class WithinPublish(ReadFirst):
         return Answer(result)
 
 
-def fuse(channel: Any, store: Any) -> bool:
-    """Hook ``channel`` so the enqueue check rides on the publish; False if it cannot (not
-    kombu's Redis channel on the server and database of ``store``, a plain :class:`RedisStore`
-    without replica wait). The verdict is kept on the channel per store: kombu's producer pools
-    are shared by the apps of one broker URL."""
+def fuse(channel: Any, store: Any) -> tuple[str, str] | None:
+    """Hook ``channel`` so the enqueue check rides on the publish; None if it cannot (not
+    kombu's Redis channel on the server of ``store``, a plain :class:`RedisStore` without replica
+    wait), else the script's mode arguments (``lua/publish.lua``: without and with attaching).
+    The verdict is kept on the channel per store: kombu's producer pools are shared by the apps
+    of one broker URL."""
     verdicts = channel.__dict__.get(_ATTR)
     if verdicts is None:  # not setdefault: that would build a dictionary on every publish
         verdicts = channel.__dict__[_ATTR] = weakref.WeakKeyDictionary()
-    ok: bool | None = verdicts.get(store)
-    if ok is None:
-        ok = verdicts[store] = _compatible(channel, store)
-        if ok and "_put" not in channel.__dict__:
+    mode: tuple[str, str] | bool | None = verdicts.get(store, False)
+    if mode is False:
+        mode = verdicts[store] = _modes(channel, store)
+        if mode is not None and "_put" not in channel.__dict__:
             channel._put = MethodType(_put, channel)
-    return ok
+    return mode  # type: ignore[return-value]
 
 
-def _compatible(channel: Any, store: Any) -> bool:
+def _modes(channel: Any, store: Any) -> tuple[str, str] | None:
     from kombu.transport.redis import Channel  # imports without redis-py too (this module needs it)
 
     if type(store) is not RedisStore or store.wait_replicas or not isinstance(channel, Channel) \
             or not store.accelerated:
-        return False
+        return None
     # Every method the hook calls, as kombu 5.4-5.7 define them.
-    if not all(hasattr(channel, name) for name in ("_get_message_priority", "_q_for_pri", "conn_or_acquire")):
-        return False
+    if not all(hasattr(channel, name) for name in ("_get_message_priority", "_q_for_pri", "conn_or_acquire",
+                                                   "typeof")):
+        return None
     try:
         broker = channel.client
     except Exception:  # a transport that builds its client its own way
-        return False
+        return None
     if type(broker.connection_pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
-        return False  # Sentinel's managed pool
-    return same_server(broker, store.client)
+        return None  # Sentinel's managed pool
+    if not same_server(broker, store.client, db=False):
+        return None
+    # A store on another database of the broker's server (Celery's common "broker on /0,
+    # backend on /1"): the script selects the store's database for the record and the intent
+    # and the broker's for the push. A script's SELECT does not change its connection's.
+    dbs = [int(c.connection_pool.connection_kwargs.get("db") or 0) for c in (store.client, broker)]
+    selects = "" if dbs[0] == dbs[1] else f" {dbs[0]} {dbs[1]}"
+    return "0" + selects, "1" + selects
 
 
 def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
@@ -294,16 +307,20 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
     name = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
     record = store.name_of(pending.key)
     # With an intent, the script keeps the payload it pushes: its size is checked first.
-    payload = dumps(message) if pending.intent is None else pending.intent_payload(message)  # type: ignore[no-untyped-call]
+    if pending.intent is None:
+        payload = dumps(message)  # type: ignore[no-untyped-call]
+    else:
+        payload, head, ttl, eta = pending.intent_of(self, queue, message)
     # EVALSHA names the queue first: kombu's global_keyprefix client prefixes exactly that
     # key, as it does for LPUSH; the record's and the reservation's names are the store's own.
     if pending.reserve is None:
         keys: tuple[str, ...] = (name, record)
-        args: tuple[Any, ...] = (payload, "0")
+        args: tuple[Any, ...] = (payload, pending.mode[0])
     else:
-        keys, args = (name, record, record + RESERVED), (payload, "1", *pending.reserve)
+        keys, args = (name, record, record + RESERVED), (payload, pending.mode[1], *pending.reserve)
     if pending.intent is not None:  # written with the push, in the same script (no 2nd copy)
-        keys, args = (*keys, record + INTENT, store.intent_index()), (*args, pending.spec)
+        keys = (*keys, record + INTENT, store.intent_index())
+        args = (*args, pending.intent_spec(queue, message, head, ttl, eta))
     with self.conn_or_acquire() as client:
         try:
             reply = client.evalsha(_SHA, len(keys), *keys, *args)
@@ -335,7 +352,7 @@ def _put_unless_found(pending: _Pending, put: Any, channel: Any, queue: str,
             pending.reserve is not None and record.state is State.IN_PROGRESS)):
         pending.found = record
     if pending.found is None:
-        pending.write_intent(message)
+        pending.write_intent(channel, queue, message)
         put(channel, queue, message, **kwargs)
 
 

@@ -2,10 +2,10 @@
 
 At the publish (:class:`IntentProducer`: after Celery built the message, before kombu sends it)
 the message is written with ``Store.intend`` as an :class:`Envelope` (within the Redis publish,
-its script keeps kombu's own payload: ``FUSED``); a store that cannot be reached, or a message
-over ``idempotency_intent_max_bytes``, fails the enqueue before anything is sent. A relay
-(``celery_idem.contrib.relay``, which reads and sends envelopes) re-sends an envelope whose
-action has no outcome and no live attempt, and that is not waiting in its queue.
+its script keeps kombu's own payload: ``celery_idem.enqueue_redis``); a store that cannot be
+reached, or a message over ``idempotency_intent_max_bytes``, fails the enqueue before anything
+is sent. A relay (``celery_idem.contrib.relay``, which reads and sends envelopes) re-sends an
+envelope whose action has no outcome and no live attempt, and that is not waiting in its queue.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +24,8 @@ from .config import settings
 from .exceptions import ImproperlyConfigured
 from .identity import HEADER
 
-__all__ = ["FUSED", "Envelope", "IntentProducer", "IntentTooLarge", "encode_envelope", "kombu_redis_head",
-           "too_large", "write_intent"]
+__all__ = ["Envelope", "IntentProducer", "IntentTooLarge", "encode_envelope", "intent_times",
+           "kombu_redis_head", "too_large", "write_intent"]
 
 #: The envelope's format version (a relay refuses one it does not know); KOMBU_REDIS: a head
 #: line naming the queue and exchange type, then kombu's Redis payload as the publish pushed it.
@@ -140,7 +139,7 @@ class IntentProducer:
         encoded = dumps(body, serializer=kwargs.pop("serializer", None) or self._task.serializer)  # type: ignore[no-untyped-call]
         kwargs["content_type"], kwargs["content_encoding"], body = encoded
         write_intent(self._task, encoded, kwargs.get("exchange"), kwargs.get("routing_key"),
-                     headers, kwargs, kwargs.get("declare"), fused=defer is None)
+                     headers, kwargs, kwargs.get("declare"))
         if defer is None:
             return self._producer.publish(body, **kwargs)
         # In the caller's transaction: sent once it commits (a rollback sends nothing; a crash
@@ -157,14 +156,12 @@ def _publish_later(app: Any, body: Any, kwargs: Mapping[str, Any]) -> None:
 
 def write_intent(task: Any, encoded: tuple[str, str, bytes | str], exchange: Any, routing_key: Any,
                  headers: Mapping[str, Any], properties: Mapping[str, Any],
-                 declare: Sequence[Any] | None, *, fused: bool = True) -> None:
+                 declare: Sequence[Any] | None) -> None:
     """Write the message ``task`` is about to send (its body ``encoded`` by kombu's ``dumps``:
-    content type, content encoding, data) as its key's intent; ``properties``: the keywords of
-    its ``Producer.publish`` (those that are not its arguments are the message's properties).
-
-    Within the Redis publish (``FUSED``) the publish's script writes it, with kombu's own payload
-    as the message (:func:`kombu_redis_head`); else it is an :class:`Envelope` written with
-    ``Store.intend``.
+    content type, content encoding, data) as its key's intent, an :class:`Envelope` written with
+    ``Store.intend``; ``properties``: the keywords of its ``Producer.publish`` (those that are
+    not its arguments are the message's properties). (Within the Redis publish the publish's
+    script writes it instead, with kombu's own payload: ``celery_idem.enqueue_redis``.)
 
     Raises:
         ImproperlyConfigured: The task's store keeps no intents.
@@ -182,16 +179,7 @@ def write_intent(task: Any, encoded: tuple[str, str, bytes | str], exchange: Any
     queue = next((str(q.name) for q in declare or () if isinstance(q, Queue) and q.name), routing)
     task_id = str(headers.get("id") or properties.get("correlation_id") or "")
     conf = settings(task.app)
-    ttl = task.idempotency_config.ttl
-    expires = _epoch(headers.get("expires"))
-    if expires is not None:  # an expired message is discarded by the worker: never re-sent
-        ttl = max(0.001, min(ttl, expires - store.now()))
-    eta = _epoch(headers.get("eta"))
-    key = str(headers[HEADER])
-    take = FUSED.get() if fused else None
-    if take is not None and take(store, key, task_id, queue, kombu_redis_head(queue, exchange_type),
-                                 conf.relay_after, ttl, eta, conf.intent_max_bytes, task.name):
-        return  # written by the publish's own script, the size checked there
+    ttl, eta = intent_times(task, store, headers)
     content_type, encoding, data = encoded
     message = encode_envelope(Envelope(
         body=data if isinstance(data, bytes) else str(data).encode(encoding),
@@ -201,11 +189,16 @@ def write_intent(task: Any, encoded: tuple[str, str, bytes | str], exchange: Any
         routing_key=routing, queue=queue))
     if len(message) > conf.intent_max_bytes:
         raise too_large(task.name, len(message), conf.intent_max_bytes)
-    store.intend(key, task_id, queue, message, relay_after=conf.relay_after, ttl=ttl, eta=eta)
+    store.intend(str(headers[HEADER]), task_id, queue, message, relay_after=conf.relay_after,
+                 ttl=ttl, eta=eta)
 
 
-#: Set by a publish that can write the intent in its own round trip (the enqueue check within
-#: the Redis publish): ``(store, key, task_id, queue, head, relay_after, ttl, eta, max_bytes,
-#: task_name) -> bool``, True when it took the intent to write with the message (``head``, from
-#: :func:`kombu_redis_head`, then kombu's payload), refusing one over ``max_bytes``.
-FUSED: ContextVar[Callable[..., bool] | None] = ContextVar("celery_idem_fused_intent", default=None)
+def intent_times(task: Any, store: Any, headers: Mapping[str, Any]) -> tuple[float, float | None]:
+    """How long the intent of ``task``'s message with ``headers`` is kept (seconds: the task's
+    record TTL, or less when the message expires sooner: an expired message is discarded by
+    the worker, never re-sent), and its eta (epoch seconds, or None)."""
+    ttl = task.idempotency_config.ttl
+    expires = _epoch(headers.get("expires"))
+    if expires is not None:
+        ttl = max(0.001, min(ttl, expires - store.now()))
+    return ttl, _epoch(headers.get("eta"))

@@ -317,12 +317,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         canvas = link or link_error or options.get("chain") or options.get("chord") \
             or options.get("group_id")
 
-        def publish(prod: Any, sent_id: str | None, **extra: Any) -> AsyncResult:
+        def publish(prod: Any, sent_id: str | None, intent_within: bool = False,
+                    **extra: Any) -> AsyncResult:
+            # intent_within: the publish writes the intent itself (the check within the Redis
+            # publish, celery_idem.enqueue_redis), else the producer wrapped here does.
             send = functools.partial(
                 super(IdempotentTask, self).apply_async, args, kwargs, task_id=sent_id,
                 link=link, link_error=link_error, shadow=shadow, headers=headers,
                 **({**options, **extra} if extra else options))
-            if not self.idempotency_config.intent:
+            if intent_within or not self.idempotency_config.intent:
                 return send(producer=prod)
             if prod is not None:  # the store keeps the message (an eager call sends none)
                 return send(producer=intents.IntentProducer(prod, self))

@@ -485,12 +485,13 @@ def _reservation(value: bytes | str) -> Reservation:
 _SAME_SERVER = ("host", "port", "db", "path", "username", "password")
 
 
-def same_server(a: Any, b: Any) -> bool:
-    """Whether redis-py clients ``a`` and ``b`` talk to the same server and database (their
-    connection classes compared by kind: kombu's Redis transport subclasses its own)."""
+def same_server(a: Any, b: Any, *, db: bool = True) -> bool:
+    """Whether redis-py clients ``a`` and ``b`` talk to the same server and, unless ``db`` is
+    False, database (their connection classes compared by kind: kombu's Redis transport
+    subclasses its own)."""
     pa, pb = a.connection_pool, b.connection_pool
     for kind in (redis.SSLConnection, redis.UnixDomainSocketConnection):
         if issubclass(pa.connection_class, kind) != issubclass(pb.connection_class, kind):
             return False  # TLS on one side only, say
     ka, kb = pa.connection_kwargs, pb.connection_kwargs
-    return all(ka.get(name) == kb.get(name) for name in _SAME_SERVER)
+    return all(ka.get(name) == kb.get(name) for name in _SAME_SERVER if db or name != "db")

@@ -166,18 +166,21 @@ def test_a_gevent_worker_killed_mid_body_loses_no_action(
           f"lease ran out")
 
 
+@pytest.mark.parametrize("store_db", [0, 1], ids=["same-db", "other-db"])
 def test_an_intent_written_within_the_publish_re_sends_the_message_as_sent(
-        make_cluster: Callable[..., Cluster], redis_url: str) -> None:
-    """The store on the broker's server and database: the publish's script writes the intent,
-    and it keeps kombu's own payload (no second encoding of the message). A message lost from
-    the queue is re-sent from it unchanged but for its delivery tag, and runs once."""
+        make_cluster: Callable[..., Cluster], redis_url: str, store_db: int) -> None:
+    """The store on the broker's server, on its database or another (Celery's "broker on /0,
+    backend on /1"): the publish's script writes the intent, and it keeps kombu's own payload
+    (no second encoding of the message). A message lost from the queue is re-sent from it
+    unchanged but for its delivery tag, and runs once."""
     import redis
     from kombu.utils.json import loads
 
     from celery_idem.contrib.relay import Relay
     from celery_idem.intents import kombu_redis_head
 
-    cluster = make_cluster(IDEM_RELAY_AFTER=str(RELAY_AFTER),
+    backend = redis_url.rsplit("/", 1)[0] + f"/{store_db}"
+    cluster = make_cluster(IDEM_RELAY_AFTER=str(RELAY_AFTER), IDEM_BACKEND=backend,
                            IDEM_RELAY_INTERVAL=str(RELAY_INTERVAL), IDEM_INTENTS="1")
     queue = cluster.env["IDEM_QUEUE"]
     # The task's enqueue check as for a fresh process: one built for an earlier test's store (a
@@ -188,6 +191,7 @@ def test_an_intent_written_within_the_publish_re_sends_the_message_as_sent(
         # Given N actions enqueued while no worker runs, each intent written in the publish
         results = [tasks.intended.apply_async((f"fused-{i}",), {"hold": 0.01 * i})
                    for i in range(N)]
+        assert tasks.intended._enqueue_check.possible, "the check did not ride on the publish"
         sent = {loads(m)["headers"]["id"]: m for m in broker.lrange(queue, 0, -1)}
         assert len(sent) == N
         intents = {i.task_id: i for i in kept(cluster)}
@@ -221,3 +225,8 @@ def test_an_intent_written_within_the_publish_re_sends_the_message_as_sent(
         assert Counter(a for a, _, _ in effects(cluster)) == dict.fromkeys(actions, 1), worker.text()
     finally:
         broker.close()
+        if store_db:  # the cluster cleans the ledger's database; the store's is another
+            store = redis.Redis.from_url(backend)
+            for name in store.scan_iter(match=cluster.prefix + "*", count=1000):
+                store.delete(name)
+            store.close()

@@ -259,24 +259,35 @@ def test_a_foreign_value_under_the_key_is_reported_and_nothing_is_pushed(prefix:
     app.close()
 
 
-def test_a_broker_on_another_database_reads_first(
+def test_a_broker_on_another_database_checks_within_the_publish(
     prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Celery's common layout: the broker on one database, the backend (and so the store) on
+    # another of the same server. The script selects each key's database.
     app = make_app(prefix, broker_db=DB + 1)
     charge = make_task(app)
+
+    @app.task(shared=False, name="fused.plain")
+    def plain() -> None:
+        return None
+
     key = charge.idempotency_key_for(("o8", 1), {})
     finish(charge, key, "done")
     reads = Reads(charge._gate.store, monkeypatch)
     assert isinstance(charge.delay("o8", 1), CachedResult)
     first = charge.delay("o9", 1)
     assert not isinstance(first, CachedResult)
-    assert reads.keys == [key, charge.idempotency_key_for(("o9", 1), {})]
-    assert not charge._enqueue_check.possible
-    client = redis.Redis.from_url(f"{REDIS_URL}/{DB + 1}")
+    assert reads.keys == []  # both checked within the publish
+    assert charge._enqueue_check.possible
+    plain.delay()  # kombu's own push on the connection the script ran on: the broker's database
+    broker = redis.Redis.from_url(f"{REDIS_URL}/{DB + 1}")
     try:
-        assert client.delete(prefix + "q") == 1
+        assert broker.llen(prefix + "q") == 2  # o9 and plain's; o8 answered, nothing pushed
+        assert queue_length(prefix) == 0  # nothing in the store's database
+        assert broker.exists(charge._gate.store.name_of(key)) == 0
+        assert broker.delete(prefix + "q") == 1
     finally:
-        client.close()
+        broker.close()
     app.close()
 
 
@@ -338,7 +349,7 @@ def test_the_hook_is_on_the_channel_instance_only(prefix: str) -> None:
     charge.delay("o11", 1)
     assert Channel._put is not enqueue_redis._put
     with app.producer_or_acquire() as producer:
-        assert producer.channel._celery_idem_stores[charge._gate.store] is True
+        assert producer.channel._celery_idem_stores[charge._gate.store] == ("0", "1")
         assert producer.channel._put.__func__ is enqueue_redis._put
     app.close()
 
@@ -540,23 +551,24 @@ def _channel(url: str) -> Any:
     return connection, connection.default_channel
 
 
-@pytest.mark.parametrize(("db", "options", "takes"), [
-    (DB, {}, True),
-    (DB + 1, {}, False),  # another database
-    (DB, {"accelerate": False}, False),  # the app's switch off
-    (DB, {"wait_replicas": 1}, False),  # the record waits for replicas: read first
-], ids=["same", "other-db", "accelerate-off", "wait-replicas"])
-def test_only_a_plain_store_on_the_brokers_server_and_database_takes_the_hook(
-    redis_url: str, db: int, options: dict[str, Any], takes: bool
+@pytest.mark.parametrize(("url", "options", "mode"), [
+    (f"{REDIS_URL}/{DB}", {}, ("0", "1")),
+    (f"{REDIS_URL}/{DB + 1}", {}, (f"0 {DB + 1} {DB}", f"1 {DB + 1} {DB}")),  # another database
+    (f"{NOWHERE}/{DB}", {}, None),  # another server
+    (f"{REDIS_URL}/{DB}", {"accelerate": False}, None),  # the app's switch off
+    (f"{REDIS_URL}/{DB}", {"wait_replicas": 1}, None),  # the record waits for replicas: read first
+], ids=["same", "other-db", "other-server", "accelerate-off", "wait-replicas"])
+def test_only_a_plain_store_on_the_brokers_server_takes_the_hook(
+    redis_url: str, url: str, options: dict[str, Any], mode: tuple[str, str] | None
 ) -> None:
     from celery_idem.stores.redis import RedisStore
 
     connection, channel = _channel(f"{REDIS_URL}/{DB}")
-    store = RedisStore.from_url(f"{REDIS_URL}/{db}", prefix="p:", **options)
+    store = RedisStore.from_url(url, prefix="p:", **options)
     try:
-        assert enqueue_redis.fuse(channel, store) is takes
-        assert ("_put" in channel.__dict__) is takes  # the hook only where it is used
-        assert enqueue_redis.fuse(channel, store) is takes  # the verdict is kept
+        assert enqueue_redis.fuse(channel, store) == mode
+        assert ("_put" in channel.__dict__) is (mode is not None)  # the hook only where it is used
+        assert enqueue_redis.fuse(channel, store) == mode  # the verdict is kept
     finally:
         store.close()
         connection.release()
@@ -569,8 +581,8 @@ def test_a_channel_that_is_not_redis_never_takes_the_hook() -> None:
     connection, channel = _channel("memory://")
     store = RedisStore.from_url(f"{NOWHERE}/0", prefix="p:")
     try:
-        assert enqueue_redis.fuse(channel, store) is False
-        assert enqueue_redis.fuse(channel, MemoryStore()) is False
+        assert enqueue_redis.fuse(channel, store) is None
+        assert enqueue_redis.fuse(channel, MemoryStore()) is None
         assert "_put" not in channel.__dict__
     finally:
         store.close()

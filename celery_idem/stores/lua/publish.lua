@@ -3,7 +3,9 @@
 -- KEYS[1]: the broker's queue list; KEYS[2]: the record; KEYS[3]: its reservation (only with
 -- ARGV[2] = '1'). ARGV[1]: the message, as kombu packs it. ARGV[2]: '1' when this enqueue may
 -- attach to an action under way (then ARGV[3] task id, ARGV[4] fingerprint or '', ARGV[5]
--- the reservation's lease in ms), else '0'.
+-- the reservation's lease in ms), else '0'; then, when the store is on another database of the
+-- broker's server, ' <store's db> <broker's db>': the record, the reservation and the intent
+-- are the store's, the queue the broker's (a script's SELECT leaves its connection's alone).
 -- Replies: the record (done, failed, or, when attaching, in progress: not pushed), {the
 -- reservation} (another message's, when attaching: not pushed), false (pushed, and reserved
 -- when attaching), or "check" (not pushed: the value is not a plain record, so the client
@@ -15,11 +17,16 @@
 -- intents.kombu_redis_head; the message kept is the head, then ARGV[1], the payload pushed). The
 -- index's member, the key, is the record's name after the prefix (the index's name is the prefix
 -- and '\31intents', 8 bytes).
+local sdb, bdb
+if #ARGV[2] > 1 then
+  sdb, bdb = string.match(ARGV[2], '^. (%d+) (%d+)$')
+  redis.call('SELECT', sdb)
+end
 local ok, value = pcall(redis.call, 'GET', KEYS[2])
 if not ok then
   return 'check'  -- WRONGTYPE: another program's key under the prefix
 end
-local attach = ARGV[2] == '1'
+local attach = string.byte(ARGV[2], 1) == 49  -- '1'
 local free = true
 if value then
   if string.byte(value, 1) ~= 0xC1 then
@@ -43,7 +50,13 @@ if attach and free then
   end
   redis.call('SET', KEYS[3], ARGV[3] .. '\0' .. ARGV[4], 'PX', ARGV[5])
 end
-redis.call('LPUSH', KEYS[1], ARGV[1])
+if bdb then
+  redis.call('SELECT', bdb)
+  redis.call('LPUSH', KEYS[1], ARGV[1])
+  redis.call('SELECT', sdb)
+else
+  redis.call('LPUSH', KEYS[1], ARGV[1])
+end
 local k, a = 3, 3
 if attach then
   k, a = 4, 6

@@ -305,8 +305,8 @@ RELAY_PARTS: dict[str, tuple[str, str | None]] = {
 
 #: Where an intent enqueue's extra time goes (cProfile, cumulative): label -> (function, caller).
 ENQUEUE_PARTS: dict[str, tuple[str, str | None]] = {
-    "write_intent (all of it)": ("write_intent", None),
-    "encode_envelope (the JSON)": ("encode_envelope", "write_intent"),
+    "intent_of": ("intent_of", "_put"),
+    "intent_spec": ("intent_spec", "_put"),
 }
 
 

@@ -65,13 +65,16 @@ def section(results: dict[str, Any], tables: dict[str, str], args: argparse.Name
             f"{other['ratio']:.2f} in blocks, {other['il_ratio']:.2f} interleaved. The read-first path "
             f"adds a round trip (the intent's own script): {first['ratio']:.2f} in blocks, "
             f"{first['il_ratio']:.2f} interleaved. Under cProfile (500 fused "
-            f"intent enqueues) `write_intent` takes {p['write_intent (all of it)']:.0f} µs of a "
-            f"{p['total']:.0f} µs `delay()`, the envelope's JSON "
-            f"{p['encode_envelope (the JSON)']:.0f} µs of it: on the fused "
-            f"path the script keeps kombu's own payload, the bytes it pushes, after a short head "
-            f"(no second encoding of the message, no second copy of it in the call); the rest "
-            f"of the difference is the script's writes in the server (the intent's string with "
-            f"its expiry, the index) and their argument.\n")
+            f"intent enqueues) `intent_of` takes "
+            f"{p['intent_of']:.0f} µs "
+            f"of a {p['total']:.0f} µs `delay()` (kombu's payload, which the publish encodes "
+            f"either way, then the intent's head, TTL and eta) and `intent_spec` "
+            f"{p['intent_spec']:.0f} µs: on the fused path the "
+            f"publish's hook builds the intent from kombu's message and the script keeps the "
+            f"payload it pushes after a short head (no second encoding of the message, no "
+            f"second copy of it in the call); the rest of the difference is the script's "
+            f"writes in the server (the intent's string with its expiry, the index) and their "
+            f"argument.\n")
     wk = results.get("worker")
     if wk:
         per = {name: sum(v["worker"].values()) / args.tasks for name, v in wk.items()}

@@ -19,6 +19,7 @@ attach with no round trip (docs/benchmarks.md, "In-flight copies").
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 import weakref
 from contextvars import ContextVar
@@ -48,6 +49,8 @@ try:  # the join guard Celery's own result handles use (celery/result.py)
 except ImportError:  # pragma: no cover - a Celery without it: the record is read first
     task_join_will_block = None  # type: ignore[assignment, unused-ignore]
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -70,8 +73,8 @@ class _Pending:
     """The enqueue whose message the hooked ``_put`` checks; ``found`` is what stopped it;
     ``reserve``, when it may attach: (task id, fingerprint or "", reservation lease in ms);
     ``intent``: the task, when the script writes its intent with the message (``conf``, its
-    app's settings); ``mode``: the script's argument saying whether it attaches, without and
-    with the databases to select (``fuse``)."""
+    app's settings; ``taken`` once the hook built it); ``mode``: the script's argument saying
+    whether it attaches, without and with the databases to select (``fuse``)."""
 
     store: RedisStore
     key: str
@@ -80,6 +83,7 @@ class _Pending:
     found: Record | Reservation | None = None
     intent: Any = None
     conf: Any = None
+    taken: bool = False
 
     def intent_of(self, channel: Any, queue: str,
                   message: dict[str, Any]) -> tuple[bytes, bytes, float, float | None]:
@@ -89,7 +93,7 @@ class _Pending:
         Raises:
             IntentTooLarge: With the head, over ``idempotency_intent_max_bytes``.
         """
-        task = self.intent
+        task, self.taken = self.intent, True
         payload: bytes = dumps(message).encode()  # type: ignore[no-untyped-call]
         info = message["properties"].get("delivery_info") or {}
         head = kombu_redis_head(queue, channel.typeof(info.get("exchange") or "").type)
@@ -245,6 +249,11 @@ class WithinPublish(ReadFirst):
             answer = self.answer(req, pending.found, attaching)
             return Answer(answer) if answer is not None else Publish(req.task_id)
         self.saw(False)
+        if pending.intent is not None and not pending.taken:
+            # Sent without kombu's queue push (a fanout exchange): no intent was written.
+            logger.warning("celery_idem: %s's message went out without passing kombu's Redis "
+                           "queue push (a fanout exchange?): no intent was kept for key=%s; a "
+                           "broker that loses it loses the action", task.name, req.key)
         add_to_parent(task, result, req.options)
         if reserving:
             self.published(req, Publish(sent_id, True), result)

@@ -611,3 +611,25 @@ def test_what_undoes_an_unsent_messages_subscription() -> None:
     undo("t-7")
     assert cancelled == ["t-7"]
     backend.client.close()
+
+
+def test_an_intent_sent_through_a_fanout_exchange_is_reported_as_not_kept(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # kombu delivers a fanout exchange's message without the queue push the hook rides on: the
+    # message goes out (the gate still guards it) and the missing intent is said, not hidden.
+    from kombu.common import Broadcast
+
+    app = make_app(prefix, task_queues=(Broadcast(prefix + "bcast"),),
+                   task_routes={"fused.broadcast": {"queue": prefix + "bcast"}})
+
+    @app.task(base=IdempotentTask, shared=False, name="fused.broadcast", idempotency_intent=True)
+    def broadcast(order: str) -> str:
+        return order
+
+    with caplog.at_level("WARNING", logger="celery_idem.enqueue_redis"):
+        result = broadcast.delay("o20")
+    assert broadcast._enqueue_check.possible
+    assert [i for i in broadcast._gate.store.intents(1000) if i.key == result.idempotency_key] == []
+    assert "no intent was kept" in caplog.text and result.idempotency_key in caplog.text
+    app.close()

@@ -299,8 +299,13 @@ def _modes(channel: Any, store: Any) -> tuple[str, str] | None:
     # backend on /1"): the script selects the store's database for the record and the intent
     # and the broker's for the push. A script's SELECT does not change its connection's.
     dbs = [int(c.connection_pool.connection_kwargs.get("db") or 0) for c in (store.client, broker)]
-    selects = "" if dbs[0] == dbs[1] else f" {dbs[0]} {dbs[1]}"
-    return "0" + selects, "1" + selects
+    if dbs[0] == dbs[1]:
+        return "0", "1"
+    try:  # once per channel and store: a server (or a proxy) may refuse a script's SELECT
+        broker.eval("redis.call('SELECT', ARGV[1]) return 1", 0, dbs[0])
+    except redis.RedisError:
+        return None
+    return f"0 {dbs[0]} {dbs[1]}", f"1 {dbs[0]} {dbs[1]}"
 
 
 def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:

@@ -574,6 +574,25 @@ def test_only_a_plain_store_on_the_brokers_server_takes_the_hook(
         connection.release()
 
 
+def test_a_server_that_refuses_a_scripts_select_reads_first(redis_url: str) -> None:
+    # The store on another database needs the script's SELECT: a server (an ACL, a proxy) that
+    # refuses it gets the read first, found once, when the verdict is made.
+    from celery_idem.stores.redis import RedisStore
+    from tests.integration.harness import RedisServer
+
+    server = RedisServer(settings=("--user", "nosel", "on", ">pw", "~*", "&*", "+@all", "-select"))
+    url = f"redis://nosel:pw@127.0.0.1:{server.port}"
+    connection, channel = _channel(f"{url}/0")
+    store = RedisStore.from_url(f"{url}/1", prefix="p:")
+    try:
+        assert enqueue_redis.fuse(channel, store) is None
+        assert "_put" not in channel.__dict__
+    finally:
+        store.close()
+        connection.release()
+        server.cleanup()
+
+
 def test_a_channel_that_is_not_redis_never_takes_the_hook() -> None:
     from celery_idem.stores.memory import MemoryStore
     from celery_idem.stores.redis import RedisStore

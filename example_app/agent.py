@@ -66,24 +66,33 @@ class NaiveTool:
         self.task = task
 
     def start(self, arguments: dict[str, Any]) -> NaivePending:
-        return NaivePending(self.name, self.task.apply_async(kwargs=arguments))
+        # Read before the publish: the task cannot finish before it was sent, so a task that
+        # takes longer than the budget can never look as if it had finished within it.
+        started = time.monotonic()
+        return NaivePending(self.name, self.task.apply_async(kwargs=arguments), started)
 
 
 class NaivePending:
-    """A started naive call: the task id, and no idempotency key."""
+    """A started naive call: the task id, and no idempotency key.
+
+    The budget of :meth:`wait` runs from the call (``started``, taken before the enqueue),
+    not from when ``wait`` is reached: on a busy machine the enqueue itself may return only
+    after the task has finished.
+    """
 
     idempotency_key = None
     answered_at_enqueue = False
 
-    def __init__(self, name: str, result: Any) -> None:
+    def __init__(self, name: str, result: Any, started: float) -> None:
         self.name = name
         self.result = result
         self.task_id: str = result.id
+        self.started = started
 
     def wait(self, timeout: float) -> Outcome:
         base = {"tool": self.name, "task_id": self.task_id, "idempotency_key": None}
         try:
-            value = _result_within(self.result, timeout)
+            value = _result_within(self.result, self.started + timeout)
         except ResultTimeout:
             return {**base, "status": "error", "result": None, "error": "Timeout",
                     "retryable": True, "message": f"{self.name} gave no result within {timeout:g} s"}
@@ -313,18 +322,22 @@ class Agent:
         os.replace(tmp, self.checkpoint)
 
 
-def _result_within(result: Any, timeout: float) -> Any:
-    """``result.get()``, but only if it is ready within ``timeout`` seconds.
+def _result_within(result: Any, deadline: float) -> Any:
+    """``result.get()``, but only if the result was in hand by ``deadline`` (``time.monotonic()``).
 
-    (Celery's Redis backend waits in steps of 1 s whatever ``get(timeout=)`` says, so the
-    deadline is kept here.)
+    Only a poll that returned by the deadline counts: a result first seen after it is late, as
+    for a runtime whose wait has run out, even if this process was merely too busy to look
+    sooner. (Celery's Redis backend waits in steps of 1 s whatever ``get(timeout=)`` says, so
+    the deadline is kept here.)
     """
-    deadline = time.monotonic() + timeout
-    while not result.ready():
-        if time.monotonic() >= deadline:
-            raise ResultTimeout(f"no result within {timeout:g} s")
-        time.sleep(0.05)
-    return result.get(timeout=10, interval=0.05)
+    while True:
+        ready = result.ready()
+        now = time.monotonic()
+        if now > deadline:
+            raise ResultTimeout("no result by the deadline")
+        if ready:
+            return result.get(timeout=10, interval=0.05)
+        time.sleep(min(0.05, deadline - now))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 from celery_idem.contrib.tools import tool
-from example_app.agent import Agent, ScriptedModel, order_details
+from example_app.agent import Agent, NaiveTool, ScriptedModel, order_details
 
 
 class Done:
@@ -125,3 +126,59 @@ def test_an_error_that_is_not_retryable_is_not_called_again() -> None:
     state = Agent(reg, ScriptedModel()).run("ord_e")
     assert len(fakes["charge_card"].calls) == 1 and fakes["create_shipment"].calls == []
     assert "card declined" in state["messages"][-1]["content"]
+
+
+class FinishedResult:
+    """A Celery result that is ready after ``polls`` not-ready polls, each taking ``stall`` s."""
+
+    id = "t-naive"
+
+    def __init__(self, polls: int = 0, stall: float = 0.0) -> None:
+        self.polls, self.stall = polls, stall
+
+    def ready(self) -> bool:
+        _busy(self.stall)  # the process is too busy to look sooner
+        self.polls -= 1
+        return self.polls < 0
+
+    def get(self, timeout: float, interval: float) -> dict[str, str]:
+        return {"id": "ch_1"}
+
+
+class SlowPublish:
+    """A plain task whose ``apply_async`` returns ``publish`` s late, its result ready by then."""
+
+    def __init__(self, result: FinishedResult, publish: float = 0.0) -> None:
+        self.result, self.publish = result, publish
+
+    def apply_async(self, kwargs: dict[str, Any]) -> FinishedResult:
+        _busy(self.publish)
+        return self.result
+
+
+def _busy(seconds: float) -> None:
+    """Take ``seconds`` of wall time, as a loaded machine does (a stand-in, not a wait on anything)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def test_a_naive_call_is_ok_when_its_result_comes_within_the_budget() -> None:
+    pending = NaiveTool("charge_card", SlowPublish(FinishedResult(polls=2))).start({})
+    outcome = pending.wait(5.0)
+    assert outcome["status"] == "ok" and outcome["result"] == {"id": "ch_1"}, outcome
+
+
+def test_a_naive_calls_budget_runs_from_the_enqueue_not_from_the_wait() -> None:
+    # The publish returns after the budget, with the task already done: the wait ran out.
+    pending = NaiveTool("charge_card", SlowPublish(FinishedResult(), publish=0.3)).start({})
+    outcome = pending.wait(0.1)
+    assert outcome["status"] == "error" and outcome["error"] == "Timeout", outcome
+    assert outcome["message"] == "charge_card gave no result within 0.1 s"
+
+
+def test_a_naive_result_first_seen_after_the_deadline_is_late() -> None:
+    # The only poll starts in time but returns after the deadline, with the result there.
+    pending = NaiveTool("charge_card", SlowPublish(FinishedResult(stall=0.3))).start({})
+    outcome = pending.wait(0.1)
+    assert outcome["status"] == "error" and outcome["error"] == "Timeout", outcome

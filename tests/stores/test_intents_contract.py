@@ -115,7 +115,10 @@ def test_reschedule_is_a_compare_and_set_on_the_deadline_and_task_id(store: Stor
     wrong_task = Intent(current.key, "t-other", current.queue, current.message, current.enqueued,
                         current.deadline, current.expires)
     assert not store.reschedule_intent(wrong_task, current.deadline + 1)
-    before = store.now()
+    # Store times are whole milliseconds: a re-send in the first send's millisecond would not
+    # show a later ``sent``.
+    before = poll(store, lambda: (now := store.now()) > read.sent + 0.002 and now,
+                  "the store clock to pass the first send")
     assert store.reschedule_intent(current, before + LONG, resent=True)
     resent = only(store.intents())
     assert resent.sent >= before - 1e-3 and resent.sent > read.sent

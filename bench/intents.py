@@ -5,8 +5,10 @@
   on three paths: the store on the broker's server and database, and on another database of
   that server (either way the intent rides in the publish's script), and read first (the check
   within the publish turned off for the task: the intent is its own round trip, as with another
-  broker or a store on another server). Per block the median µs per call; the ratio on / off is the median of
-  the per-repetition ratios. Nothing consumes the queue.
+  broker or a store on another server). Per block the median µs per call; the ratio on / off
+  is :func:`balanced` over the repetitions (the two orders weigh the same), beside an A/A
+  control: the off task against itself in the same alternating blocks, what the block method
+  resolves on this machine. Nothing consumes the queue.
 * **worker**: store commands per task of a real ``celery worker -P solo`` with intents off and
   on, read with ``MONITOR`` on a private ``redis-server`` holding the store alone (broker and
   backend on the shared Redis under the run's prefix; the commands a script runs inside the
@@ -81,6 +83,27 @@ def _block(task: Any, tag: str, n: int) -> tuple[float, float]:
     return statistics.median(wall) / 1000, statistics.median(cpu) / 1000
 
 
+def balanced(ratios: list[float]) -> float:
+    """The ratio of the second task to the first over repetitions that alternate which block
+    runs first (even repetitions: the first task first): the geometric mean of the two orders'
+    medians, so that neither order counts more when the repetitions are odd in number (a
+    block run second can meet another machine than the first: :func:`_order_control`)."""
+    groups = [g for g in (ratios[0::2], ratios[1::2]) if g]
+    return float(statistics.geometric_mean([statistics.median(g) for g in groups]))
+
+
+def _order_control(task: Any, tag: str, n: int, reps: int) -> dict[str, Any]:
+    """The same task against itself in alternating blocks (an A/A run): the second block's
+    median over the first's per repetition, and the balanced ratio (which should be 1)."""
+    seconds, ratios = [], []
+    for rep in range(reps):
+        a = _block(task, f"{tag}:a:{rep}", n)[0]
+        b = _block(task, f"{tag}:b:{rep}", n)[0]
+        seconds.append(b / a)
+        ratios.append(b / a if rep % 2 == 0 else a / b)  # "b" is the second task, run second on even reps
+    return {"aa_second": seconds, "aa_ratio": balanced(ratios)}
+
+
 def enqueue_cost(redis_url: str, other_db_url: str, prefix: str, n: int, reps: int) -> dict[str, Any]:
     """``delay()`` with intents off and on, fused (store on the broker's db or another db of its
     server) and read first."""
@@ -120,12 +143,14 @@ def enqueue_cost(redis_url: str, other_db_url: str, prefix: str, n: int, reps: i
             prof.disable()
             parts = shares(prof, ENQUEUE_PARTS, "delay")
             ratios = [on[0] / off[0] for on, off in zip(rows["on"], rows["off"], strict=True)]
+            control = {} if out else _order_control(tasks["off"], f"{prefix}enq:{t}:aa", n, reps)
             out[label] = {
+                **control,
                 "off": statistics.median(w for w, _ in rows["off"]),
                 "on": statistics.median(w for w, _ in rows["on"]),
                 "off_cpu": statistics.median(c for _, c in rows["off"]),
                 "on_cpu": statistics.median(c for _, c in rows["on"]),
-                "ratio": statistics.median(ratios), "ratios": ratios,
+                "ratio": balanced(ratios), "ratios": ratios,
                 "il_off": il["off"].median_us, "il_on": il["on"].median_us,
                 "il_off_cpu": il["off"].cpu_us, "il_on_cpu": il["on"].cpu_us,
                 "il_ratio": il["on"].median_us / il["off"].median_us,
@@ -555,7 +580,7 @@ def run(args: argparse.Namespace, emit: Callable[[str, str], None]) -> dict[str,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.intents", description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=2000, help="delay() calls per block (default 2000)")
-    p.add_argument("--reps", type=int, default=5, help="blocks per system and path (default 5)")
+    p.add_argument("--reps", type=int, default=6, help="blocks per system and path (default 6)")
     p.add_argument("--tasks", type=int, default=1000, help="tasks of the worker count (default 1000)")
     p.add_argument("--relay-redis", type=int, default=5000)
     p.add_argument("--relay-pg", type=int, default=2000)

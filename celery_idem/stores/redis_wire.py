@@ -36,7 +36,7 @@ try:
 except ImportError:  # pragma: no cover - hiredis is in the redis extra
     _hiredis_pack = None  # type: ignore[assignment, unused-ignore]
 
-__all__ = ["Wire", "WireScripts", "pack", "wire_for", "wire_scripts"]
+__all__ = ["Wire", "WireScripts", "pack", "wire_for", "wire_on", "wire_scripts"]
 
 
 def _pack_python(args: tuple[Any, ...]) -> bytes:
@@ -159,7 +159,11 @@ def wire_for(client: Any) -> Wire | None:
     """A :class:`Wire` for ``client``, or None when the client needs its own path (see above)."""
     if type(client) is not redis.Redis or getattr(client, "connection", None) is not None:
         return None  # a subclass may override execute_command; single_connection_client
-    pool = client.connection_pool
+    return wire_on(client.connection_pool)
+
+
+def wire_on(pool: Any) -> Wire | None:
+    """A :class:`Wire` on ``pool``, or None when its connections need redis-py's path."""
     if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
         return None  # Sentinel's pool checks the master on checkout
     kwargs = pool.connection_kwargs

@@ -652,3 +652,48 @@ def test_an_intent_sent_through_a_fanout_exchange_is_reported_as_not_kept(
     assert [i for i in broadcast._gate.store.intents(1000) if i.key == result.idempotency_key] == []
     assert "no intent was kept" in caplog.text and result.idempotency_key in caplog.text
     app.close()
+
+
+@pytest.mark.parametrize("options, on_wire", [({}, True), ({"retry_on_timeout": True}, False)],
+                         ids=["wire", "retrying-broker"])
+def test_the_script_runs_on_a_wire_unless_the_brokers_connections_retry(
+    prefix: str, published: list[str], monkeypatch: pytest.MonkeyPatch, options: dict[str, Any],
+    on_wire: bool
+) -> None:
+    # The wire sends one packed command on the broker's own pool; a broker whose connections
+    # retry keeps redis-py's path (its retries), and both push the message under kombu's prefix.
+    app = make_app(prefix, broker_transport_options={"global_keyprefix": prefix, **options})
+    charge = make_task(app)
+    reads = Reads(charge._gate.store, monkeypatch)
+    first, second = charge.delay("o1", 100), charge.delay("o2", 100)
+    assert published == [first.id, second.id] and reads.keys == []
+    assert queue_length(prefix) == 2
+    with app.producer_or_acquire() as producer:
+        kept = producer.channel.__dict__.get(enqueue_redis._WIRE)
+    assert kept is not None and (kept[1] is not None) is on_wire
+    app.close()
+
+
+def test_a_server_without_the_script_gets_it_loaded_on_the_wire() -> None:
+    # A new or restarted server (or SCRIPT FLUSH) answers NOSCRIPT: the script is loaded once
+    # and the push goes through, once.
+    from tests.integration.harness import RedisServer
+
+    server = RedisServer()
+    url = f"redis://127.0.0.1:{server.port}/0"
+    app = Celery("fused-noscript", broker=url, backend=url, set_as_current=False)
+    app.conf.update(idempotency_key_prefix="idem:", task_default_queue="q")
+    charge = make_task(app)
+    client = redis.Redis.from_url(url)
+    try:
+        for order in ("o1", "o2"):
+            client.script_flush()
+            result = charge.delay(order, 100)
+            assert not isinstance(result, CachedResult)
+        assert client.llen("q") == 2
+        with app.producer_or_acquire() as producer:
+            assert producer.channel.__dict__[enqueue_redis._WIRE][1] is not None
+    finally:
+        client.close()
+        app.close()
+        server.cleanup()

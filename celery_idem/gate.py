@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Generic, TypeVar
 
 from .codec import Codec
@@ -82,6 +82,7 @@ def _no_emit(outcome: Outcome, key: str, token: int, original: str, extra: dict[
     return None
 
 
+@dataclass(eq=False)
 class Gate:
     """Runs a body at most once per key, with the store's atomic verbs.
 
@@ -99,26 +100,21 @@ class Gate:
         lease_keeper: Renews the lease while the body runs (default: the process's).
     """
 
+    store: Store
+    config: IdempotencyConfig
+    codec: Codec
+    _: KW_ONLY
+    emit: Emit = _no_emit
+    retry_signals: tuple[type[BaseException], ...] = ()
+    handover_signals: tuple[type[BaseException], ...] = ()
+    interrupts: tuple[type[BaseException], ...] = ()
+    sleep: Callable[[float], None] = time.sleep
+    monotonic: Callable[[], float] = time.monotonic
+    lease_keeper: LeaseKeeper | None = None
+
     #: Poll interval bounds while waiting for a busy key (seconds).
     poll_min = 0.02
     poll_max = 0.5
-
-    def __init__(self, store: Store, config: IdempotencyConfig, codec: Codec, *, emit: Emit = _no_emit,
-                 retry_signals: tuple[type[BaseException], ...] = (),
-                 handover_signals: tuple[type[BaseException], ...] = (),
-                 interrupts: tuple[type[BaseException], ...] = (),
-                 sleep: Callable[[float], None] = time.sleep, monotonic: Callable[[], float] = time.monotonic,
-                 lease_keeper: LeaseKeeper | None = None) -> None:
-        self.store = store
-        self.config = config
-        self.codec = codec
-        self.emit = emit
-        self.retry_signals = retry_signals
-        self.handover_signals = handover_signals
-        self.interrupts = interrupts
-        self.sleep = sleep
-        self.monotonic = monotonic
-        self.lease_keeper = lease_keeper
 
     def run(self, attempt: Attempt, body: Callable[[int], T],
             fold: Callable[[T], BackendWrite | None] | None = None, *, deadline: float | None = None,

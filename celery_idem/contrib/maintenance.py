@@ -19,6 +19,7 @@ or a long transaction, and workers claiming keys meanwhile are not blocked by it
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,9 +59,7 @@ class PurgeReport:
 
     def as_dict(self) -> dict[str, Any]:
         """The report as JSON-ready values (the purge task's result, ``idem purge --json``)."""
-        return {"deleted": self.deleted, "batches": self.batches,
-                "seconds": round(self.seconds, 3), "complete": self.complete,
-                "supported": self.supported}
+        return {**dataclasses.asdict(self), "seconds": round(self.seconds, 3)}
 
 
 def _check_limits(batch: Any, max_seconds: Any) -> None:

@@ -283,11 +283,7 @@ class RedisStore(RedisIntents, Store):
 
     def record(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
                claim_id: str | None = None) -> None:
-        args = _record_args(token, state, content_type, data, ttl, claim_id)
-        with _translate_errors(self, key):
-            reply = self.run_script("record", key, args)
-        if reply != REPLY_OK:
-            raise self._refused(reply, key, token, "record")
+        self._fenced("record", key, token, _record_args(token, state, content_type, data, ttl, claim_id))
 
     def record_with(self, key: str, token: int, *, state: State, content_type: str, data: bytes, ttl: float,
                     also: BackendWrite, claim_id: str | None = None) -> bool:
@@ -315,10 +311,7 @@ class RedisStore(RedisIntents, Store):
         return False
 
     def release(self, key: str, token: int, *, claim_id: str | None = None) -> None:
-        with _translate_errors(self, key):
-            reply = self.run_script("release", key, [token, claim_id or ""])
-        if reply != REPLY_OK:
-            raise self._refused(reply, key, token, "release")
+        self._fenced("release", key, token, [token, claim_id or ""])
 
     def renew(self, key: str, token: int, lease: float, *, claim_id: str | None = None) -> float:
         with _translate_errors(self, key):
@@ -387,10 +380,7 @@ class RedisStore(RedisIntents, Store):
                     yield rec
 
     def forget(self, key: str, token: int) -> None:
-        with _translate_errors(self, key):
-            reply = self.run_script("forget", key, [token])
-        if reply != REPLY_OK:
-            raise self._refused(reply, key, token, "forget")
+        self._fenced("forget", key, token, [token])
 
     def expires_at(self, key: str) -> float | None:
         # PTTL and TIME from the server that holds the key, so the expiry is on its clock.
@@ -430,6 +420,13 @@ class RedisStore(RedisIntents, Store):
         self.client.close()
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _fenced(self, verb: str, key: str, token: int, args: list[Any]) -> None:
+        """Run the script of a fenced ``verb`` (record, release, forget) that replies ``ok``."""
+        with _translate_errors(self, key):
+            reply = self.run_script(verb, key, args)
+        if reply != REPLY_OK:
+            raise self._refused(reply, key, token, verb)
 
     def _refused(self, reply: Any, key: str, token: int, verb: str) -> CorruptRecord | LeaseLost:
         if reply == REPLY_CORRUPT:

@@ -305,7 +305,6 @@ class SQLRecords(SQLIntents):
 
     def _record_params(self, key: str, token: int, state: State, content_type: str, data: bytes,
                        ttl: float, claim_id: str | None) -> list[Any]:
-        """The parameters of :attr:`RecordSQL.record`."""
         if state not in (State.DONE, State.FAILED):
             raise ValueError(f"record() takes DONE or FAILED, not {state}")
         return [state.value, content_type, bytes(data), float(ttl), *self._fence(key, token, claim_id)]

@@ -64,8 +64,7 @@ KEPT_RESULT_BYTES: Final = 64 * 1024
 
 
 class RawSession:
-    """Runs the store's statements on a pooled psycopg 3 connection itself, raising errors as
-    SQLAlchemy would (so ``SQLStore._translate_errors`` maps them as on the plain path)."""
+    """Runs the store's statements on a pooled psycopg 3 connection, raising as SQLAlchemy would."""
 
     def __init__(self, path: PsycopgPath, fairy: Any) -> None:
         self._path = path

@@ -1,6 +1,5 @@
-"""The SQL store itself: :class:`SQLStore`, the contract's verbs as the shared statements of
-:mod:`celery_idem.stores.sql_records` and :mod:`celery_idem.stores.sql_intents` on a SQLAlchemy
-engine (what each costs per dialect: docs/stores.md, "Statements")."""
+"""The SQL store itself, :class:`SQLStore` (what each verb costs per dialect: docs/stores.md,
+"Statements")."""
 
 from __future__ import annotations
 
@@ -58,9 +57,8 @@ class SASession:
 
 
 class SQLStore(SQLRecords):
-    """The idempotency store in a SQL database, through SQLAlchemy Core: the shared statements of
-    :mod:`celery_idem.stores.sql_records` (records) and :mod:`celery_idem.stores.sql_intents`
-    (intents, in tables beside the records table) on its engine.
+    """The idempotency store in a SQL database: the shared statements of the records and the
+    intents (:mod:`celery_idem.stores.sql_records`, ``sql_intents``) on a SQLAlchemy engine.
 
     Args:
         url: ``db+postgresql[+driver]://...``, ``db+mysql[+driver]://...``,
@@ -285,7 +283,6 @@ class SQLStore(SQLRecords):
         return False
 
     def close(self) -> None:
-        """Close the pooled connections. The store must not be used afterwards."""
         self._engine.dispose()
 
     def __repr__(self) -> str:

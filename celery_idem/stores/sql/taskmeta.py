@@ -34,7 +34,6 @@ __all__ = ["TaskMetaWrite", "build_fold"]
 _SUCCESS: Final = "SUCCESS"
 
 
-
 @dataclass(frozen=True)
 class TaskMetaWrite(BackendWrite):
     """Celery's database-backend result row, for :meth:`SQLStore.record_with` to fold.

@@ -2,10 +2,10 @@
 
 The fast twin of :class:`celery_idem.enqueue.ReadFirst` (two round trips). When the broker is
 kombu's Redis transport on the server of a plain :class:`~celery_idem.stores.redis.RedisStore`
-(its database or another: the script selects each key's), a script (``lua/publish.lua``) pushes the message
-only when the record is not done or failed (reserving the key for an enqueue that may attach),
-else hands back what it found: one atomic round trip, 8% of the producer's time per message
-(``python -m bench.accel``).
+(its database or another: the script selects each key's), a script (``lua/publish.lua``) pushes
+the message only when the record is not done or failed (reserving the key for an enqueue that
+may attach), else hands back what it found: one atomic round trip, sent on a wire on the
+broker's pool (docs/benchmarks.md, "Each fast path alone").
 
 The hook is ``_put`` on the channel *instance*, never on kombu's class, and acts only on the
 message whose ``idempotency_key`` header is the key enqueued in this context (its
@@ -43,7 +43,7 @@ from .intents import intent_times, kombu_redis_head, too_large
 from .records import Record, Reservation, State
 from .stores.redis import RESERVED, RedisStore, same_server
 from .stores.redis_intents import INTENT, INTENT_LUA, intent_spec
-from .stores.redis_wire import Wire, pack, wire_on
+from .stores.redis_wire import pack, wire_on
 
 try:  # the join guard Celery's own result handles use (celery/result.py)
     from celery._state import task_join_will_block
@@ -62,10 +62,8 @@ __all__ = ["WithinPublish", "fuse"]
 _LUA = INTENT_LUA + resources.files("celery_idem.stores").joinpath("lua", "publish.lua").read_text("utf-8")
 _SHA = hashlib.sha1(_LUA.encode()).hexdigest()
 _CHECK = b"check"
-#: On a channel: whether it takes the hook, per store checked against it.
-_ATTR = "_celery_idem_stores"
-#: On a channel: (its pool, the wire on that pool or None).
-_WIRE = "_celery_idem_wire"
+#: On a channel: whether it takes the hook, per store checked against it; its pool and wire.
+_ATTR, _WIRE = "_celery_idem_stores", "_celery_idem_wire"
 
 #: The Celery backends whose ``on_task_call`` leaves nothing to undo (by name: no import).
 _NOTHING_TO_UNDO = ("celery.backends.base", "celery.backends.rpc")
@@ -287,8 +285,8 @@ def _modes(channel: Any, store: Any) -> tuple[str, str] | None:
             or not store.accelerated:
         return None
     # Every method the hook calls, as kombu 5.4-5.7 define them.
-    if not all(hasattr(channel, name) for name in ("_get_message_priority", "_q_for_pri", "conn_or_acquire",
-                                                   "pool", "typeof")):
+    names = ("_get_message_priority", "_q_for_pri", "conn_or_acquire", "pool", "typeof")
+    if not all(hasattr(channel, name) for name in names):
         return None
     try:
         broker = channel.client
@@ -353,10 +351,11 @@ def _put(self: Any, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
 
 
 def _evalsha(channel: Any, keys: tuple[str, ...], args: tuple[Any, ...]) -> Any:
-    """Run the script on the broker's connections: on a wire (one packed command, no redis-py
-    client per call: a third of the check's client time), or through kombu's client."""
-    wire = _wire(channel)
-    if wire is None:
+    """Run the script on a wire on the broker's pool (no redis-py client per call), unless it retries."""
+    pool, kept = channel.pool, channel.__dict__.get(_WIRE)
+    if kept is None or kept[0] is not pool:  # kept on the channel while its pool lives
+        kept = channel.__dict__[_WIRE] = (pool, wire_on(pool))
+    if (wire := kept[1]) is None:
         with channel.conn_or_acquire() as client:
             try:
                 return client.evalsha(_SHA, len(keys), *keys, *args)
@@ -370,16 +369,6 @@ def _evalsha(channel: Any, keys: tuple[str, ...], args: tuple[Any, ...]) -> Any:
     except redis.exceptions.NoScriptError:
         wire.call(pack(("SCRIPT", "LOAD", _LUA)))
         return wire.call(packed)
-
-
-def _wire(channel: Any) -> Wire | None:
-    """The wire on ``channel``'s pool (kept on the channel while the pool lives), or None when
-    its connections need redis-py's path (retries, another pool class: ``wire_on``)."""
-    pool = channel.pool
-    kept = channel.__dict__.get(_WIRE)
-    if kept is None or kept[0] is not pool:
-        kept = channel.__dict__[_WIRE] = (pool, wire_on(pool))
-    return kept[1]  # type: ignore[no-any-return]
 
 
 def _put_unless_found(pending: _Pending, put: Any, channel: Any, queue: str,

@@ -189,8 +189,7 @@ def dump_pydantic_arguments(task: Any, args: Sequence[Any],
     dump = getattr(task, "_dump_pydantic_arguments", None)  # Celery >= 5.7
     if dump is None:
         return args, kwargs
-    dumped: tuple[Sequence[Any], Mapping[str, Any]] = dump(args, kwargs)
-    return dumped
+    return dump(args, kwargs)  # type: ignore[no-any-return]
 
 
 def failed_request(args: Sequence[Any]) -> Context | None:

@@ -207,44 +207,33 @@ def bind_arguments(
     """
     plan = _plan(signature)
     if plan is not None and len(args) <= plan[1]:
-        # The common call (named parameters, none positional-only, no *args or **kwargs) bound
-        # by hand: inspect's bind and apply_defaults cost a third of a key's derivation.
+        # By hand for named parameters: inspect's bind costs a third of a key's derivation. A
+        # missing, unknown or repeated argument goes to inspect, which raises the TypeError.
         names, _, defaults = plan
-        out = dict(zip(names, args, strict=False))  # len(args) <= len(names)
-        taken = 0
-        for name in names[len(args):]:
-            if name in kwargs:
-                out[name] = kwargs[name]
-                taken += 1
-            elif name in defaults:
-                out[name] = defaults[name]
-            else:
-                break  # a missing argument: inspect raises the TypeError
-        else:
-            if taken == len(kwargs):  # else an unknown or a repeated name: inspect raises
-                return out
+        rest = names[len(args):]
+        if sum(n in kwargs for n in rest) == len(kwargs) and all(n in kwargs or n in defaults for n in rest):
+            return {**dict(zip(names, args, strict=False)),
+                    **{n: kwargs[n] if n in kwargs else defaults[n] for n in rest}}
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 
 
-#: Per signature (by id, the signature kept so the id stays its own): its parameter names,
-#: how many take a positional argument, and the defaults; None when inspect binds it.
+#: Per signature (by id, the signature kept so the id stays its own): its parameter names, how
+#: many take a positional argument, and the defaults; None when inspect binds it.
 _PLANS: dict[int, tuple[inspect.Signature, tuple[tuple[str, ...], int, dict[str, Any]] | None]] = {}
 
 
 def _plan(signature: inspect.Signature) -> tuple[tuple[str, ...], int, dict[str, Any]] | None:
     kept = _PLANS.get(id(signature))
-    if kept is not None and kept[0] is signature:
-        return kept[1]
-    params = signature.parameters.values()
-    plan = None
-    if all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
-        plan = (tuple(p.name for p in params), sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params),
-                {p.name: p.default for p in params if p.default is not p.empty})
-    if len(_PLANS) < 4096:  # one per task's signature; a program making them by the thousand binds by inspect
-        _PLANS[id(signature)] = (signature, plan)
-    return plan
+    if kept is None or kept[0] is not signature:
+        ps = signature.parameters.values()
+        kept = (signature, (tuple(p.name for p in ps), sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in ps),
+                            {p.name: p.default for p in ps if p.default is not p.empty})
+                if all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in ps) else None)
+        if len(_PLANS) < 4096:  # one per task; signatures made per call are bound by inspect
+            _PLANS[id(signature)] = kept
+    return kept[1]
 
 
 def signature_of(run: Any) -> inspect.Signature | None:

@@ -267,6 +267,16 @@ def limited_attach(self, order_id, marker, hold=0.0, die=False):
     return _limited(self, order_id, marker, hold, die)
 
 
+@app.task(**{**_LIMITED, "idempotency_operation": "revocable_attach", "idempotency_wait": 0,
+             "idempotency_check_on_enqueue": True, "idempotency_lease": 30})
+def revocable_attach(self, order_id, marker, hold=0.0, die=False):
+    """``limited_attach`` without a time limit, whose claim outlives a terminated body for
+    20-30 s (a third of the lease between renewals): on a loaded machine, the revoke, the
+    REVOKED result and the copy's enqueue after it take longer than the 5 s lease's 3 s
+    (tests/integration/test_attach_ended.py)."""
+    return _limited(self, order_id, marker, hold, die)
+
+
 @app.task(**{**_LIMITED, "idempotency_lease": 9}, soft_time_limit=3)
 def limited_soft_redelivered(self, order_id, marker, hold=0.0, die=False):
     """``limited_soft`` with a 9 s lease: the pool notices a SIGKILLed child within about 5 s

@@ -112,7 +112,9 @@ class Worker:
             cmd, cwd=ROOT, env={**os.environ, **env}, stdout=self._fh, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self._wait_ready(60)
+        # Importing the app, forking the pool and connecting: 2-5 s idle, far more on a loaded
+        # 2-core machine that runs several tests' workers at once.
+        self._wait_ready(120)
 
     def _wait_ready(self, timeout: float) -> None:
         """Wait for " ready."; a worker that never gets there is killed, not left consuming."""

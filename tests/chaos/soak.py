@@ -127,7 +127,9 @@ class Killer(threading.Thread):
     def __init__(self, stack: Stack, mean: float, rng: random.Random) -> None:
         super().__init__(daemon=True, name="soak-killer")
         self.stack, self.mean, self.rng = stack, mean, rng
-        self.kills: list[tuple[int, float]] = []
+        #: (pid, time before the kill, time after it): on a loaded machine this thread can be
+        #: descheduled on either side of ``os.kill``, so the kill is known only within the two.
+        self.kills: list[tuple[int, float, float]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -137,11 +139,12 @@ class Killer(threading.Thread):
             if not children:
                 continue
             pid = self.rng.choice(children)
+            before = time.time()
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            self.kills.append((pid, time.time()))
+            self.kills.append((pid, before, time.time()))
 
 
 def build(cfg: Config) -> tuple[Stack, list[Any]]:
@@ -236,9 +239,9 @@ def analyse(stack: Stack, copies: list[Copy], faults: dict[str, str], killer: Ki
     calls = stack.ledger.all_calls()
     for call in calls:
         calls_by_action[call["action"]].append(call)
-    kills_by_pid: dict[int, list[float]] = collections.defaultdict(list)
-    for pid, at in killer.kills:
-        kills_by_pid[pid].append(at)
+    kills_by_pid: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    for pid, start, end in killer.kills:
+        kills_by_pid[pid].append((start, end))
     states: dict[str, list[str]] = collections.defaultdict(list)
     for copy in copies:
         states[copy.action].append(copy.state if copy.task_id else "NOT_SENT")
@@ -253,8 +256,10 @@ def analyse(stack: Stack, copies: list[Copy], faults: dict[str, str], killer: Ki
     report.store_drops = dict(stack.proxy.drops)  # type: ignore[attr-defined]
 
     def killed_between(before: dict[str, Any], call: dict[str, Any]) -> bool:
-        return any(before["at"] - 0.01 <= at <= call["at"]
-                   for at in kills_by_pid.get(before["pid"], ()))
+        # The kill fell somewhere in [start, end]: it explains the replay when that span
+        # meets the span between the two calls.
+        return any(start <= call["at"] and before["at"] - 0.01 <= end
+                   for start, end in kills_by_pid.get(before["pid"], ()))
 
     for action in faults:
         n = effects.get(action, 0)

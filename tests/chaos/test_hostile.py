@@ -23,6 +23,7 @@ from celery_idem import CachedResult, CorruptRecord, IdempotentTask, StoreUnavai
 from celery_idem.stores.redis import RedisStore
 from tests.chaos.support import ChaosRedis, Stack, wait_for
 from tests.integration import app as tasks
+from tests.integration.harness import fanout_subscribed
 
 # Part of the chaos/scale suites: long-running, deselected with -m "not slow".
 pytestmark = pytest.mark.slow
@@ -37,9 +38,17 @@ class EventTap:
         self.events: list[dict[str, Any]] = []
         self._ready = threading.Event()
         self._recv: Any = None
+        self._channel: Any = None
         self._thread = threading.Thread(target=self._run, args=(app,), daemon=True)
         self._thread.start()
         assert self._ready.wait(20), "event receiver did not start"
+        # Consuming is not yet subscribed: an event sent before the PSUBSCRIBE reaches nobody
+        server = redis.Redis.from_url(app.conf.broker_url)
+        try:
+            wait_for(lambda: fanout_subscribed(self._channel, server), timeout=30,
+                     what="the event receiver's subscription")
+        finally:
+            server.close()
 
     def _run(self, app: Any) -> None:
         with app.connection_for_read() as conn:
@@ -47,8 +56,9 @@ class EventTap:
             self._recv = recv
             original = recv.on_consume_ready
 
-            def ready(*args: Any, **kwargs: Any) -> None:
-                original(*args, **kwargs)
+            def ready(conn: Any, channel: Any, *args: Any, **kwargs: Any) -> None:
+                original(conn, channel, *args, **kwargs)
+                self._channel = channel
                 self._ready.set()
 
             recv.on_consume_ready = ready

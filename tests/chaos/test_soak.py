@@ -12,15 +12,22 @@ import pytest
 from tests.conftest import PG_URL, require
 from tests.integration.harness import ROOT
 
-pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow]
+# The soak's own deadline bounds the run; pytest-timeout (300 s by default) must not cut it first.
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.slow, pytest.mark.timeout(900)]
+
+# About 80 s on an idle 2-core machine, over 100 s beside two busy loops. The deadline bounds a
+# hung run and is no speed requirement: copies still pending when it passes count as unresolved
+# and fail the test, so it leaves a loaded machine several times the idle run.
+DEADLINE = 600
 
 
 def test_soak_with_random_faults_runs_nothing_twice_and_loses_nothing() -> None:
     require(PG_URL, 5432, "PostgreSQL")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.chaos.soak", "--actions", "300", "--json",
-         "--timeout", "150"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+         "--timeout", str(DEADLINE)],
+        # past the deadline: the soak's settling (at most 15 s after it) and teardown
+        cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE + 180,
     )
     lines = proc.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), proc.stdout + proc.stderr

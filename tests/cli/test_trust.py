@@ -33,7 +33,7 @@ from celery_idem.codec import encode_error
 from celery_idem.records import State
 from tests.cli.conftest import LONG, Idem, _idem
 from tests.cli.test_purge import _expired_records
-from tests.integration.harness import free_port, wait_for
+from tests.integration.harness import fanout_subscribed, free_port, wait_for
 
 # Every command runs as a `celery` subprocess (about 2 s of imports each): the slow group.
 pytestmark = pytest.mark.slow
@@ -246,8 +246,7 @@ def _operator_events(broker_url: str) -> Iterator[list[dict[str, Any]]]:
     seen: list[dict[str, Any]] = []
     stop = threading.Event()
     client = redis.Redis.from_url(broker_url)
-    bindings = "_kombu.binding.celeryev"
-    before = set(client.smembers(bindings))
+    consuming: list[Any] = []  # the receiver's channel, once it consumes
 
     def listen() -> None:
         deadline = time.monotonic() + 90  # the bound, whatever the test does
@@ -259,15 +258,23 @@ def _operator_events(broker_url: str) -> Iterator[list[dict[str, Any]]]:
         with tasks.app.connection_for_read(broker_url) as conn:
             receiver = tasks.app.events.Receiver(conn, handlers={"idem-operator": seen.append})
             receiver.on_iteration = on_iteration
+            original = receiver.on_consume_ready
+
+            def on_consume_ready(conn: Any, channel: Any, *args: Any, **kwargs: Any) -> None:
+                original(conn, channel, *args, **kwargs)
+                consuming.append(channel)
+
+            receiver.on_consume_ready = on_consume_ready
             with contextlib.suppress(socket.timeout, TimeoutError):
                 receiver.capture(limit=None, timeout=95, wakeup=False)
 
     thread = threading.Thread(target=listen, daemon=True)
     thread.start()
     try:
-        # The receiver's queue is bound before anything is sent
-        wait_for(lambda: set(client.smembers(bindings)) - before, timeout=30,
-                 what="the event receiver's queue")
+        # The receiver is subscribed before anything is sent: each command sends its event
+        # once, and kombu stores the queue's binding before it subscribes to the fanout.
+        wait_for(lambda: consuming and fanout_subscribed(consuming[0], client), timeout=30,
+                 what="the event receiver's subscription")
         yield seen
     finally:
         stop.set()

@@ -260,6 +260,14 @@ def limited_hard(self, order_id, marker, hold=0.0, die=False):
     return _limited(self, order_id, marker, hold, die)
 
 
+@app.task(**{**_LIMITED, "idempotency_lease": 15}, time_limit=3)
+def limited_hard_held(self, order_id, marker, hold=0.0, die=False):
+    """``limited_hard`` with a 15 s lease: a body killed by its limit leaves its claim held for
+    10-15 s (a third of the lease between renewals), time enough on a loaded machine for the pool
+    to replace the child and a duplicate sent after the kill to find the claim still held."""
+    return _limited(self, order_id, marker, hold, die)
+
+
 @app.task(**{**_LIMITED, "idempotency_operation": "limited_attach", "idempotency_wait": 0,
              "idempotency_check_on_enqueue": True}, time_limit=3)
 def limited_attach(self, order_id, marker, hold=0.0, die=False):
@@ -267,10 +275,21 @@ def limited_attach(self, order_id, marker, hold=0.0, die=False):
     return _limited(self, order_id, marker, hold, die)
 
 
-@app.task(**{**_LIMITED, "idempotency_lease": 9}, soft_time_limit=3)
+@app.task(**{**_LIMITED, "idempotency_operation": "revocable_attach", "idempotency_wait": 0,
+             "idempotency_check_on_enqueue": True, "idempotency_lease": 30})
+def revocable_attach(self, order_id, marker, hold=0.0, die=False):
+    """``limited_attach`` without a time limit, whose claim outlives a terminated body for
+    20-30 s (a third of the lease between renewals): on a loaded machine, the revoke, the
+    REVOKED result and the copy's enqueue after it take longer than the 5 s lease's 3 s
+    (tests/integration/test_attach_ended.py)."""
+    return _limited(self, order_id, marker, hold, die)
+
+
+@app.task(**{**_LIMITED, "idempotency_lease": 20}, soft_time_limit=3)
 def limited_soft_redelivered(self, order_id, marker, hold=0.0, die=False):
-    """``limited_soft`` with a 9 s lease: the pool notices a SIGKILLed child within about 5 s
-    and the message comes back then, to a lease still fresh for longer than the limit."""
+    """``limited_soft`` with a 20 s lease: the pool notices a SIGKILLed child within about 5 s
+    on an idle machine (far later on a loaded one) and the message comes back then, to a lease
+    still fresh for longer than the limit."""
     return _limited(self, order_id, marker, hold, die)
 
 

@@ -34,6 +34,28 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
         time.sleep(interval)
 
 
+def fanout_subscribed(channel: Any, server: Any) -> bool:
+    """Whether the Redis server has the pub/sub subscription of a kombu Redis ``channel``.
+
+    An event receiver gets Celery's events through a fanout exchange, which kombu's Redis
+    transport delivers by PUBLISH: only to a subscription in effect when an event is sent. Its
+    queue's binding (``_kombu.binding.celeryev``) is stored, and ``on_consume_ready`` called,
+    before kombu sends the PSUBSCRIBE, on its first poll. So neither says that an event sent
+    now reaches the receiver; the server's client list (``psub`` of the connection kombu
+    subscribed on, found by its address) does. ``server`` is a ``redis.Redis`` of that server.
+    """
+    conn = getattr(channel, "_in_listen", None)  # the connection kombu sent PSUBSCRIBE on
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return False
+    try:
+        host, port = sock.getsockname()[:2]
+    except OSError:  # closed meanwhile
+        return False
+    return any(c.get("addr") == f"{host}:{port}" and int(c.get("psub", 0)) > 0
+               for c in server.client_list())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,7 +112,9 @@ class Worker:
             cmd, cwd=ROOT, env={**os.environ, **env}, stdout=self._fh, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self._wait_ready(60)
+        # Importing the app, forking the pool and connecting: 2-5 s idle, far more on a loaded
+        # 2-core machine that runs several tests' workers at once.
+        self._wait_ready(120)
 
     def _wait_ready(self, timeout: float) -> None:
         """Wait for " ready."; a worker that never gets there is killed, not left consuming."""

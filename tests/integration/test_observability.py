@@ -10,10 +10,11 @@ from collections.abc import Collection
 from typing import Any
 
 import pytest
+import redis
 
 from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
-from tests.integration.harness import ROOT, RedisServer, wait_for
+from tests.integration.harness import ROOT, RedisServer, fanout_subscribed, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -24,9 +25,17 @@ class EventTap:
     def __init__(self, app: Any) -> None:
         self.events: list[dict[str, Any]] = []
         self._ready = threading.Event()
+        self._channel: Any = None
         self._thread = threading.Thread(target=self._run, args=(app,), daemon=True)
         self._thread.start()
         assert self._ready.wait(20), "event receiver did not start"
+        # Consuming is not yet subscribed: an event sent before the PSUBSCRIBE reaches nobody
+        server = redis.Redis.from_url(app.conf.broker_url)
+        try:
+            wait_for(lambda: fanout_subscribed(self._channel, server), timeout=30,
+                     what="the event receiver's subscription")
+        finally:
+            server.close()
 
     def _run(self, app: Any) -> None:
         with app.connection_for_read() as conn:
@@ -34,8 +43,9 @@ class EventTap:
             self._recv = recv
             original = recv.on_consume_ready
 
-            def ready(*args: Any, **kwargs: Any) -> None:
-                original(*args, **kwargs)
+            def ready(conn: Any, channel: Any, *args: Any, **kwargs: Any) -> None:
+                original(conn, channel, *args, **kwargs)
+                self._channel = channel
                 self._ready.set()
 
             recv.on_consume_ready = ready  # type: ignore[method-assign]

@@ -58,11 +58,15 @@ def test_duplicate_delivered_to_the_worker_does_not_run_and_gets_the_cached_resu
 
 def test_concurrent_duplicate_waits_for_the_holder_and_ends_with_its_result(cluster: Cluster) -> None:
     cluster.worker(concurrency=2)
-    holder = tasks.charge.delay("ord_4", 100, hold=1.5)
+    # The holder runs until released (a fixed hold could end before a slow test enqueues the
+    # duplicate, which the record would then answer at enqueue)
+    holder = tasks.charge.delay("ord_4", 100, hold=60)
     wait_for(lambda: cluster.store.get(tasks.charge.idempotency_key_for(("ord_4", 100))),
              what="the holder's claim")
-    dup = tasks.charge.delay("ord_4", 100, hold=1.5)
+    dup = tasks.charge.delay("ord_4", 100, hold=60)
     assert not isinstance(dup, CachedResult)
+    assert not dup.ready()  # it waits: the holder still runs
+    cluster.set_flag("release:ord_4")
     assert dup.get(timeout=30) == holder.get(timeout=30)
     assert len(cluster.effects("charge:ord_4")) == 1
 

@@ -38,7 +38,9 @@ from tests.integration import app as tasks
 from tests.integration.harness import wait_for
 from tests.redis_ha.support import MASTER_NAME, HaStack, LocalCluster, SentinelGroup
 
-pytestmark = [pytest.mark.worker, pytest.mark.crash]
+# The bounded waits below (promotion, rejoin, every result) add up past pytest-timeout's 300 s
+# default on a loaded machine.
+pytestmark = [pytest.mark.worker, pytest.mark.crash, pytest.mark.timeout(900)]
 
 ACTIONS = int(os.environ.get("IDEM_HA_ACTIONS", "30"))
 COPIES = 3
@@ -201,7 +203,10 @@ def test_cluster_master_killed_mid_run_zero_duplicate_effects(
 
 @pytest.fixture
 def sentinel_stack(pg_ledger_url: str) -> Iterator[tuple[HaStack, SentinelGroup]]:
-    group = SentinelGroup()
+    # Sentinels that call a master down after 1 s without a PING reply fail over on their own
+    # when a loaded machine starves a server that long: mid-run, or while the test enqueues its
+    # last copies. 5 s leaves the failover to the test's SIGKILL.
+    group = SentinelGroup(down_after_ms=5000)
     # The store is not configured: it is the Celery result backend, a sentinel:// URL whose
     # master name is in result_backend_transport_options, as Celery users already write it.
     with stack_on(group, pg_ledger_url, "", name="sentinel", backend_url=group.url,
@@ -218,7 +223,8 @@ def test_sentinel_master_killed_mid_run_zero_duplicate_effects(
 
     def kill() -> tuple[float, Callable[[], None]]:
         t = time.monotonic()
-        old, _new = group.fail_over()
+        # a failed election is retried after twice the 10 s failover-timeout
+        old, _new = group.fail_over(timeout=120)
         return time.monotonic() - t, lambda: group.restart(old)
 
     run = run_failover(stack, "sentinel", kill, WAIT_REPLICAS)

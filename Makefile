@@ -117,25 +117,35 @@ COMPAT_DIR    := .compat
 # crash redelivery, enqueue check, result writes, events): a few minutes per version on a shared
 # 2-CPU machine. test_recovery.py times the broker, not the library (and waits ~100 s for the
 # restore scan of kombu < 5.7), so it runs in `make test` only. The tests marked
-# `celery_independent` (SQL and in-process store tests) run on the first version listed only
-# (scripts/compat.sh; COMPAT_EVERY_TEST=1 runs them on all). COMPAT_JOBS=N runs N versions at once.
-COMPAT_JOBS   ?= 1
+# `celery_independent` (SQL and in-process store tests, and the unit tests that read only the
+# package's source or its pure functions) run on the first version listed only (scripts/compat.sh;
+# COMPAT_EVERY_TEST=1 runs them on all). COMPAT_JOBS=N runs N versions at once.
+# COMPAT_WORKERS: pytest-xdist workers per version (--dist loadfile, as `make test`). The
+# integration tests are four fifths of a version's test time and mostly wait on workers, time
+# limits and relay polls (one process used a third of a CPU, on 5.4.0): two workers split its
+# 1,078 s of test time 531 s / 548 s. The three older minors at once (COMPAT_JOBS=3) then take
+# about 10.5 min on 2 CPUs (15 CPU-min of user time: the CPUs are the bound from there).
+# COMPAT_WORKERS=0 runs each version in one process.
+COMPAT_JOBS    ?= 1
+COMPAT_WORKERS ?= 2
 COMPAT_TESTS  ?= tests/unit tests/stores tests/integration \
 	--ignore=tests/integration/test_recovery.py
 minor = $(word 1,$(subst ., ,$(1))).$(word 2,$(subst ., ,$(1)))
 
+# --no-compile, as for test-fast's venv: the tests import a small part of what is installed
+# (7 of 27 s of pip's CPU time for 5.5.3's venv went to compiling the rest).
 $(COMPAT_DIR)/celery-%/.installed: pyproject.toml
 	@test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
-	$(@D)/bin/python -m pip install -q 'celery[redis,sqlalchemy]==$*' 'kombu==$(call minor,$*).*'
+	$(@D)/bin/python -m pip install -q --no-compile 'celery[redis,sqlalchemy]==$*' 'kombu==$(call minor,$*).*'
 	@# second step: pip keeps the redis-py that this kombu allows (one resolve of both backtracks)
-	$(@D)/bin/python -m pip install -q -e '.[redis,sql]' 'psycopg[binary]>=3.1' 'pymysql>=1.1' \
-	    'pytest>=8' 'pytest-timeout>=2.3' 'pydantic>=2'
+	$(@D)/bin/python -m pip install -q --no-compile -e '.[redis,sql]' 'psycopg[binary]>=3.1' 'pymysql>=1.1' \
+	    'pytest>=8' 'pytest-timeout>=2.3' 'pytest-xdist>=3.5' 'pydantic>=2'
 	$(@D)/bin/python -m pip check
 	@touch $@
 
 test-compat: $(foreach v,$(COMPAT_CELERY),$(COMPAT_DIR)/celery-$(v)/.installed)  ## unit, store and worker tests on each supported Celery minor
 	bash scripts/services.sh
-	COMPAT_JOBS=$(COMPAT_JOBS) bash scripts/compat.sh $(COMPAT_DIR) '$(COMPAT_CELERY)' $(COMPAT_TESTS)
+	COMPAT_JOBS=$(COMPAT_JOBS) COMPAT_WORKERS=$(COMPAT_WORKERS) bash scripts/compat.sh $(COMPAT_DIR) '$(COMPAT_CELERY)' $(COMPAT_TESTS)
 
 # Supported Python versions (requires-python >= 3.10) besides the main venv's 3.11: on each,
 # test-fast's selection (FAST_TESTS, FAST_MARKS) and one real-worker smoke test (PYVER_SMOKE, a

@@ -27,6 +27,9 @@ from types import ModuleType
 
 import pytest
 
+# No Celery, kombu or redis-py code runs here: make test-compat runs it on its first Celery only.
+pytestmark = pytest.mark.celery_independent
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "run `python scripts/architecture.py` and commit docs/architecture.md"
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench import cli
+
+# No Celery, kombu or redis-py code runs here: make test-compat runs it on its first Celery only.
+pytestmark = pytest.mark.celery_independent
 
 PAGE = """# Benchmarks
 

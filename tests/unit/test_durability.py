@@ -18,6 +18,9 @@ from celery_idem.exceptions import ImproperlyConfigured, StoreUnavailable
 from celery_idem.stores.base import DurabilityFinding
 from celery_idem.stores.memory import MemoryStore
 
+# No Celery, kombu or redis-py code runs here: make test-compat runs it on its first Celery only.
+pytestmark = pytest.mark.celery_independent
+
 NO_AOF = DurabilityFinding("appendonly", "no", "a restart loses every record",
                            fix="set appendonly yes")
 EVICTS = DurabilityFinding("maxmemory-policy", "allkeys-lru", "memory pressure evicts records",

@@ -29,6 +29,9 @@ import pytest
 from celery_idem import idempotency_key
 from celery_idem.keys import bind_arguments, canonical, canonical_json
 
+# No Celery, kombu or redis-py code runs here: make test-compat runs it on its first Celery only.
+pytestmark = pytest.mark.celery_independent
+
 
 class Color(str, enum.Enum):
     RED = "red"

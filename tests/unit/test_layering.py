@@ -9,6 +9,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+# No Celery, kombu or redis-py code runs here: make test-compat runs it on its first Celery only.
+pytestmark = pytest.mark.celery_independent
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "celery_idem"
 

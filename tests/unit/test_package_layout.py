@@ -5,7 +5,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import celery_idem
+
+# No Celery, kombu or redis-py code runs here: make test-compat runs it on its first Celery only.
+pytestmark = pytest.mark.celery_independent
 
 PACKAGE = Path(celery_idem.__file__).parent
 CONTRIB = PACKAGE / "contrib"

@@ -12,6 +12,9 @@ import pytest
 
 from celery_idem.records import Claim, ClaimStatus, Receipt, Record, Reservation, State
 
+# No Celery, kombu or redis-py code runs here: make test-compat runs it on its first Celery only.
+pytestmark = pytest.mark.celery_independent
+
 
 def test_state_values_are_the_stored_strings() -> None:
     assert [s.value for s in State] == ["in_progress", "done", "failed", "released"]

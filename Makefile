@@ -120,14 +120,14 @@ COMPAT_DIR    := .compat
 # `celery_independent` (SQL and in-process store tests, and the unit tests that read only the
 # package's source or its pure functions) run on the first version listed only (scripts/compat.sh;
 # COMPAT_EVERY_TEST=1 runs them on all). COMPAT_JOBS=N runs N versions at once.
-# COMPAT_WORKERS: pytest-xdist workers per version (--dist loadfile, as `make test`). The
-# integration tests are four fifths of a version's test time and mostly wait on workers, time
-# limits and relay polls (one process used a third of a CPU, on 5.4.0): two workers split its
-# 1,078 s of test time 531 s / 548 s. The three older minors at once (COMPAT_JOBS=3) then take
-# about 10.5 min on 2 CPUs (15 CPU-min of user time: the CPUs are the bound from there).
-# COMPAT_WORKERS=0 runs each version in one process.
+# COMPAT_WORKERS=N runs each version in N pytest-xdist workers (--dist loadfile, as `make test`);
+# 0, the default, in one process. The integration tests are four fifths of a version's test time
+# and mostly wait on workers, time limits and relay polls (one process uses a third of a CPU):
+# two workers split 5.4.0's 1,078 s of test time 531 s / 548 s, and the three older minors at
+# once (COMPAT_JOBS=3) take about 1.5 min less, but the time-limit tests, whose limits are a few
+# seconds, then run on a busier machine.
 COMPAT_JOBS    ?= 1
-COMPAT_WORKERS ?= 2
+COMPAT_WORKERS ?= 0
 COMPAT_TESTS  ?= tests/unit tests/stores tests/integration \
 	--ignore=tests/integration/test_recovery.py
 minor = $(word 1,$(subst ., ,$(1))).$(word 2,$(subst ., ,$(1)))

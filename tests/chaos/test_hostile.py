@@ -23,7 +23,7 @@ from celery_idem import CachedResult, CorruptRecord, IdempotentTask, StoreUnavai
 from celery_idem.stores.redis import RedisStore
 from tests.chaos.support import ChaosRedis, Stack, wait_for
 from tests.integration import app as tasks
-from tests.integration.harness import fanout_subscribed
+from tests.integration.harness import wait_subscribed
 
 # Part of the chaos/scale suites: long-running, deselected with -m "not slow".
 pytestmark = pytest.mark.slow
@@ -43,12 +43,7 @@ class EventTap:
         self._thread.start()
         assert self._ready.wait(20), "event receiver did not start"
         # Consuming is not yet subscribed: an event sent before the PSUBSCRIBE reaches nobody
-        server = redis.Redis.from_url(app.conf.broker_url)
-        try:
-            wait_for(lambda: fanout_subscribed(self._channel, server), timeout=30,
-                     what="the event receiver's subscription")
-        finally:
-            server.close()
+        wait_subscribed(lambda: self._channel, app.conf.broker_url)
 
     def _run(self, app: Any) -> None:
         with app.connection_for_read() as conn:

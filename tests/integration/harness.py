@@ -34,6 +34,19 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
         time.sleep(interval)
 
 
+def wait_subscribed(channel: Callable[[], Any], broker_url: str) -> None:
+    """Wait until the kombu Redis channel ``channel()`` returns is subscribed to its fanout on the
+    server of ``broker_url`` (:func:`fanout_subscribed`): events sent from then on reach it."""
+    import redis
+
+    server = redis.Redis.from_url(broker_url)
+    try:
+        wait_for(lambda: fanout_subscribed(channel(), server), timeout=30,
+                 what="the event receiver's subscription")
+    finally:
+        server.close()
+
+
 def fanout_subscribed(channel: Any, server: Any) -> bool:
     """Whether the Redis server has the pub/sub subscription of a kombu Redis ``channel``.
 

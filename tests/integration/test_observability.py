@@ -10,11 +10,10 @@ from collections.abc import Collection
 from typing import Any
 
 import pytest
-import redis
 
 from tests.integration import app as tasks
 from tests.integration.conftest import Cluster
-from tests.integration.harness import ROOT, RedisServer, fanout_subscribed, wait_for
+from tests.integration.harness import ROOT, RedisServer, wait_for, wait_subscribed
 
 pytestmark = pytest.mark.worker
 
@@ -30,12 +29,7 @@ class EventTap:
         self._thread.start()
         assert self._ready.wait(20), "event receiver did not start"
         # Consuming is not yet subscribed: an event sent before the PSUBSCRIBE reaches nobody
-        server = redis.Redis.from_url(app.conf.broker_url)
-        try:
-            wait_for(lambda: fanout_subscribed(self._channel, server), timeout=30,
-                     what="the event receiver's subscription")
-        finally:
-            server.close()
+        wait_subscribed(lambda: self._channel, app.conf.broker_url)
 
     def _run(self, app: Any) -> None:
         with app.connection_for_read() as conn:
